@@ -1,0 +1,6 @@
+"""Crucible: a fault-tolerant trainer of pipelined, data-parallel replicas over gRPC."""
+
+__version__ = "0.1.0"
+
+# Bumped whenever the wire contract in proto/crucible.proto changes meaning.
+PROTOCOL_VERSION = 1
