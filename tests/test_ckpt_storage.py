@@ -1,0 +1,421 @@
+"""On-disk checkpoint format and commit protocol (crucible.checkpoint.storage)."""
+
+import collections
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from crucible.checkpoint import storage as st
+from crucible.checkpoint.storage import CheckpointCorrupt
+
+torch.set_num_threads(1)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def bits_equal(a, b):
+    """Bitwise equality (NaN payloads included), same dtype and shape."""
+    if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def assert_same(a, b, path="/"):
+    if isinstance(a, torch.Tensor):
+        assert bits_equal(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert a.tobytes() == b.tobytes(), path
+    elif isinstance(a, np.generic):
+        assert type(a) is type(b) and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}{k}/")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}{i}/")
+    elif isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b, path
+    else:
+        assert type(a) is type(b) and a == b, path
+
+
+def sample_state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    f32 = torch.randn(17, 33, generator=g)
+    f32[0, 0] = float("nan")
+    f32[0, 1] = float("-inf")
+    big = torch.randn(64, 48, generator=g)
+    state = {
+        "f32": f32,
+        "bf16": torch.randn(5, 7, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(9, generator=g).half(),
+        "f64": torch.randn(3, 3, generator=g, dtype=torch.float64),
+        "i64": torch.randint(-(2**62), 2**62, (11,), generator=g, dtype=torch.int64),
+        "i32": torch.randint(-1000, 1000, (4, 4), generator=g, dtype=torch.int32),
+        "i8": torch.randint(-128, 127, (13,), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 255, (2, 3, 5), generator=g, dtype=torch.uint8),
+        "bool": torch.rand(10, generator=g) > 0.5,
+        "c64": torch.randn(4, generator=g, dtype=torch.complex64),
+        "scalar0d": torch.tensor(3.25, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 5),
+        "empty_i64": torch.zeros(3, 0, dtype=torch.int64),
+        "transposed": big.t(),
+        "strided": big[::3, 1::2],
+        "expanded": torch.arange(4.0).expand(3, 4),
+        "param": torch.nn.Parameter(torch.randn(3, generator=g)),
+        "rng_cpu": torch.get_rng_state(),
+        "gen_state": g.get_state(),
+        "nested": {
+            0: {"exp_avg": torch.zeros(2), "step": torch.tensor(5.0)},
+            (1, "a"): [1, 2.5, "x", None, True, b"\x00\xffraw", (3, 4)],
+            "big_int": 2**80 + 1,
+            "neg": -7,
+            "nan": float("nan"),
+            "inf": float("inf"),
+            "unicode": "héllo ✓",
+            "empty_list": [],
+            "empty_dict": {},
+            "empty_bytes": b"",
+        },
+        "py_random": (3, tuple(range(10)), None),
+        "np_arr": np.arange(12, dtype=np.uint32).reshape(3, 4),
+        "np_strided": np.arange(24.0).reshape(4, 6)[:, ::2].T,
+        "np_f": np.float32(1.5),
+        "np_i": np.int64(-3),
+        "np_state": np.random.RandomState(7).get_state(),
+        "od": collections.OrderedDict([("z", 1), ("a", 2)]),
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        state["f8"] = torch.randn(6, generator=g).to(torch.float8_e4m3fn)
+    return state
+
+
+def test_round_trip_bitwise(tmp_path):
+    state = sample_state()
+    d = st.tmp_dir(tmp_path, 1)
+    info = st.write_shard(d, "r0s0.shard", state)
+    assert info["name"] == "r0s0.shard"
+    assert info["bytes"] == (d / "r0s0.shard").stat().st_size
+    assert len(info["checksum"]) == 64
+    back = st.read_shard(d / "r0s0.shard", expected_checksum=info["checksum"])
+    expected = dict(state)
+    expected["param"] = state["param"].detach()
+    expected["od"] = dict(state["od"])
+    assert_same(expected, back)
+    for k in ("transposed", "strided", "expanded"):
+        assert back[k].is_contiguous()
+    assert not back["param"].requires_grad
+    # no stray temporary files left behind
+    assert sorted(p.name for p in d.iterdir()) == ["r0s0.shard"]
+
+
+def test_checksum_is_sha256_of_bytes_before_trailer(tmp_path):
+    import hashlib
+
+    info = st.write_shard(tmp_path, "a.shard", {"x": torch.arange(10)})
+    raw = (tmp_path / "a.shard").read_bytes()
+    assert hashlib.sha256(raw[:-40]).hexdigest() == info["checksum"]
+    assert raw[:8] == b"CRUCSHD1" and raw[-40:-32] == b"CRUCEND1"
+
+
+def test_optimizer_state_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    st.write_shard(tmp_path, "s.shard", {"model": model.state_dict(), "opt": opt.state_dict()})
+    back = st.read_shard(tmp_path / "s.shard")
+    model2 = torch.nn.Linear(4, 3)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    model2.load_state_dict(back["model"])
+    opt2.load_state_dict(back["opt"])
+    assert opt2.param_groups[0]["betas"] == (0.9, 0.95)
+    x = torch.randn(2, 4)
+    for m, o in ((model, opt), (model2, opt2)):
+        o.zero_grad()
+        m(x).sum().backward()
+        o.step()
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert bits_equal(a.detach(), b.detach())
+
+
+def test_unsupported_values_rejected(tmp_path):
+    with pytest.raises(TypeError, match="/a/b"):
+        st.write_shard(tmp_path, "x.shard", {"a": {"b": object()}})
+    with pytest.raises(TypeError):
+        st.write_shard(tmp_path, "x.shard", {"a": np.array([object()])})
+    with pytest.raises(ValueError):
+        st.write_shard(tmp_path, "../evil", {})
+    with pytest.raises(ValueError):
+        st.write_shard(tmp_path, "manifest.json", {})
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def make_ckpt(root, step, n_shards=2, extra=None, size=100):
+    d = st.tmp_dir(root, step)
+    shards = [
+        st.write_shard(d, st.shard_name(0, s), {"w": torch.full((size,), float(step * 10 + s)), "step": step})
+        for s in range(n_shards)
+    ]
+    return st.commit(root, step, shards, extra or {})
+
+
+def flip_byte(path, offset):
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+# ------------------------------------------------------------------ commit
+
+
+def test_commit_layout_and_manifest(tmp_path):
+    extra = {
+        "replicas": {"0": {"step": 12, "outer_round": 3}, "1": {"step": 12, "outer_round": 3}},
+        "topology": {"replicas": 2, "stages": 1},
+        "vacant": ["r1s0"],
+        "config_hash": "abc123",
+        "metrics": {"eval_loss": 2.5},
+    }
+    info = make_ckpt(tmp_path, 12, extra=extra)
+    path = pathlib.Path(info.path)
+    assert path == tmp_path / "step_00000012"
+    assert info.step == 12 and info.metrics == {"eval_loss": 2.5}
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "r0s0.shard", "r0s1.shard"]
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["format"] == "crucible-checkpoint" and m["version"] == 1 and m["step"] == 12
+    assert m["checksum"] == "sha256"
+    assert [s["name"] for s in m["shards"]] == ["r0s0.shard", "r0s1.shard"]
+    for k, v in extra.items():
+        assert m[k] == v
+    assert not (tmp_path / ".tmp-step_00000012").exists()
+    assert st.verify(path) == []
+    back = st.load_shard(path, "r0s1.shard")
+    assert back["step"] == 12 and torch.equal(back["w"], torch.full((100,), 121.0))
+
+
+def test_commit_refuses_missing_or_wrong_size_shards(tmp_path):
+    d = st.tmp_dir(tmp_path, 5)
+    a = st.write_shard(d, "r0s0.shard", {"x": torch.ones(3)})
+    ghost = {"name": "r0s1.shard", "bytes": 10, "checksum": "00" * 32}
+    with pytest.raises(CheckpointCorrupt, match="missing"):
+        st.commit(tmp_path, 5, [a, ghost], {})
+    with pytest.raises(CheckpointCorrupt, match="size"):
+        st.commit(tmp_path, 5, [dict(a, bytes=a["bytes"] + 1)], {})
+    with pytest.raises(CheckpointCorrupt):
+        st.commit(tmp_path, 5, [dict(a, checksum="ab" * 32)], {}, verify_checksums=True)
+    with pytest.raises(ValueError, match="reserved"):
+        st.commit(tmp_path, 5, [a], {"step": 7})
+    assert st.list_checkpoints(tmp_path) == []
+    # a stray file of an abandoned writer is not committed
+    (d / ".r0s9.shard.partial-123").write_bytes(b"junk")
+    info = st.commit(tmp_path, 5, [a], {}, verify_checksums=True)
+    assert sorted(os.listdir(info.path)) == ["manifest.json", "r0s0.shard"]
+    # redoing the same commit is idempotent; a different one is refused
+    assert st.commit(tmp_path, 5, [a], {}).path == info.path
+    with pytest.raises(FileExistsError):
+        st.commit(tmp_path, 5, [dict(a, checksum="cd" * 32)], {})
+
+
+def test_tmp_dirs_never_listed_and_cleaned(tmp_path):
+    make_ckpt(tmp_path, 1)
+    d = st.tmp_dir(tmp_path, 2)
+    st.write_shard(d, "r0s0.shard", {"x": torch.ones(2)})
+    (d / "manifest.json").write_text("{}")  # even with a manifest inside, a tmp dir is no checkpoint
+    (tmp_path / "step_00000003").mkdir()  # no manifest: not a checkpoint
+    (tmp_path / ".deleting-step_00000000-1-2").mkdir()
+    assert [c.step for c in st.list_checkpoints(tmp_path)] == [1]
+    removed = st.clean_tmp(tmp_path)
+    assert removed == [".deleting-step_00000000-1-2", ".tmp-step_00000002"]
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000003"]
+    assert st.list_checkpoints(tmp_path / "nope") == []
+    assert st.clean_tmp(tmp_path / "nope") == []
+
+
+def test_delete(tmp_path):
+    a = make_ckpt(tmp_path, 1)
+    make_ckpt(tmp_path, 2)
+    st.delete(a.path)
+    assert [c.step for c in st.list_checkpoints(tmp_path)] == [2]
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002"]
+    with pytest.raises(ValueError):
+        st.delete(tmp_path)
+
+
+def test_set_metrics(tmp_path):
+    info = make_ckpt(tmp_path, 3, extra={"metrics": {"train_loss": 4.0}})
+    st.set_metrics(info.path, {"eval_loss": 1.25})
+    (c,) = st.list_checkpoints(tmp_path)
+    assert c.metrics == {"train_loss": 4.0, "eval_loss": 1.25}
+    assert st.verify(c.path) == []
+
+
+# ------------------------------------------------------------------ corruption
+
+
+@pytest.mark.parametrize("where", ["magic", "header", "data", "trailer", "last"])
+def test_flipped_byte_detected(tmp_path, where):
+    info = make_ckpt(tmp_path, 7, size=1000)
+    shard = pathlib.Path(info.path) / "r0s1.shard"
+    size = shard.stat().st_size
+    offset = {"magic": 2, "header": 30, "data": size - 40 - 500, "trailer": size - 20, "last": size - 1}[where]
+    flip_byte(shard, offset)
+    problems = st.verify(info.path)
+    assert len(problems) == 1 and "r0s1.shard" in problems[0]
+    with pytest.raises(CheckpointCorrupt):
+        st.read_shard(shard)
+    with pytest.raises(CheckpointCorrupt):
+        st.load_shard(info.path, "r0s1.shard")
+    st.read_shard(pathlib.Path(info.path) / "r0s0.shard")  # the other shard is fine
+
+
+def test_data_flip_message_says_checksum(tmp_path):
+    info = make_ckpt(tmp_path, 7, size=1000)
+    shard = pathlib.Path(info.path) / "r0s0.shard"
+    flip_byte(shard, shard.stat().st_size - 100)
+    with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
+        st.read_shard(shard)
+
+
+@pytest.mark.parametrize("keep", [0, 5, 20, 200, -1])
+def test_truncated_shard_detected(tmp_path, keep):
+    info = make_ckpt(tmp_path, 4, size=1000)
+    shard = pathlib.Path(info.path) / "r0s0.shard"
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:keep] if keep >= 0 else raw[:keep])
+    assert st.verify(info.path)
+    with pytest.raises(CheckpointCorrupt):
+        st.read_shard(shard)
+
+
+def test_garbage_file_and_appended_bytes(tmp_path):
+    p = tmp_path / "g.shard"
+    p.write_bytes(os.urandom(5000))
+    with pytest.raises(CheckpointCorrupt, match="bad magic"):
+        st.read_shard(p)
+    info = st.write_shard(tmp_path, "h.shard", {"x": torch.ones(4)})
+    with open(tmp_path / "h.shard", "ab") as f:
+        f.write(b"extra")
+    with pytest.raises(CheckpointCorrupt, match="trailing"):
+        st.read_shard(tmp_path / "h.shard", info["checksum"])
+
+
+def test_valid_but_wrong_shard_detected(tmp_path):
+    a = make_ckpt(tmp_path, 1)
+    b = make_ckpt(tmp_path, 2)
+    # a stale shard from another save, intact in itself
+    os.replace(pathlib.Path(a.path) / "r0s0.shard", pathlib.Path(b.path) / "r0s0.shard")
+    problems = st.verify(b.path)
+    assert len(problems) == 1 and "r0s0.shard" in problems[0]
+    with pytest.raises(CheckpointCorrupt, match="stale"):
+        st.load_shard(b.path, "r0s0.shard")
+
+
+def test_missing_shard_and_garbage_manifest(tmp_path):
+    a = make_ckpt(tmp_path, 1)
+    os.unlink(pathlib.Path(a.path) / "r0s1.shard")
+    assert any("missing" in p for p in st.verify(a.path))
+    b = make_ckpt(tmp_path, 2)
+    (pathlib.Path(b.path) / "manifest.json").write_bytes(b"{not json\x00")
+    assert any("manifest" in p for p in st.verify(b.path))
+    # still listed (it is committed, but damaged), so that it can be reported
+    assert [c.step for c in st.list_checkpoints(tmp_path)] == [1, 2]
+    c = make_ckpt(tmp_path, 3)
+    m = json.loads((pathlib.Path(c.path) / "manifest.json").read_text())
+    m["step"] = 4
+    (pathlib.Path(c.path) / "manifest.json").write_text(json.dumps(m))
+    assert any("step 4" in p for p in st.verify(c.path))
+
+
+def test_latest_valid_falls_back(tmp_path):
+    assert st.latest_valid(tmp_path) is None
+    for s in (10, 20, 30):
+        make_ckpt(tmp_path, s)
+    assert st.latest_valid(tmp_path).step == 30
+    flip_byte(tmp_path / "step_00000030" / "r0s0.shard", 200)
+    assert st.latest_valid(tmp_path).step == 20
+    (tmp_path / "step_00000020" / "manifest.json").write_text("garbage")
+    assert st.latest_valid(tmp_path).step == 10
+    os.unlink(tmp_path / "step_00000010" / "r0s1.shard")
+    assert st.latest_valid(tmp_path) is None
+
+
+# ------------------------------------------------------------------ SIGKILL
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    torch.set_num_threads(1)
+    from crucible.checkpoint import storage as st
+    from crucible.checkpoint.policies import LatestN, select_for_deletion
+    root, step = sys.argv[1], int(sys.argv[2])
+    print("ready", flush=True)
+    while True:
+        d = st.tmp_dir(root, step)
+        shards = [st.write_shard(d, st.shard_name(r, 0), {"w": torch.full((200_000,), float(step)), "r": r, "step": step})
+                  for r in range(3)]
+        st.commit(root, step, shards, {"replicas": {"0": {"step": step}}})
+        for c in select_for_deletion(st.list_checkpoints(root), LatestN(3), 0.0):
+            st.delete(c.path)
+        step += 1
+    """
+)
+
+
+def test_sigkill_leaves_only_verifiable_checkpoints(tmp_path):
+    seed = int(os.environ.get("CRUCIBLE_TEST_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    next_step = 1
+    kills = 0
+    for _ in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), str(next_step)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env=env,
+            cwd=str(ROOT),
+        )
+        try:
+            assert proc.stdout.readline().strip() == b"ready", proc.stderr.read().decode()
+            time.sleep(rng.uniform(0.05, 0.6))
+            assert proc.poll() is None, proc.stderr.read().decode()
+            os.killpg(proc.pid, signal.SIGKILL)
+            kills += 1
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+        listed = st.list_checkpoints(tmp_path)
+        for c in listed:
+            assert st.verify(c.path) == [], f"seed={seed}: {c.path}"
+            assert not os.path.basename(c.path).startswith(".")
+        st.clean_tmp(tmp_path)
+        assert all(n.startswith("step_") for n in os.listdir(tmp_path)), f"seed={seed}"
+        assert st.list_checkpoints(tmp_path) == listed
+        latest = st.latest_valid(tmp_path)
+        if latest is not None:
+            assert st.load_shard(latest.path, "r2s0.shard")["step"] == latest.step
+            next_step = latest.step + 1
+    assert kills == 3
