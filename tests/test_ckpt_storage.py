@@ -76,6 +76,7 @@ def sample_state(seed=0):
         "empty_i64": torch.zeros(3, 0, dtype=torch.int64),
         "transposed": big.t(),
         "strided": big[::3, 1::2],
+        "row_slice": big[2:4],  # contiguous view at a storage offset
         "expanded": torch.arange(4.0).expand(3, 4),
         "param": torch.nn.Parameter(torch.randn(3, generator=g)),
         "rng_cpu": torch.get_rng_state(),
@@ -318,6 +319,39 @@ def test_garbage_file_and_appended_bytes(tmp_path):
         f.write(b"extra")
     with pytest.raises(CheckpointCorrupt, match="trailing"):
         st.read_shard(tmp_path / "h.shard", info["checksum"])
+
+
+def test_hostile_header_with_valid_checksum_is_rejected(tmp_path):
+    """A self-consistent file (right trailer) whose header lies is still refused."""
+    import hashlib
+    import struct
+
+    def forge(header):
+        h = json.dumps(header).encode()
+        body = b"CRUCSHD1" + struct.pack("<Q", len(h)) + h
+        body += b"\0" * (-len(body) % 64) + b"\0" * header["data_bytes"]
+        p = tmp_path / "forged.shard"
+        p.write_bytes(body + b"CRUCEND1" + hashlib.sha256(body).digest())
+        return p
+
+    base = {"format": "crucible-shard", "version": 1, "data_bytes": 64}
+    bad_trees = [
+        {"blobs": [], "tree": {"$tensor": 0}},
+        {"blobs": [{"kind": "tensor", "dtype": "float32", "shape": [100], "offset": 0, "nbytes": 400}], "tree": {"$tensor": 0}},
+        {"blobs": [{"kind": "tensor", "dtype": "__class__", "shape": [1], "offset": 0, "nbytes": 4}], "tree": {"$tensor": 0}},
+        {"blobs": [{"kind": "tensor", "dtype": "float32", "shape": [3], "offset": 0, "nbytes": 4}], "tree": {"$tensor": 0}},
+        {"blobs": [{"kind": "ndarray", "dtype": "|O", "shape": [1], "offset": 0, "nbytes": 8}], "tree": {"$ndarray": 0}},
+        {"blobs": [], "tree": {"$pickle": "x"}},
+        {"blobs": [], "tree": [1, 2]},
+        {"blobs": [], "tree": {"$dict": [[[1], 2]]}},
+        {"blobs": [], "tree": json.loads("[" * 600 + "]" * 600)},
+    ]
+    for extra in bad_trees:
+        with pytest.raises(CheckpointCorrupt):
+            st.read_shard(forge({**base, **extra}))
+    ok = forge({**base, "blobs": [{"kind": "tensor", "dtype": "int32", "shape": [2], "offset": 8, "nbytes": 8}],
+                "tree": {"$dict": [["x", {"$tensor": 0}]]}})
+    assert torch.equal(st.read_shard(ok)["x"], torch.zeros(2, dtype=torch.int32))
 
 
 def test_valid_but_wrong_shard_detected(tmp_path):

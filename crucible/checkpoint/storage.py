@@ -456,8 +456,8 @@ def _read_prefix_header(f, size: int, where: str) -> tuple[dict, int]:
     raw = f.read(hlen)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointCorrupt(f"{where}: garbage header ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointCorrupt(f"{where}: garbage header ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict) or header.get("format") != "crucible-shard":
         raise CheckpointCorrupt(f"{where}: header is not a crucible shard header")
     if header.get("version") != FORMAT_VERSION:
@@ -515,7 +515,10 @@ def read_shard(path: str | os.PathLike, expected_checksum: str | None = None) ->
         del mv
     _check_digest(where, hashlib.sha256(buf).digest(), trailer, expected_checksum)
     dec = _Decoder(header, buf, data_start, where)
-    state = dec.decode(header["tree"])
+    try:
+        state = dec.decode(header["tree"])
+    except RecursionError:
+        raise CheckpointCorrupt(f"{where}: malformed header: state tree nested too deeply") from None
     if not isinstance(state, dict):
         raise CheckpointCorrupt(f"{where}: top level of the state is not a dict")
     return state
