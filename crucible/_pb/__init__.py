@@ -1,0 +1,1 @@
+"""Generated from proto/crucible.proto; do not edit."""

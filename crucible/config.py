@@ -1,0 +1,308 @@
+"""The job's configuration: one dataclass tree, loaded from TOML plus ``key=value``
+overrides, validated once at start.
+
+The coordinator is the single source of the configuration: it loads and
+validates it, and hands it to every worker at registration as JSON
+(``Config.to_dict`` / ``Config.from_dict``). This module never imports torch.
+
+Errors name the bad key and, where one is close, the valid key that was
+probably meant::
+
+    ConfigError: unknown key 'train.setps' (did you mean 'train.steps'?)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message names it."""
+
+
+@dataclass
+class JobConfig:
+    replicas: int = 2          # data-parallel replicas (R)
+    stages: int = 4            # pipeline stages per replica (S)
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 8           # transformer blocks in all, split over the stages
+    n_head: int = 4
+    d_model: int = 128
+    vocab_size: int = 256      # byte-level tokens
+    # A user model: "module:function" called as function(stage, n_stages, cfg)
+    # returning the nn.Module of that stage (see README, "Bring your own model").
+    builder: str = ""
+    # Keep the residual stream in a fixed rank-r subspace (for the subspace
+    # activation codec); 0 = off.
+    subspace_rank: int = 0
+
+
+@dataclass
+class DataConfig:
+    # "" = the built-in corpus (this Python's standard library sources); else a
+    # text file, a folder of text files, or a uint16 token .bin file.
+    path: str = ""
+    eval_fraction: float = 0.02   # tail of the corpus held out for evaluation
+    max_bytes: int = 64 << 20     # cap on the built-in corpus
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16        # sequences per replica per step
+    microbatches: int = 4       # M; batch_size must divide by it
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0      # global norm across the stages; 0 = off
+    eval_every: int = 50        # steps between held-out evaluations; 0 = off
+    eval_batches: int = 2
+    seed: int = 1337
+    schedule: str = "1f1b"      # "1f1b" or "gpipe"
+
+
+@dataclass
+class OuterConfig:
+    mode: str = "sparseloco"    # sparseloco | diloco | none
+    H: int = 30                 # inner steps per outer round
+    lr: float = 1.0             # outer learning rate alpha
+    beta: float = 0.95          # error-feedback decay
+    momentum: float = 0.9       # diloco Nesterov momentum
+    chunk: int = 4096
+    k: int = 64
+    value_bits: int = 2
+    clip: str = "median"        # median | none
+    deadline_s: float = 30.0
+
+
+@dataclass
+class CompressConfig:
+    forward: str = "none"       # none | bf16 | int8 | int4 | subspace
+    backward: str = "none"
+
+
+@dataclass
+class CheckpointConfig:
+    enable_checkpointing: bool = True
+    async_checkpointing: bool = True
+    enable_continuous_checkpointing: bool = True
+    checkpoint_period: int = 100     # steps; ignored while continuous is on
+    max_num_checkpoints_to_keep: int = 10
+    minimum_interval_secs: float = 30.0
+    preserve: str = ""               # extra preservation policy spec
+
+
+@dataclass
+class FaultConfig:
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 2.0
+    on_stage_failure: str = "skip"   # skip | wait | restart
+    rpc_timeout: float = 10.0        # data-plane wait before a probe
+
+
+@dataclass
+class NetConfig:
+    bind: str = "127.0.0.1"
+    advertise: str = ""
+    token: str = ""                  # normally from CRUCIBLE_TOKEN
+    max_message_mb: int = 64
+    link_mbps: float = 0.0           # simulated link rate for the data plane; 0 = off
+
+
+@dataclass
+class DebugConfig:
+    dump_grads_step: int = -1        # write each stage's gradients at this step (tests)
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    net: NetConfig = field(default_factory=NetConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    # ---- construction -------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | None = None, overrides: list[str] | dict | None = None) -> "Config":
+        cfg = cls()
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    tree = tomllib.load(f)
+            except (OSError, tomllib.TOMLDecodeError) as e:
+                raise ConfigError(f"cannot read config file {path}: {e}") from None
+            cfg.apply_tree(tree)
+        if overrides:
+            items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides]
+            for key, value in items:
+                cfg.set(key, value)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_dict(cls, tree: dict) -> "Config":
+        cfg = cls()
+        cfg.apply_tree(tree)
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def digest(self) -> str:
+        """A short hash of the configuration, recorded in checkpoint manifests."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def apply_tree(self, tree: dict) -> None:
+        if not isinstance(tree, dict):
+            raise ConfigError("configuration must be a table of sections")
+        for section, values in tree.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"'{section}' must be a section ([{section}]), got a value")
+            for key, value in values.items():
+                self.set(f"{section}.{key}", value)
+
+    def set(self, dotted: str, value: Any) -> None:
+        section_name, _, key = dotted.partition(".")
+        if not key:
+            raise ConfigError(f"key '{dotted}' must look like section.key{_suggest(dotted, all_keys())}")
+        section = getattr(self, section_name, None) if section_name in _sections() else None
+        if section is None or key not in {f.name for f in dataclasses.fields(section)}:
+            raise ConfigError(f"unknown key '{dotted}'{_suggest(dotted, all_keys())}")
+        ftype = {f.name: f.type for f in dataclasses.fields(section)}[key]
+        setattr(section, key, _coerce(dotted, ftype, value))
+
+    # ---- validation -----------------------------------------------------
+
+    def validate(self) -> None:
+        def need(ok: bool, key: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"bad value for '{key}': {msg} (got {self.get(key)!r})")
+
+        need(self.job.replicas >= 1, "job.replicas", "must be >= 1")
+        need(self.job.stages >= 1, "job.stages", "must be >= 1")
+        need(self.model.d_model >= 1, "model.d_model", "must be >= 1")
+        need(self.model.n_head >= 1 and self.model.d_model % self.model.n_head == 0,
+             "model.n_head", "must divide model.d_model")
+        if not self.model.builder:
+            need(self.model.n_layer >= self.job.stages, "model.n_layer",
+                 f"needs at least one block per stage ({self.job.stages} stages)")
+        need(1 <= self.model.vocab_size <= 65536, "model.vocab_size", "must be in 1..65536")
+        need(0 <= self.model.subspace_rank <= self.model.d_model, "model.subspace_rank", "must be in 0..d_model")
+        need(0.0 < self.data.eval_fraction < 0.5, "data.eval_fraction", "must be in (0, 0.5)")
+        need(self.train.steps >= 0, "train.steps", "must be >= 0")
+        need(self.train.microbatches >= 1, "train.microbatches", "must be >= 1")
+        need(self.train.batch_size >= 1 and self.train.batch_size % self.train.microbatches == 0,
+             "train.batch_size", "must be a positive multiple of train.microbatches")
+        need(self.train.seq_len >= 1, "train.seq_len", "must be >= 1")
+        need(self.train.lr > 0, "train.lr", "must be > 0")
+        need(0 <= self.train.min_lr <= self.train.lr, "train.min_lr", "must be in [0, train.lr]")
+        need(self.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        need(self.train.grad_clip >= 0, "train.grad_clip", "must be >= 0")
+        need(self.train.eval_every >= 0, "train.eval_every", "must be >= 0")
+        need(self.train.schedule in ("1f1b", "gpipe"), "train.schedule", "must be 1f1b or gpipe")
+        need(self.outer.mode in ("sparseloco", "diloco", "none"), "outer.mode", "must be sparseloco, diloco or none")
+        need(self.outer.H >= 1, "outer.H", "must be >= 1")
+        need(1 <= self.outer.chunk <= 4096, "outer.chunk", "must be in 1..4096 (12-bit indices)")
+        need(1 <= self.outer.k <= self.outer.chunk, "outer.k", "must be in 1..outer.chunk")
+        need(self.outer.value_bits in (2, 8, 32), "outer.value_bits", "must be 2, 8 or 32")
+        need(self.outer.clip in ("median", "none"), "outer.clip", "must be median or none")
+        need(self.outer.deadline_s > 0, "outer.deadline_s", "must be > 0")
+        need(self.checkpoint.max_num_checkpoints_to_keep >= 1, "checkpoint.max_num_checkpoints_to_keep", "must be >= 1")
+        need(self.checkpoint.minimum_interval_secs >= 0, "checkpoint.minimum_interval_secs", "must be >= 0")
+        need(self.checkpoint.checkpoint_period >= 1, "checkpoint.checkpoint_period", "must be >= 1")
+        need(self.fault.heartbeat_interval > 0, "fault.heartbeat_interval", "must be > 0")
+        need(self.fault.heartbeat_timeout > self.fault.heartbeat_interval, "fault.heartbeat_timeout",
+             "must exceed fault.heartbeat_interval")
+        need(self.fault.on_stage_failure in ("skip", "wait", "restart"), "fault.on_stage_failure",
+             "must be skip, wait or restart")
+        need(self.fault.rpc_timeout > 0, "fault.rpc_timeout", "must be > 0")
+        need(1 <= self.net.max_message_mb <= 1024, "net.max_message_mb", "must be in 1..1024")
+        need(self.net.link_mbps >= 0, "net.link_mbps", "must be >= 0")
+
+    def get(self, dotted: str) -> Any:
+        section, _, key = dotted.partition(".")
+        return getattr(getattr(self, section), key)
+
+
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+def all_keys() -> list[str]:
+    cfg = Config()
+    return [f"{s}.{f.name}" for s in _sections() for f in dataclasses.fields(getattr(cfg, s))]
+
+
+def _suggest(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if not close:
+        # A key that is right but in the wrong section: match on the last part.
+        tail = key.rpartition(".")[2]
+        close = [c for c in candidates if c.rpartition(".")[2] == tail][:1]
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _split_override(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    return key.strip(), value.strip()
+
+
+def _coerce(key: str, ftype: Any, value: Any) -> Any:
+    tname = ftype if isinstance(ftype, str) else getattr(ftype, "__name__", str(ftype))
+    try:
+        if tname == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if tname == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError
+                return int(value)
+            return int(value)
+        if tname == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            out = float(value)
+            if out != out or out in (float("inf"), float("-inf")):
+                raise ValueError
+            return out
+        if tname == "str":
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"bad value for '{key}': expected {tname}, got {value!r}") from None
+    raise ConfigError(f"'{key}' has an unsupported type {tname}")

@@ -1,0 +1,149 @@
+"""Byte-level token data.
+
+Sources (``data.path``):
+
+* ``""`` (default): the Python standard library's own ``.py`` sources on this
+  machine (found with ``sysconfig``), in sorted path order, capped at
+  ``data.max_bytes``: a corpus every machine with Python already has.
+* a text file, or a folder of text files (read recursively, sorted): bytes.
+* a ``.bin`` file of little-endian uint16 tokens (the nanoGPT convention).
+
+The last ``data.eval_fraction`` of the tokens is held out for evaluation. The
+training part is cut into R contiguous shards, one per replica. A shard is cut
+into windows of ``seq_len + 1`` tokens; each pass over the shard visits the
+windows in a permutation drawn from (seed, replica, pass). The cursor (windows
+consumed) is the reader's whole state, so the batch of step s is a pure
+function of (seed, replica, s) and a resumed reader yields exactly what it
+would have.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import numpy as np
+import torch
+
+
+def _stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        out.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+    return sorted(out, key=lambda p: os.path.relpath(p, root))
+
+
+def _text_files(folder: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        out.extend(os.path.join(dirpath, f) for f in filenames if not f.startswith("."))
+    return sorted(out)
+
+
+def _read_files(paths: list[str], max_bytes: int) -> np.ndarray:
+    parts, total = [], 0
+    for p in paths:
+        try:
+            with open(p, "rb") as f:
+                b = f.read()
+        except OSError:
+            continue
+        parts.append(b)
+        total += len(b)
+        if total >= max_bytes:
+            break
+    return np.frombuffer(b"".join(parts)[:max_bytes], dtype=np.uint8)
+
+
+def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
+    """All tokens of the corpus, as uint8 (bytes) or uint16 (.bin)."""
+    if not path:
+        toks = _read_files(_stdlib_files(), max_bytes)
+    elif os.path.isdir(path):
+        toks = _read_files(_text_files(path), max_bytes)
+    elif path.endswith(".bin"):
+        toks = np.fromfile(path, dtype="<u2")
+        if toks.size and int(toks.max()) >= vocab_size:
+            raise ValueError(f"data.path {path}: token {int(toks.max())} >= model.vocab_size {vocab_size}")
+    elif os.path.isfile(path):
+        toks = _read_files([path], max_bytes)
+    else:
+        raise ValueError(f"data.path {path!r}: no such file or folder")
+    if toks.dtype == np.uint8 and vocab_size < 256 and toks.size and int(toks.max()) >= vocab_size:
+        raise ValueError(f"data.path: byte tokens need model.vocab_size >= 256 (is {vocab_size})")
+    return toks
+
+
+class ShardReader:
+    """Batches of one replica's shard; its state is the cursor."""
+
+    def __init__(self, tokens: np.ndarray, replica: int, replicas: int, seq_len: int, seed: int):
+        n = len(tokens)
+        lo, hi = n * replica // replicas, n * (replica + 1) // replicas
+        self.tokens = tokens[lo:hi]
+        self.window = seq_len + 1
+        self.n_windows = len(self.tokens) // self.window
+        if self.n_windows < 1:
+            raise ValueError(f"replica {replica}'s shard has {len(self.tokens)} tokens, fewer than seq_len+1")
+        self.replica, self.seed, self.seq_len = replica, seed, seq_len
+        self.cursor = 0
+        self._perm_pass, self._perm = -1, None
+
+    def _window_index(self, i: int) -> int:
+        p, j = divmod(i, self.n_windows)
+        if p != self._perm_pass:
+            rng = np.random.Generator(np.random.PCG64([self.seed, self.replica, p]))
+            self._perm, self._perm_pass = rng.permutation(self.n_windows), p
+        return int(self._perm[j])
+
+    def batch_at(self, cursor: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = []
+        for i in range(cursor, cursor + batch_size):
+            w = self._window_index(i)
+            rows.append(self.tokens[w * self.window:(w + 1) * self.window])
+        arr = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return arr[:, :-1].contiguous(), arr[:, 1:].contiguous()
+
+    def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.batch_at(self.cursor, batch_size)
+        self.cursor += batch_size
+        return out
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor, "replica": self.replica, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("replica") != self.replica or state.get("seed") != self.seed:
+            raise ValueError(f"data state is for replica {state.get('replica')} seed {state.get('seed')}, "
+                             f"this reader is replica {self.replica} seed {self.seed}")
+        self.cursor = int(state["cursor"])
+
+
+def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int):
+    """Fixed held-out batches: evenly spaced windows of the evaluation split."""
+    w = seq_len + 1
+    n_windows = len(tokens) // w
+    want = batch_size * n_batches
+    if n_windows < 1:
+        raise ValueError("held-out split is shorter than one sequence")
+    idx = np.linspace(0, n_windows - 1, num=want).astype(np.int64)
+    arr = torch.from_numpy(np.stack([tokens[i * w:(i + 1) * w] for i in idx]).astype(np.int64))
+    x, y = arr[:, :-1].contiguous(), arr[:, 1:].contiguous()
+    return [(x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]) for i in range(n_batches)]
+
+
+class Corpus:
+    """The corpus split into training and held-out tokens."""
+
+    def __init__(self, cfg):
+        toks = load_tokens(cfg.data.path, cfg.data.max_bytes, cfg.model.vocab_size)
+        n_eval = max(int(len(toks) * cfg.data.eval_fraction), cfg.train.seq_len + 1)
+        if len(toks) < 2 * n_eval:
+            raise ValueError(f"corpus has {len(toks)} tokens: too small for seq_len {cfg.train.seq_len}")
+        self.train, self.eval = toks[:-n_eval], toks[-n_eval:]
+
+    def reader(self, cfg, replica: int) -> ShardReader:
+        return ShardReader(self.train, replica, cfg.job.replicas, cfg.train.seq_len, cfg.train.seed)

@@ -1,0 +1,219 @@
+"""gRPC plumbing shared by the coordinator and the workers (no torch here).
+
+* Every server checks the shared token (``x-crucible-token`` metadata) in an
+  interceptor: a call without the right token gets UNAUTHENTICATED before any
+  handler runs.
+* Handlers are registered with raw-bytes deserializers and parse their request
+  themselves, so that a request that is not a valid protobuf gets
+  INVALID_ARGUMENT (grpc's own deserializer would answer INTERNAL).
+* Handler exceptions are mapped to statuses (``RpcFault`` carries its own code,
+  ``ValueError`` is INVALID_ARGUMENT, anything else INTERNAL, logged): a bad
+  request never surfaces as UNKNOWN and never takes the process down.
+* Message size limits are set on both ends.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+from concurrent import futures
+from typing import Any, Callable, Iterator
+
+import grpc
+from google.protobuf.message import DecodeError
+
+log = logging.getLogger("crucible.rpc")
+
+TOKEN_KEY = "x-crucible-token"
+TOKEN_ENV = "CRUCIBLE_TOKEN"
+
+
+class BadRequest(ValueError):
+    """A streamed request that is not a valid protobuf message."""
+
+
+class RpcFault(Exception):
+    """Raised by a handler to answer with a specific status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def read_token(run_dir: str | None = None) -> str:
+    """The shared token: $CRUCIBLE_TOKEN, else run_dir/token (written 0600 by launch)."""
+    tok = os.environ.get(TOKEN_ENV, "")
+    if tok:
+        return tok
+    if run_dir:
+        try:
+            with open(os.path.join(run_dir, "token")) as f:
+                return f.read().strip()
+        except OSError:
+            pass
+    return ""
+
+
+def write_token(run_dir: str, token: str) -> str:
+    path = os.path.join(run_dir, "token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+def metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return ((TOKEN_KEY, token),)
+
+
+def channel_options(max_mb: int) -> list[tuple[str, Any]]:
+    n = max_mb << 20
+    return [
+        ("grpc.max_send_message_length", n),
+        ("grpc.max_receive_message_length", n),
+        ("grpc.enable_retries", 0),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def make_channel(address: str, max_mb: int = 64) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=channel_options(max_mb))
+
+
+class _TokenInterceptor(grpc.ServerInterceptor):
+    def __init__(self, token: str):
+        self._token = token.encode()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None:
+            return None
+        supplied = ""
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_KEY:
+                supplied = value
+        if self._token and hmac.compare_digest(supplied.encode(), self._token):
+            return handler
+        log.warning("refused %s: missing or wrong token", details.method)
+
+        def deny(request_or_iterator, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-crucible-token")
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def _parse(cls, raw: bytes, context, method: str):
+    try:
+        msg = cls.FromString(raw)
+    except (DecodeError, RuntimeWarning, ValueError, TypeError) as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: request is not a valid {cls.__name__}: {e}")
+    return msg
+
+
+def _fail(context, method: str, exc: BaseException):
+    if isinstance(exc, RpcFault):
+        context.abort(exc.code, exc.message)
+    if isinstance(exc, ValueError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {exc}")
+    log.exception("%s failed", method)
+    context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error: {type(exc).__name__}: {exc}")
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # context.abort() raises a bare Exception after recording the status.
+    return type(exc) is Exception
+
+
+def unary(method: str, request_cls, reply_cls, fn: Callable):
+    def handle(raw, context):
+        req = _parse(request_cls, raw, context, method)
+        try:
+            return fn(req, context)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            if _is_abort(e):
+                raise
+            _fail(context, method, e)
+
+    return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=None,
+                                               response_serializer=reply_cls.SerializeToString)
+
+
+def unary_stream(method: str, request_cls, reply_cls, fn: Callable):
+    def handle(raw, context):
+        req = _parse(request_cls, raw, context, method)
+        try:
+            yield from fn(req, context)
+        except Exception as e:  # noqa: BLE001
+            if _is_abort(e):
+                raise
+            _fail(context, method, e)
+
+    return grpc.unary_stream_rpc_method_handler(handle, request_deserializer=None,
+                                                response_serializer=reply_cls.SerializeToString)
+
+
+def stream_stream(method: str, request_cls, reply_cls, fn: Callable):
+    def handle(raw_iter, context):
+        # Requests may be consumed on another thread (a stream reader), where
+        # context.abort() cannot be called: a bad message raises BadRequest and
+        # the handler turns it into INVALID_ARGUMENT on its own thread.
+        def parsed() -> Iterator:
+            for raw in raw_iter:
+                try:
+                    yield request_cls.FromString(raw)
+                except (DecodeError, RuntimeWarning, ValueError, TypeError) as e:
+                    raise BadRequest(f"{method}: message is not a valid {request_cls.__name__}: {e}") from None
+
+        try:
+            yield from fn(parsed(), context)
+        except Exception as e:  # noqa: BLE001
+            if _is_abort(e):
+                raise
+            _fail(context, method, e)
+
+    return grpc.stream_stream_rpc_method_handler(handle, request_deserializer=None,
+                                                 response_serializer=reply_cls.SerializeToString)
+
+
+def make_server(service: str, handlers: dict, token: str, bind: str, max_workers: int,
+                max_mb: int = 64) -> tuple[grpc.Server, int]:
+    """Start a server for `service` (full name, e.g. crucible.v1.Stage) on `bind`
+    (host:port; port 0 picks a free one). Returns (server, port)."""
+    if not token:
+        raise ValueError("no token: set CRUCIBLE_TOKEN")
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service.rpartition(".")[2]),
+        interceptors=[_TokenInterceptor(token)],
+        options=channel_options(max_mb) + [("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=max_workers * 4,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise OSError(f"cannot bind {bind}")
+    server.start()
+    return server, port
+
+
+def split_hostport(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {addr!r} must be host:port")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,85 @@
+"""`crucible status`: the job at a glance, from the coordinator (no torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import grpc
+
+from crucible import rpc
+from crucible._pb import crucible_pb2 as pb
+from crucible._pb import crucible_pb2_grpc as pbg
+
+
+class StatusClient:
+    def __init__(self, address: str, token: str):
+        self.channel = rpc.make_channel(address)
+        self.stub = pbg.CoordinatorStub(self.channel)
+        self.md = rpc.metadata(token)
+
+    def get(self, timeout: float = 3.0) -> dict | None:
+        try:
+            return json.loads(self.stub.Status(pb.StatusRequest(), metadata=self.md, timeout=timeout).json)
+        except grpc.RpcError:
+            return None
+
+
+def resolve(run_dir: str | None, coordinator: str | None) -> tuple[str, str]:
+    if coordinator:
+        return coordinator, rpc.read_token(run_dir)
+    path = os.path.join(run_dir, "coordinator.addr")
+    try:
+        with open(path) as f:
+            return f.read().strip(), rpc.read_token(run_dir)
+    except OSError:
+        raise SystemExit(f"no coordinator address in {path}: is a job running there?") from None
+
+
+def _fmt(v, spec=".3f", none="-"):
+    return none if v is None else format(v, spec)
+
+
+def format_progress(st: dict) -> str:
+    parts = []
+    for r in st["replicas"]:
+        tps = r.get("tokens_per_s")
+        parts.append(f"r{r['id']} {r['state'][:5]} step {r['step']}/{st['steps_target']} "
+                     f"loss {_fmt(r['loss'])} {_fmt(tps, '.0f')} tok/s")
+    return " | ".join(parts)
+
+
+def format_table(st: dict) -> str:
+    lines = [f"run {st['run_dir']}  epoch {st['epoch']:#x}  elapsed {st['elapsed_s']:.0f}s  "
+             f"latest checkpoint step {_fmt(st['checkpoint']['latest_committed_step'], 'd')}"]
+    lines.append(f"{'replica':>7} {'state':>9} {'step':>7} {'loss':>7} {'eval':>7} {'tok/s':>8}  route")
+    for r in st["replicas"]:
+        lines.append(f"{r['id']:>7} {r['state']:>9} {r['step']:>7} {_fmt(r['loss']):>7} {_fmt(r.get('eval_loss')):>7} "
+                     f"{_fmt(r.get('tokens_per_s'), '.0f'):>8}  {' -> '.join(map(str, r['route']))}")
+    lines.append(f"{'worker':>7} {'state':>9} {'pid':>7}  address")
+    for w in st["workers"]:
+        lines.append(f"{'r%ds%d' % (w['replica'], w['stage']):>7} {w['state']:>9} {_fmt(w['pid'], 'd'):>7}  "
+                     f"{w['address'] or '-'}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    addr, token = resolve(args.run_dir, args.coordinator)
+    client = StatusClient(addr, token)
+    while True:
+        st = client.get()
+        if st is None:
+            print(f"coordinator at {addr} does not answer", file=sys.stderr)
+            if not args.watch:
+                return 1
+        elif args.json:
+            print(json.dumps(st, indent=None if args.watch else 2), flush=True)
+        else:
+            if args.watch and sys.stdout.isatty():
+                print("\033[2J\033[H", end="")
+            print(format_table(st), flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(1.0)

@@ -1,0 +1,81 @@
+"""Tensors on the wire: torch.Tensor <-> crucible.v1.Tensor, with validation.
+
+Every incoming tensor is checked against its declared dtype, shape and byte
+count, and against the shape the receiver expects, before any byte of it is
+used: a mismatch raises ``WireError`` (a ValueError; the RPC layer answers
+INVALID_ARGUMENT). Nothing is ever silently reshaped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from crucible._pb import crucible_pb2 as pb
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "uint16": torch.uint16,
+}
+NAMES = {v: k for k, v in DTYPES.items()}
+MAX_DIMS = 8
+
+
+class WireError(ValueError):
+    """An incoming tensor does not match what it declares or what is expected."""
+
+
+def to_wire(t: torch.Tensor, codec=None) -> pb.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    raw = t.numel() * t.element_size()
+    if codec is not None:
+        return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=codec.encode(t),
+                         codec=codec.name, raw_nbytes=raw)
+    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=data, raw_nbytes=raw)
+
+
+def from_wire(msg: pb.Tensor, expect_dtype: torch.dtype, expect_shape: tuple[int, ...],
+              what: str = "tensor", codec=None) -> torch.Tensor:
+    """Decode and validate; returns a fresh, writable, contiguous tensor."""
+    if msg.dtype not in DTYPES:
+        raise WireError(f"{what}: unknown dtype {msg.dtype!r}")
+    dtype = DTYPES[msg.dtype]
+    if dtype != expect_dtype:
+        raise WireError(f"{what}: dtype {msg.dtype}, expected {NAMES[expect_dtype]}")
+    shape = tuple(int(d) for d in msg.shape)
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise WireError(f"{what}: invalid shape {list(shape)}")
+    if shape != tuple(expect_shape):
+        raise WireError(f"{what}: shape {list(shape)}, expected {list(expect_shape)}")
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if msg.codec:
+        if codec is None or msg.codec != codec.name:
+            raise WireError(f"{what}: codec {msg.codec!r}, this boundary uses {getattr(codec, 'name', 'none')!r}")
+        try:
+            t = codec.decode(msg.data, shape)
+        except ValueError as e:
+            raise WireError(f"{what}: payload does not decode: {e}") from None
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise WireError(f"{what}: decoded to {NAMES.get(t.dtype)} {list(t.shape)}")
+        return t
+    if codec is not None and codec.name != "none":
+        raise WireError(f"{what}: raw payload, this boundary uses codec {codec.name!r}")
+    if len(msg.data) != nbytes:
+        raise WireError(f"{what}: {len(msg.data)} bytes for {msg.dtype} {list(shape)} (needs {nbytes})")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(shape)
+
+
+def wire_nbytes(msg: pb.Tensor) -> int:
+    return len(msg.data)

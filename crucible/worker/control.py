@@ -1,0 +1,123 @@
+"""The worker's side of the control plane: register, heartbeat, route watch, reports.
+
+Heartbeats come from a dedicated thread, so a worker busy in a long forward
+pass still counts as alive. Events (committed steps, timings, evals) are
+buffered and sent in batches by the same thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Callable
+
+import grpc
+
+from crucible import PROTOCOL_VERSION, rpc
+from crucible._pb import crucible_pb2 as pb
+from crucible._pb import crucible_pb2_grpc as pbg
+
+log = logging.getLogger("crucible.control")
+
+
+class ControlClient:
+    def __init__(self, address: str, token: str, max_mb: int = 64):
+        self.address = address
+        self.md = rpc.metadata(token)
+        self.channel = rpc.make_channel(address, max_mb)
+        self.stub = pbg.CoordinatorStub(self.channel)
+        self.worker_id = ""
+        self.events: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.state = "alive"
+        self.step = 0
+        self.epoch = 0
+
+    def register(self, replica: int, stage: int, address: str, deadline_s: float = 60.0) -> pb.RegisterReply:
+        req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage,
+                                 address=address, pid=os.getpid(), host=socket.gethostname())
+        delay, t_end = 0.1, time.monotonic() + deadline_s
+        while True:
+            try:
+                reply = self.stub.Register(req, metadata=self.md, timeout=10)
+                self.worker_id = reply.worker_id
+                return reply
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        and time.monotonic() < t_end:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
+                raise
+
+    def report(self, event: dict) -> None:
+        event.setdefault("time", time.time())
+        self.events.put(json.dumps(event, separators=(",", ":")))
+
+    def flush(self) -> None:
+        batch = []
+        while len(batch) < 500:
+            try:
+                batch.append(self.events.get_nowait())
+            except queue.Empty:
+                break
+        if not batch:
+            return
+        try:
+            self.stub.Report(pb.ReportRequest(worker_id=self.worker_id, events_json=batch),
+                             metadata=self.md, timeout=5)
+        except grpc.RpcError as e:
+            log.warning("report failed (%s); %d events kept for later", e.code().name, len(batch))
+            for item in batch:
+                self.events.put(item)
+
+    def heartbeat_loop(self, interval: float, on_command: Callable[[str], None]) -> None:
+        while not self.stop.is_set():
+            t0 = time.monotonic()
+            try:
+                reply = self.stub.Heartbeat(
+                    pb.HeartbeatRequest(worker_id=self.worker_id, epoch=self.epoch, step=self.step, state=self.state),
+                    metadata=self.md, timeout=max(interval * 2, 1.0))
+                if reply.command:
+                    on_command(reply.command)
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                    on_command("evicted:" + (e.details() or ""))
+                else:
+                    log.debug("heartbeat failed: %s", e.code().name)
+            self.flush()
+            self.stop.wait(max(0.0, interval - (time.monotonic() - t0)))
+
+    def watch_loop(self, on_update: Callable[[pb.RouteUpdate], None]) -> None:
+        delay = 0.1
+        while not self.stop.is_set():
+            try:
+                for update in self.stub.WatchRoutes(pb.WatchRequest(worker_id=self.worker_id), metadata=self.md):
+                    on_update(update)
+                    delay = 0.1
+                    if self.stop.is_set():
+                        return
+            except grpc.RpcError as e:
+                if self.stop.is_set():
+                    return
+                log.debug("route watch broke: %s", e.code().name)
+            self.stop.wait(delay)
+            delay = min(delay * 2, 2.0)
+
+    def close(self, final_state: str = "") -> None:
+        """Stop the threads; flush events; tell the coordinator we are done (if we are)."""
+        self.stop.set()
+        self.flush()
+        if final_state and self.worker_id:
+            self.state = final_state
+            try:
+                self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, epoch=self.epoch, step=self.step,
+                                                        state=final_state), metadata=self.md, timeout=2)
+            except grpc.RpcError:
+                pass
+        self.channel.close()

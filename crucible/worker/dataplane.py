@@ -1,0 +1,265 @@
+"""The data plane: one bidirectional gRPC stream per stage boundary.
+
+The upstream stage is the client. It opens ``Pipe`` on its successor in the
+route, sends ``HELLO(src, epoch)``, then FORWARD / EVAL / COMMIT frames; the
+downstream stage answers on the same stream with BACKWARD / EVAL_RESULT
+frames. Frames are FIFO in each direction, which is what makes the schedule
+and the commit protocol simple: a COMMIT for step s always arrives after every
+FORWARD of step s and before any FORWARD of step s+1.
+
+Incoming frames are checked on the stream's reader thread, before anything is
+queued for the compute thread: the sender must be this worker's predecessor
+in the current route and carry the route's epoch (a lower epoch gets
+FAILED_PRECONDITION); tensors must match their declared and expected dtype,
+shape and byte count (INVALID_ARGUMENT). A bad stream is closed with that
+status; the worker and every other stream go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+import torch
+
+from crucible import rpc
+from crucible._pb import crucible_pb2 as pb
+from crucible._pb import crucible_pb2_grpc as pbg
+from crucible.wire import WireError, from_wire
+
+log = logging.getLogger("crucible.dataplane")
+
+SERVICE = "crucible.v1.Stage"
+K = pb.Frame
+
+
+@dataclass
+class Event:
+    """Something for the compute thread: a frame from a neighbour, or a notice."""
+    src: str                       # "up" | "down" | "notice"
+    kind: int = -1
+    step: int = -1
+    micro: int = -1
+    epoch: int = 0
+    x: torch.Tensor | None = None  # decoded activations or gradient
+    targets: torch.Tensor | None = None
+    targets_msg: Any = None        # the wire form, forwarded as is
+    loss: float = 0.0
+    grad_sumsq: float = 0.0
+    clip_coef: float = 1.0
+    sent_at: float = 0.0
+    recv_at: float = 0.0
+    decode_s: float = 0.0
+    nbytes: int = 0
+    raw_nbytes: int = 0
+    note: str = ""                 # for notices: "down_closed", "down_error", ...
+
+
+class Throttle:
+    """Token bucket that holds a stream to `mbps` megabits per second (0 = off)."""
+
+    def __init__(self, mbps: float):
+        self.rate = mbps * 1e6 / 8 if mbps > 0 else 0.0
+        self.t = time.monotonic()
+
+    def wait(self, nbytes: int) -> None:
+        if not self.rate:
+            return
+        now = time.monotonic()
+        self.t = max(self.t, now) + nbytes / self.rate
+        if self.t > now:
+            time.sleep(self.t - now)
+
+
+class StageService:
+    """Serves Pipe and Probe for one worker. `rt` is the worker's runtime, which
+    provides: replica, stage, route_epoch(), predecessor(), expected shapes,
+    codecs, inbox, and wait_for_epoch()."""
+
+    def __init__(self, rt):
+        self.rt = rt
+
+    def handlers(self) -> dict:
+        return {
+            "Pipe": rpc.stream_stream("Pipe", pb.Frame, pb.Frame, self.Pipe),
+            "Probe": rpc.unary("Probe", pb.ProbeRequest, pb.ProbeReply, self.Probe),
+        }
+
+    def Probe(self, req, context):
+        rt = self.rt
+        return pb.ProbeReply(replica=rt.replica, stage=rt.stage, epoch=rt.route_epoch(), step=rt.step)
+
+    def Pipe(self, frames, context):
+        out: queue.Queue = queue.Queue()
+        stream = UpstreamStream(out)
+        peer = context.peer()
+        threading.Thread(target=self._read, args=(frames, stream, peer), daemon=True,
+                         name="pipe-reader").start()
+        while True:
+            item = out.get()
+            if item is None:
+                return
+            if isinstance(item, tuple):
+                code, msg = item
+                log.warning("closing upstream stream from %s: %s %s", peer, code.name, msg)
+                context.abort(code, msg)
+            yield item
+
+    def _read(self, frames, stream: "UpstreamStream", peer: str) -> None:
+        rt = self.rt
+        try:
+            if rt.cfg is None:
+                raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "worker is still registering")
+            hello = next(frames, None)
+            if hello is None:
+                return
+            if hello.kind != K.HELLO:
+                # Validate the tensor anyway: a malformed tensor is INVALID_ARGUMENT
+                # whatever else is wrong with the frame.
+                self.decode(hello)
+                raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, "first frame on a Pipe must be HELLO")
+            self.check_sender(hello)
+            stream.epoch = hello.epoch
+            rt.attach_upstream(stream)
+            for f in frames:
+                ev = self.decode(f)
+                if f.kind == K.HELLO:
+                    raise ValueError("HELLO sent twice on one stream")
+                if f.epoch != stream.epoch:
+                    raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"frame epoch {f.epoch:#x} differs from the stream's {stream.epoch:#x}")
+                if stream.epoch != rt.route_epoch():
+                    continue  # a stale stream: the route moved on; drop its frames
+                rt.inbox.put(ev)
+        except rpc.RpcFault as e:
+            stream.out.put((e.code, e.message))
+        except ValueError as e:  # WireError, BadRequest, bad fields
+            stream.out.put((grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+        except grpc.RpcError:
+            pass  # the peer went away
+        except Exception as e:  # noqa: BLE001 - never let a stream take the worker down
+            log.exception("upstream stream from %s failed", peer)
+            stream.out.put((grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
+        finally:
+            if rt.detach_upstream(stream):
+                rt.inbox.put(Event("notice", note="up_closed"))
+            stream.out.put(None)
+
+    def check_sender(self, hello) -> None:
+        rt = self.rt
+        if hello.src_replica != rt.replica:
+            raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
+                               f"stream from replica {hello.src_replica}; this is replica {rt.replica}")
+        epoch = rt.route_epoch()
+        if hello.epoch > epoch:
+            epoch = rt.wait_for_epoch(hello.epoch, timeout=2.0)
+        if hello.epoch < epoch:
+            raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"stale epoch {hello.epoch:#x}; the route is at {epoch:#x}")
+        if hello.epoch > epoch:
+            raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"epoch {hello.epoch:#x} is ahead of this worker's {epoch:#x}")
+        pred = rt.predecessor()
+        if pred is None or hello.src_stage != pred:
+            raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
+                               f"stage {hello.src_stage} is not this stage's predecessor ({pred}) in the route")
+
+    def decode(self, f) -> Event:
+        """Validate one upstream frame and decode its tensors."""
+        rt = self.rt
+        ev = Event("up", kind=f.kind, step=f.step, micro=f.micro, epoch=f.epoch, sent_at=f.sent_at,
+                   recv_at=time.monotonic(), clip_coef=f.clip_coef)
+        if f.kind in (K.FORWARD, K.EVAL):
+            if not 0 <= f.micro < rt.micro_count(f.kind):
+                raise WireError(f"micro {f.micro} out of range")
+            if f.step < 0:
+                raise WireError(f"step {f.step} < 0")
+            t0 = time.perf_counter()
+            ev.x = from_wire(f.tensor, torch.float32, rt.act_shape(), "activations", codec=rt.fwd_codec)
+            ev.targets = from_wire(f.targets, torch.int64, rt.act_shape()[:2], "targets")
+            ev.decode_s = time.perf_counter() - t0
+            ev.targets_msg = f.targets
+            ev.nbytes = len(f.tensor.data) + len(f.targets.data)
+            ev.raw_nbytes = f.tensor.raw_nbytes + f.targets.raw_nbytes
+        elif f.kind == K.COMMIT:
+            if f.step < 0 or not (0.0 <= f.clip_coef <= 1.0):
+                raise WireError(f"COMMIT step {f.step} coef {f.clip_coef} out of range")
+        elif f.kind == K.HELLO:
+            pass
+        else:
+            raise WireError(f"frame kind {f.kind} does not travel downstream")
+        return ev
+
+
+class UpstreamStream:
+    """The server side of one Pipe: frames to send back upstream go to `out`."""
+
+    def __init__(self, out: queue.Queue):
+        self.out = out
+        self.epoch = 0
+
+    def send(self, frame) -> None:
+        frame.sent_at = time.monotonic()
+        self.out.put(frame)
+
+
+class Downstream:
+    """The client side of one Pipe, to this stage's successor in the route."""
+
+    def __init__(self, address: str, hello, token: str, max_mb: int, link_mbps: float,
+                 on_event: Callable[[Event], None], decode_down: Callable[[Any], Event]):
+        self.address = address
+        self.q: queue.Queue = queue.Queue()
+        self.throttle = Throttle(link_mbps)
+        self.on_event, self.decode_down = on_event, decode_down
+        self.channel = rpc.make_channel(address, max_mb)
+        self.closed = False
+        self.q.put(hello)
+        stub = pbg.StageStub(self.channel)
+        self.call = stub.Pipe(self._requests(), metadata=rpc.metadata(token))
+        self.reader = threading.Thread(target=self._read, daemon=True, name="down-reader")
+        self.reader.start()
+
+    def send(self, frame) -> None:
+        self.q.put(frame)
+
+    def _requests(self):
+        while True:
+            f = self.q.get()
+            if f is None:
+                return
+            if f.kind in (K.FORWARD, K.EVAL):
+                self.throttle.wait(len(f.tensor.data) + len(f.targets.data))
+            f.sent_at = time.monotonic()
+            yield f
+
+    def _read(self) -> None:
+        try:
+            for f in self.call:
+                try:
+                    ev = self.decode_down(f)
+                except ValueError as e:
+                    self.on_event(Event("notice", note="down_error", epoch=f.epoch,
+                                        kind=-1, loss=0.0, step=-1, micro=-1, x=None))
+                    log.error("bad frame from downstream %s: %s", self.address, e)
+                    self.call.cancel()
+                    return
+                self.on_event(ev)
+            self.on_event(Event("notice", note="down_closed"))
+        except grpc.RpcError as e:
+            if not self.closed:
+                log.warning("downstream %s: %s %s", self.address, e.code().name, e.details())
+                self.on_event(Event("notice", note="down_error"))
+
+    def close(self, wait: float = 5.0) -> None:
+        """Half-close the stream and wait for the peer to finish it."""
+        self.q.put(None)
+        self.reader.join(wait)
+        self.closed = True
+        self.call.cancel()
+        self.channel.close()
