@@ -1,0 +1,333 @@
+"""Helpers shared by the benchmarks (``crucible bench ...``).
+
+* ``Launch``: a ``crucible launch`` in its own process group (its own session),
+  with a bounded wait and the whole group killed in ``close`` (SIGTERM, then
+  SIGKILL), whatever happened. Nothing is ever killed by name.
+* ``Child``: any other helper process, same rules.
+* ``read_events`` / ``steady_state``: ``metrics.jsonl`` and the per-stage
+  breakdown of the committed steps after a warmup.
+* ``pin_tasks``: CPU affinity of every thread of a process (Linux).
+* ``environment``: cores, versions, load and date, recorded with every result.
+* ``emit``: the result as one JSON object on stdout (and ``--out``).
+
+This module never imports torch: a benchmark imports it only where it needs it
+(in a child process, where possible).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, Iterable
+
+STAGE_FIELDS = ("step_s", "compute_s", "serialize_s", "transport_s", "idle_s",
+                "bytes_out", "raw_bytes_out", "bytes_in", "raw_bytes_in")
+
+
+def progress(msg: str) -> None:
+    """Progress goes to stderr, so that ``--json`` leaves only the JSON on stdout."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def crucible_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "crucible", *args]
+
+
+def child_env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["MKL_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("CRUCIBLE_TOKEN", None)
+    env.update(extra)
+    return env
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class Child:
+    """A process in its own session (so its pgid is its pid); ``close`` ends the group."""
+
+    def __init__(self, argv: list[str], env: dict | None = None, stdout=None, stderr=None,
+                 cwd: str | None = None):
+        self.argv = argv
+        self.proc = subprocess.Popen(argv, stdout=stdout if stdout is not None else subprocess.DEVNULL,
+                                     stderr=stderr if stderr is not None else subprocess.DEVNULL,
+                                     stdin=subprocess.DEVNULL, env=env or child_env(), cwd=cwd,
+                                     start_new_session=True, close_fds=True)
+        self.pgid = self.proc.pid
+
+    def wait(self, timeout: float, poll: Callable[[], None] | None = None, every: float = 0.1) -> int | None:
+        """Wait up to `timeout` s for the leader to exit, calling `poll` meanwhile.
+        Returns the exit code, or None on timeout (the process is left running)."""
+        t_end = time.monotonic() + timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                return code
+            if time.monotonic() >= t_end:
+                return None
+            if poll is not None:
+                poll()
+            time.sleep(every)
+
+    def close(self, grace: float = 5.0) -> None:
+        """SIGTERM the group (the leader's own cleanup runs), then SIGKILL whatever is left."""
+        if self.proc.poll() is None:
+            _signal_group(self.pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        t_end = time.monotonic() + grace
+        while _group_alive(self.pgid) and time.monotonic() < t_end:
+            time.sleep(0.05)
+        _signal_group(self.pgid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Launch(Child):
+    """``crucible launch --run-dir D ...`` with stdout and stderr in D/launch.out."""
+
+    def __init__(self, run_dir: str, replicas: int, stages: int, steps: int, overrides: Iterable[str] = (),
+                 env: dict | None = None):
+        self.run_dir = os.path.abspath(run_dir)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.out_path = os.path.join(self.run_dir, "launch.out")
+        argv = crucible_argv("launch", "--replicas", str(replicas), "--stages", str(stages), "--steps", str(steps),
+                             "--run-dir", self.run_dir, "--respawn-delay", "-1", *overrides)
+        with open(self.out_path, "wb") as out:
+            super().__init__(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def pids(self) -> dict:
+        """pids.json as the launcher last wrote it ({} before it exists)."""
+        try:
+            with open(os.path.join(self.run_dir, "pids.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        return read_events(os.path.join(self.run_dir, "metrics.jsonl"), kind)
+
+    def tail(self, n: int = 3000) -> str:
+        """The end of the launcher's output and of every log, for error messages."""
+        out = []
+        paths = [self.out_path]
+        logs = os.path.join(self.run_dir, "logs")
+        if os.path.isdir(logs):
+            paths += [os.path.join(logs, p) for p in sorted(os.listdir(logs))]
+        for p in paths:
+            try:
+                with open(p, "rb") as f:
+                    text = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            out.append(f"--- {os.path.basename(p)}\n{text[-n:]}")
+        return "\n".join(out)
+
+
+def read_events(path: str, kind: str | None = None) -> list[dict]:
+    """The events of a metrics.jsonl (a torn last line is skipped)."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(ev, dict) and (kind is None or ev.get("event") == kind):
+                    out.append(ev)
+    except OSError:
+        pass
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def stage_breakdown(events: list[dict], replica: int, stages: int, warmup: int) -> list[dict]:
+    """Mean per step of each stage's timing and byte fields over the steps >= warmup.
+
+    Stage 0's numbers come from ``step`` events, the other stages' from
+    ``stage_step`` events. The last occurrence of a (stage, step) wins (a retried
+    step is reported again)."""
+    per_stage: list[dict[int, dict]] = [{} for _ in range(stages)]
+    for ev in events:
+        if ev.get("replica") != replica:
+            continue
+        if ev.get("event") == "step":
+            s = 0
+        elif ev.get("event") == "stage_step":
+            s = int(ev.get("stage", -1))
+        else:
+            continue
+        if 0 <= s < stages and int(ev.get("step", -1)) >= warmup:
+            per_stage[s][int(ev["step"])] = ev
+    out = []
+    for s, by_step in enumerate(per_stage):
+        evs = [by_step[k] for k in sorted(by_step)]
+        row = {"stage": s, "steps": len(evs)}
+        for f in STAGE_FIELDS:
+            row[f] = _mean([float(e.get(f, 0.0)) for e in evs])
+        out.append(row)
+    return out
+
+
+def throughput(step_events: list[dict], replica: int, warmup: int) -> dict:
+    """Tokens/s of one replica over the committed steps after `warmup`.
+
+    Wall clock: from the report of step warmup-1 to the report of the last step
+    (the ``time`` of each ``step`` event is stamped by stage 0 when the step
+    commits), so it includes everything between steps."""
+    by_step = {}
+    for ev in step_events:
+        if ev.get("event") == "step" and ev.get("replica") == replica:
+            by_step[int(ev["step"])] = ev
+    steps = sorted(by_step)
+    if not steps:
+        return {"steps": 0, "tokens_per_s": 0.0}
+    last = steps[-1]
+    first = max(warmup - 1, steps[0])
+    measured = [k for k in steps if first < k <= last]
+    tokens = sum(int(by_step[k].get("tokens", 0)) for k in measured)
+    wall = float(by_step[last]["time"]) - float(by_step[first]["time"]) if measured else 0.0
+    step_s = _mean([float(by_step[k].get("step_s", 0.0)) for k in measured])
+    return {
+        "steps": len(steps),
+        "measured_steps": len(measured),
+        "tokens_per_step": int(by_step[last].get("tokens", 0)),
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "mean_step_s": wall / len(measured) if measured and wall > 0 else 0.0,
+        "mean_stage0_step_s": step_s,
+        "first_loss": float(by_step[steps[0]].get("loss", float("nan"))),
+        "last_loss": float(by_step[last].get("loss", float("nan"))),
+    }
+
+
+def pin_tasks(pid: int, cpus: set[int]) -> int:
+    """Pin every thread of `pid` to `cpus` (threads made later inherit it from
+    their creator). Returns how many threads were set; 0 if the process is gone."""
+    n = 0
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+            n += 1
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+    return n
+
+
+def affinity_of(pid: int) -> list[int] | None:
+    """The CPUs every thread of `pid` may run on (their union), or None if gone."""
+    cpus: set[int] = set()
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            cpus |= os.sched_getaffinity(tid)
+        except OSError:
+            pass
+    return sorted(cpus) if cpus else None
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or ""
+
+
+def environment() -> dict:
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "grpcio": _version("grpcio"),
+        "protobuf": _version("protobuf"),
+        "loadavg_start": loadavg(),
+    }
+
+
+def emit(result: dict, args) -> None:
+    """Print the result: with --json only the JSON on stdout; --out also writes it."""
+    text = json.dumps(result, indent=2, sort_keys=False)
+    out = getattr(args, "out", None)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, out)
+    print(text, flush=True)

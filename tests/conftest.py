@@ -1,0 +1,145 @@
+"""Shared helpers for tests that start real processes.
+
+Every job runs in its own process group (start_new_session), on free loopback
+ports, with bounded waits, and is killed (SIGKILL to the whole group) when the
+test ends, pass or fail. Nothing is ever killed by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A model small enough that a whole job starts and steps in seconds on 2 cores.
+TINY = ["model.n_layer=4", "model.d_model=32", "model.n_head=2", "train.seq_len=32", "train.batch_size=8",
+        "train.microbatches=4", "train.eval_every=0", "data.max_bytes=2000000",
+        "checkpoint.enable_checkpointing=false"]
+
+
+def crucible_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "crucible", *args]
+
+
+def test_env() -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("CRUCIBLE_TOKEN", None)
+    return env
+
+
+class Job:
+    """A `crucible launch` in its own process group."""
+
+    def __init__(self, run_dir: str, args: list[str], overrides: list[str]):
+        self.run_dir = str(run_dir)
+        self.log_path = os.path.join(self.run_dir + ".launch.log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(crucible_cmd("launch", "--run-dir", self.run_dir, *args, *overrides),
+                                     stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=test_env(), cwd=ROOT, start_new_session=True)
+        self.pgid = self.proc.pid
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out = self.output()
+            self.kill()
+            pytest.fail(f"job did not finish in {timeout}s; log:\n{out}")
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path, "rb") as f:
+            out = f.read().decode(errors="replace")
+        logs = os.path.join(self.run_dir, "logs")
+        if os.path.isdir(logs):
+            for name in sorted(os.listdir(logs)):
+                with open(os.path.join(logs, name), "rb") as f:
+                    out += f"\n--- {name}\n" + f.read().decode(errors="replace")[-3000:]
+        return out
+
+    def token(self) -> str:
+        with open(os.path.join(self.run_dir, "token")) as f:
+            return f.read().strip()
+
+    def address(self) -> str:
+        with open(os.path.join(self.run_dir, "coordinator.addr")) as f:
+            return f.read().strip()
+
+    def status(self) -> dict | None:
+        from crucible.status import StatusClient
+
+        try:
+            return StatusClient(self.address(), self.token()).get()
+        except OSError:
+            return None
+
+    def wait_for(self, pred, timeout: float, what: str):
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            if self.proc.poll() is not None:
+                pytest.fail(f"job exited ({self.proc.returncode}) while waiting for {what}:\n{self.output()}")
+            st = self.status()
+            if st is not None:
+                got = pred(st)
+                if got:
+                    return got
+            time.sleep(0.2)
+        pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{self.output()}")
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        out = []
+        try:
+            with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
+                for line in f:
+                    try:
+                        ev = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if kind is None or ev.get("event") == kind:
+                        out.append(ev)
+        except OSError:
+            pass
+        return out
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+@pytest.fixture
+def start_job(tmp_path):
+    jobs: list[Job] = []
+
+    def start(args: list[str], overrides: list[str] = (), name: str = "run") -> Job:
+        job = Job(tmp_path / name, list(args), list(overrides))
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.kill()
