@@ -258,11 +258,11 @@ def all_keys() -> list[str]:
 
 
 def _suggest(key: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    # A right key in the wrong section first, then the closest spelling.
+    tail = key.rpartition(".")[2]
+    close = [c for c in candidates if c.rpartition(".")[2] == tail][:1]
     if not close:
-        # A key that is right but in the wrong section: match on the last part.
-        tail = key.rpartition(".")[2]
-        close = [c for c in candidates if c.rpartition(".")[2] == tail][:1]
+        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

@@ -16,6 +16,7 @@ from crucible._pb import crucible_pb2 as pb
 
 DTYPES = {
     "float32": torch.float32,
+    "float64": torch.float64,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "int64": torch.int64,

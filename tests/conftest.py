@@ -28,7 +28,7 @@ def crucible_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "crucible", *args]
 
 
-def test_env() -> dict:
+def child_env() -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
@@ -45,7 +45,7 @@ class Job:
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(crucible_cmd("launch", "--run-dir", self.run_dir, *args, *overrides),
                                      stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=test_env(), cwd=ROOT, start_new_session=True)
+                                     env=child_env(), cwd=ROOT, start_new_session=True)
         self.pgid = self.proc.pid
 
     def wait(self, timeout: float) -> int:

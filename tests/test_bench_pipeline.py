@@ -68,8 +68,8 @@ def test_pipeline_runs(result):
         assert r["stages"] == S and r["launch_exit_code"] == 0
         assert _positive(r["tokens_per_s"]), name
         assert r["throughput"]["measured_steps"] >= 2
-        assert len(r["stages"]) == S
-        for st in r["stages"]:
+        assert len(r["per_stage"]) == S
+        for st in r["per_stage"]:
             assert st["steps"] >= 2
             assert _positive(st["step_s"]) and _positive(st["compute_s"])
             for k in ("serialize_s", "transport_s", "idle_s"):

@@ -172,7 +172,7 @@ def analyse(events: list[dict], stages: int, warmup: int) -> dict:
     return {
         "tokens_per_s": tp["tokens_per_s"],
         "throughput": tp,
-        "stages": per_stage,
+        "per_stage": per_stage,
         "boundaries": boundaries(per_stage),
         "ser_transport_fraction": {"per_stage": fr, "max": max(fr) if fr else 0.0,
                                    "mean": sum(fr) / len(fr) if fr else 0.0},
@@ -516,7 +516,7 @@ def _print_table(result: dict, f) -> None:
     print(f"{'run':<10} {'tok/s':>8} {'stage':>5} {'step_s':>7} {'comp':>6} {'ser':>6} {'trans':>6} {'idle':>6}",
           file=f)
     for name, r in result["runs"].items():
-        for st in r["stages"]:
+        for st in r["per_stage"]:
             print(f"{name if st['stage'] == 0 else '':<10} "
                   f"{(format(r['tokens_per_s'], '8.0f') if st['stage'] == 0 else ''):>8} {st['stage']:>5} "
                   f"{st['step_s']:7.3f} {st['compute_s']:6.3f} {st['serialize_s']:6.3f} "

@@ -1,0 +1,184 @@
+"""Bad input gets a clear gRPC status, never UNKNOWN, and the job keeps running.
+
+One job (1 replica x 2 stages) serves every test in this module.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import grpc
+import pytest
+import torch
+
+from conftest import ROOT, TINY, Job, crucible_cmd, child_env
+from crucible import PROTOCOL_VERSION, rpc
+from crucible._pb import crucible_pb2 as pb
+from crucible._pb import crucible_pb2_grpc as pbg
+from crucible.wire import to_wire
+
+GARBAGE = [b"\xff\xff\xff\xff\xff", b"\x08\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01", b"\x0a\xff\x01abc"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    j = Job(tmp_path_factory.mktemp("bad") / "run", ["--replicas", "1", "--stages", "2", "--steps", "100000",
+                                                      "--respawn-delay", "-1"], TINY)
+    try:
+        j.wait_for(lambda st: st["replicas"][0]["step"] >= 2, 90, "training to start")
+        yield j
+    finally:
+        j.kill()
+
+
+def _steps(job) -> int:
+    return job.status()["replicas"][0]["step"]
+
+
+def assert_still_training(job):
+    before = _steps(job)
+    job.wait_for(lambda st: st["replicas"][0]["step"] > before, 30, "more steps after bad input")
+    assert all(w["state"] == "alive" for w in job.status()["workers"])
+
+
+def _worker_addr(job, stage):
+    return next(w["address"] for w in job.status()["workers"] if w["stage"] == stage)
+
+
+def _raw(channel, method, kind="unary_unary"):
+    return getattr(channel, kind)(method, request_serializer=None, response_deserializer=None)
+
+
+COORD_METHODS = [("Register", "unary_unary"), ("Heartbeat", "unary_unary"), ("WatchRoutes", "unary_stream"),
+                 ("Report", "unary_unary"), ("Status", "unary_unary")]
+STAGE_METHODS = [("Pipe", "stream_stream"), ("Probe", "unary_unary")]
+
+
+def _call(channel, service, method, kind, payload, md):
+    fn = _raw(channel, f"/crucible.v1.{service}/{method}", kind)
+    if kind == "unary_unary":
+        return fn(payload, metadata=md, timeout=10)
+    if kind == "unary_stream":
+        return list(fn(payload, metadata=md, timeout=10))
+    return list(fn(iter([payload]), metadata=md, timeout=10))
+
+
+def test_unauthenticated_calls_are_refused(job):
+    for service, addr, methods in (("Coordinator", job.address(), COORD_METHODS),
+                                   ("Stage", _worker_addr(job, 1), STAGE_METHODS)):
+        with rpc.make_channel(addr) as ch:
+            for method, kind in methods:
+                for md in ((), rpc.metadata("wrong-token")):
+                    with pytest.raises(grpc.RpcError) as e:
+                        _call(ch, service, method, kind, b"", md)
+                    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, e.value.details())
+    assert_still_training(job)
+
+
+def test_garbage_bytes_to_every_rpc(job):
+    md = rpc.metadata(job.token())
+    for service, addr, methods in (("Coordinator", job.address(), COORD_METHODS),
+                                   ("Stage", _worker_addr(job, 1), STAGE_METHODS),
+                                   ("Stage", _worker_addr(job, 0), STAGE_METHODS)):
+        with rpc.make_channel(addr) as ch:
+            for method, kind in methods:
+                for junk in GARBAGE:
+                    with pytest.raises(grpc.RpcError) as e:
+                        _call(ch, service, method, kind, junk, md)
+                    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (service, method, e.value.details())
+                    assert "not a valid" in e.value.details()
+    assert_still_training(job)
+
+
+def _pipe(job, frames):
+    with rpc.make_channel(_worker_addr(job, 1)) as ch:
+        stub = pbg.StageStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Pipe(iter(frames), metadata=rpc.metadata(job.token()), timeout=10))
+    return e.value
+
+
+def _forward(t: torch.Tensor, targets=None, **kw):
+    targets = targets if targets is not None else torch.zeros(2, 32, dtype=torch.int64)
+    return pb.Frame(kind=pb.Frame.FORWARD, step=0, micro=0, tensor=to_wire(t), targets=to_wire(targets), **kw)
+
+
+@pytest.mark.parametrize("case", ["dtype", "shape", "bytes", "targets", "declared"])
+def test_bad_tensors_are_invalid_argument(job, case):
+    good = torch.zeros(2, 32, 32)  # microbatch 2 (= 8 / 4), seq 32, d 32
+    if case == "dtype":
+        frame = _forward(good.double())
+    elif case == "shape":
+        frame = _forward(torch.zeros(2, 32, 31))
+    elif case == "bytes":
+        frame = _forward(good)
+        frame.tensor.data = frame.tensor.data[:-4]
+    elif case == "targets":
+        frame = _forward(good, targets=torch.zeros(2, 33, dtype=torch.int64))
+    else:  # the declared shape does not match the byte count
+        frame = _forward(good)
+        frame.tensor.shape[:] = [2, 32, 64]
+    err = _pipe(job, [frame])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert_still_training(job)
+
+
+def test_impostor_and_stale_streams_are_refused(job):
+    st = job.status()
+    epoch = st["replicas"][0]["epoch"]
+    hello = pb.Frame(kind=pb.Frame.HELLO, src_replica=0, src_stage=0, epoch=epoch - 1)
+    assert _pipe(job, [hello]).code() == grpc.StatusCode.FAILED_PRECONDITION
+    hello = pb.Frame(kind=pb.Frame.HELLO, src_replica=7, src_stage=0, epoch=epoch)
+    assert _pipe(job, [hello]).code() == grpc.StatusCode.PERMISSION_DENIED
+    hello = pb.Frame(kind=pb.Frame.HELLO, src_replica=0, src_stage=1, epoch=epoch)
+    assert _pipe(job, [hello]).code() == grpc.StatusCode.PERMISSION_DENIED
+    assert_still_training(job)
+
+
+def test_protocol_version_mismatch(job):
+    with rpc.make_channel(job.address()) as ch:
+        stub = pbg.CoordinatorStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION + 1, replica=-1, stage=-1,
+                                             address="127.0.0.1:1"), metadata=rpc.metadata(job.token()), timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "protocol version" in e.value.details()
+    assert_still_training(job)
+
+
+def test_unknown_worker_and_taken_slot(job):
+    md = rpc.metadata(job.token())
+    with rpc.make_channel(job.address()) as ch:
+        stub = pbg.CoordinatorStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Heartbeat(pb.HeartbeatRequest(worker_id="r9s9-nobody"), metadata=md, timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Report(pb.ReportRequest(worker_id="r9s9-nobody", events_json=['{"event":"x"}']), metadata=md,
+                        timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=0, stage=1,
+                                             address="127.0.0.1:1"), metadata=md, timeout=10)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=5, stage=0,
+                                             address="127.0.0.1:1"), metadata=md, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # A real worker's report with a malformed event is refused as a whole.
+        wid = next(w["worker_id"] for w in job.status()["workers"] if w["stage"] == 1)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Report(pb.ReportRequest(worker_id=wid, events_json=["not json"]), metadata=md, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_still_training(job)
+
+
+def test_bad_config_key_names_it(tmp_path):
+    out = subprocess.run(crucible_cmd("launch", "--run-dir", str(tmp_path / "r"), "train.setps=3"),
+                         capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=60)
+    assert out.returncode == 2
+    assert "unknown key 'train.setps'" in out.stderr and "did you mean 'train.steps'" in out.stderr
+    out = subprocess.run(crucible_cmd("launch", "--run-dir", str(tmp_path / "r"), "train.lr=fast"),
+                         capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=60)
+    assert out.returncode == 2 and "'train.lr'" in out.stderr
