@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+ACTIVATION_CODECS = ("none", "bf16", "int8", "int4", "subspace")
+
+
 class ConfigError(ValueError):
     """A configuration key or value is invalid; the message names it."""
 
@@ -224,6 +227,12 @@ class Config:
         need(self.train.grad_clip >= 0, "train.grad_clip", "must be >= 0")
         need(self.train.eval_every >= 0, "train.eval_every", "must be >= 0")
         need(self.train.schedule in ("1f1b", "gpipe"), "train.schedule", "must be 1f1b or gpipe")
+        for key in ("compress.forward", "compress.backward"):
+            name = str(self.get(key)).split(":")[0].strip().lower()
+            need(name in ACTIVATION_CODECS, key, f"codec must be one of {', '.join(ACTIVATION_CODECS)}")
+            need(name != "subspace" or self.model.subspace_rank > 0, key,
+                 "the subspace codec needs model.subspace_rank > 0 (a model that keeps its residual "
+                 "stream in the subspace)")
         need(self.outer.mode in ("sparseloco", "diloco", "none"), "outer.mode", "must be sparseloco, diloco or none")
         need(self.outer.H >= 1, "outer.H", "must be >= 1")
         need(1 <= self.outer.chunk <= 4096, "outer.chunk", "must be in 1..4096 (12-bit indices)")

@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from crucible.compress.activations import projection
+
 
 @dataclass
 class GPTConfig:
@@ -159,13 +161,6 @@ def init_params(module: nn.Module, seed: int, n_layer: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def subspace_basis(d_model: int, rank: int, seed: int) -> torch.Tensor:
-    """A fixed orthonormal basis [d, r], the same for every stage of a run."""
-    g = torch.Generator().manual_seed(seed ^ 0x5EED)
-    q, _ = torch.linalg.qr(torch.randn(d_model, rank, generator=g, dtype=torch.float64))
-    return q.to(torch.float32).contiguous()
-
-
 def build_stage(cfg, stage: int, n_stages: int) -> nn.Module:
     """The nn.Module of `stage` from the job's Config (built-in GPT or model.builder)."""
     m = cfg.model
@@ -178,7 +173,7 @@ def build_stage(cfg, stage: int, n_stages: int) -> nn.Module:
         return fn(stage, n_stages, cfg)
     gc = GPTConfig(vocab_size=m.vocab_size, block_size=cfg.train.seq_len, n_layer=m.n_layer,
                    n_head=m.n_head, d_model=m.d_model, subspace_rank=m.subspace_rank)
-    basis = subspace_basis(m.d_model, m.subspace_rank, cfg.train.seed) if m.subspace_rank else None
+    basis = projection(m.d_model, m.subspace_rank, cfg.train.seed) if m.subspace_rank else None
     return Stage(gc, stage, n_stages, seed=cfg.train.seed, subspace=basis)
 
 

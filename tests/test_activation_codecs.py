@@ -204,14 +204,18 @@ def test_projection_orthonormal_deterministic():
         projection(16, 0)
 
 
-def test_projection_matches_model_basis():
-    model = pytest.importorskip("crucible.model")
-    basis = getattr(model, "subspace_basis", None)
-    if basis is None:
-        pytest.skip("crucible.model has no subspace_basis")
-    for d, r, seed in [(64, 4, 0), (256, 16, 1234)]:
-        assert torch.equal(basis(d, r, seed), projection(d, r, seed)), \
-            "model and codec disagree on the subspace: the codec would not be exact"
+def test_model_uses_the_codec_basis():
+    """The model constrains its residual stream with the very basis the codec uses."""
+    from crucible.config import Config
+    from crucible.model import build_stage
+
+    cfg = Config.load(None, ["job.stages=2", "model.n_layer=2", "model.d_model=64", "model.n_head=2",
+                             "model.subspace_rank=8", "train.seq_len=16"])
+    stage = build_stage(cfg, 0, 2)
+    assert torch.equal(stage.subspace, projection(64, 8, seed=cfg.train.seed))
+    h = stage(torch.randint(0, 256, (2, 16)))
+    P = projection(64, 8, seed=cfg.train.seed)
+    assert float((h - (h @ P) @ P.T).abs().max()) < 1e-4
 
 
 @pytest.mark.parametrize("dtype,u", [("bf16", 2.0**-8), ("fp16", 2.0**-11), ("fp32", 2.0**-24)])

@@ -110,8 +110,7 @@ residual stream inside ``span(P)``:
 
 Then every boundary tensor is in ``span(P)`` and ``subspace`` is exact to
 coefficient rounding, forward and backward. ``crucible.model`` does this for
-``model.subspace_rank > 0`` (its ``subspace_basis`` must equal ``projection``
-bitwise; a test checks it), and the codec's ``rank`` must equal
+``model.subspace_rank > 0`` (it uses ``projection`` itself), and the codec's ``rank`` must equal
 ``model.subspace_rank``. A variant (Ramasinghe et al., "Protocol Models",
 2025) leaves the token and position embeddings unconstrained and has every
 stage rebuild them from the token ids, sending only ``x - embed`` in the
@@ -409,9 +408,7 @@ def wire_stats(t_or_shape_or_raw, payload) -> WireStats:
 
 @lru_cache(maxsize=32)
 def _projection_cached(d_model: int, rank: int, seed: int) -> torch.Tensor:
-    # Must stay bitwise identical to crucible.model.subspace_basis (a test
-    # checks): the model constrains its residual stream with that basis and
-    # this codec sends coordinates in this one.
+    # crucible.model constrains its residual stream with this very basis.
     g = torch.Generator().manual_seed(seed ^ 0x5EED)
     q, _ = torch.linalg.qr(torch.randn(d_model, rank, generator=g, dtype=torch.float64))
     p = q.to(torch.float32).contiguous()

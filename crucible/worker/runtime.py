@@ -42,6 +42,7 @@ import torch
 
 from crucible import rpc
 from crucible._pb import crucible_pb2 as pb
+from crucible.compress.activations import make_codec
 from crucible.config import Config
 from crucible.data import Corpus, eval_batches
 from crucible.model import build_stage
@@ -86,6 +87,17 @@ class StepStats:
                 "transport_s": transport, "idle_s": max(0.0, self.wait - transport),
                 "bytes_out": self.bytes_out, "raw_bytes_out": self.raw_out,
                 "bytes_in": self.bytes_in, "raw_bytes_in": self.raw_in}
+
+
+def boundary_codec(spec: str, cfg: Config):
+    """The activation codec of a boundary direction; None = raw tensors."""
+    name, _, params = spec.partition(":")
+    if name.strip().lower() == "none" and not params:
+        return None
+    if name.strip().lower() == "subspace" and "rank=" not in params:
+        params = ",".join(p for p in (f"rank={cfg.model.subspace_rank}", params) if p)
+        spec = f"subspace:{params}"
+    return make_codec(spec, cfg.model.d_model, seed=cfg.train.seed)
 
 
 class Worker:
@@ -199,6 +211,8 @@ class Worker:
         torch.manual_seed(cfg.train.seed * 1000 + self.replica * 100 + self.stage)
         self.model = build_stage(cfg, self.stage, self.S).to(self.device)
         self.opt = optim.make_optimizer(self.model, cfg.train)
+        self.fwd_codec = boundary_codec(cfg.compress.forward, cfg)
+        self.bwd_codec = boundary_codec(cfg.compress.backward, cfg)
         if self.first:
             corpus = Corpus(cfg)
             self.reader = corpus.reader(cfg, self.replica)
