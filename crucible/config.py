@@ -128,6 +128,8 @@ class NetConfig:
 @dataclass
 class DebugConfig:
     dump_grads_step: int = -1        # write each stage's gradients at this step (tests)
+    dump_outer: bool = False         # write each stage's global weights after every outer round
+    stall_outer: str = ""            # "r1s1:30": that worker sleeps 30 s inside each outer round (fault tests)
 
 
 @dataclass

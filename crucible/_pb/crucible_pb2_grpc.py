@@ -61,6 +61,11 @@ class CoordinatorStub:
                 request_serializer=crucible_dot___pb_dot_crucible__pb2.StatusRequest.SerializeToString,
                 response_deserializer=crucible_dot___pb_dot_crucible__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.OuterExchange = channel.unary_unary(
+                '/crucible.v1.Coordinator/OuterExchange',
+                request_serializer=crucible_dot___pb_dot_crucible__pb2.OuterRequest.SerializeToString,
+                response_deserializer=crucible_dot___pb_dot_crucible__pb2.OuterReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -103,6 +108,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OuterExchange(self, request, context):
+        """One stage's outer round: send this replica's compressed update, block until
+        the round closes, receive every contribution in replica-id order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +143,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=crucible_dot___pb_dot_crucible__pb2.StatusRequest.FromString,
                     response_serializer=crucible_dot___pb_dot_crucible__pb2.StatusReply.SerializeToString,
+            ),
+            'OuterExchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.OuterExchange,
+                    request_deserializer=crucible_dot___pb_dot_crucible__pb2.OuterRequest.FromString,
+                    response_serializer=crucible_dot___pb_dot_crucible__pb2.OuterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +287,33 @@ class Coordinator:
             '/crucible.v1.Coordinator/Status',
             crucible_dot___pb_dot_crucible__pb2.StatusRequest.SerializeToString,
             crucible_dot___pb_dot_crucible__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OuterExchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crucible.v1.Coordinator/OuterExchange',
+            crucible_dot___pb_dot_crucible__pb2.OuterRequest.SerializeToString,
+            crucible_dot___pb_dot_crucible__pb2.OuterReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,7 @@ from crucible import PROTOCOL_VERSION
 from crucible import rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible.config import Config
+from crucible.coordinator.outer import OuterRelay
 
 log = logging.getLogger("crucible.coordinator")
 
@@ -117,6 +118,8 @@ class Coordinator:
         self.latest_committed_step: int | None = None
         self.server = None
         self.port = 0
+        self.job_started = False
+        self.outer = OuterRelay(self)
 
     # ---- run-directory bookkeeping -------------------------------------
 
@@ -152,9 +155,10 @@ class Coordinator:
             "WatchRoutes": rpc.unary_stream("WatchRoutes", pb.WatchRequest, pb.RouteUpdate, self.WatchRoutes),
             "Report": rpc.unary("Report", pb.ReportRequest, pb.ReportReply, self.Report),
             "Status": rpc.unary("Status", pb.StatusRequest, pb.StatusReply, self.Status),
+            "OuterExchange": rpc.unary("OuterExchange", pb.OuterRequest, pb.OuterReply, self.outer.exchange),
         }
         self.server, self.port = rpc.make_server(SERVICE, handlers, self.token, bind,
-                                                 max_workers=2 * n + 8, max_mb=self.cfg.net.max_message_mb)
+                                                 max_workers=3 * n + 8, max_mb=self.cfg.net.max_message_mb)
         host = bind.rpartition(":")[0] or "127.0.0.1"
         if host in ("0.0.0.0", "[::]", ""):
             host = "127.0.0.1"
@@ -308,6 +312,10 @@ class Coordinator:
         """Under self.cv. Recompute every replica's route; bump the epoch on change."""
         S = self.cfg.job.stages
         changed_replicas = []
+        # No replica starts before every slot of the job has been filled once, so
+        # that all replicas begin together at step 0 and outer round 0.
+        if not self.job_started and all(self._alive(slot) for slot in self.slots):
+            self.job_started = True
         for rep in self.replicas:
             r = rep.id
             route = [s for s in range(S) if self._alive((r, s))]
@@ -315,7 +323,7 @@ class Coordinator:
             if rep.state == "done":
                 pass
             elif not rep.started:
-                if len(route) == S:
+                if self.job_started and len(route) == S:
                     rep.started = True
                     rep.state = "training"
             elif 0 not in route or (S - 1) not in route:
@@ -329,6 +337,7 @@ class Coordinator:
             self.counter += 1
             for r in changed_replicas:
                 self.route_epoch[r] = self.epoch
+            self.outer.poke()
             self.metrics.write({"event": "route_change", "epoch": self.epoch, "reason": reason,
                                 "routes": {str(r): v for r, v in self.routes.items()},
                                 "states": {str(r.id): r.state for r in self.replicas}})

@@ -76,6 +76,29 @@ class ControlClient:
             for item in batch:
                 self.events.put(item)
 
+    def outer_exchange(self, stage: int, round_: int, payload: bytes, mode: str, numel: int, step: int,
+                       timeout: float) -> pb.OuterReply:
+        """Contribute to an outer round and wait for it to close. A refused payload
+        is left out; we then abstain to receive the round's result all the same."""
+        req = pb.OuterRequest(worker_id=self.worker_id, stage=stage, round=round_, payload=payload, mode=mode,
+                              numel=numel, step=step)
+        delay = 0.2
+        t_end = time.monotonic() + timeout
+        while True:
+            try:
+                return self.stub.OuterExchange(req, metadata=self.md, timeout=max(1.0, t_end - time.monotonic()))
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT and req.payload:
+                    log.error("outer contribution refused: %s", e.details())
+                    req.payload = b""
+                    continue
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        and time.monotonic() < t_end and not self.stop.is_set():
+                    time.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
+                raise
+
     def heartbeat_loop(self, interval: float, on_command: Callable[[str], None]) -> None:
         while not self.stop.is_set():
             t0 = time.monotonic()

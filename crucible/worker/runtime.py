@@ -49,6 +49,7 @@ from crucible.model import build_stage
 from crucible.wire import from_wire, to_wire
 from crucible.worker import optim
 from crucible.worker.control import ControlClient
+from crucible.worker.outer import OuterState
 from crucible.worker.dataplane import SERVICE, Downstream, Event, StageService, K
 
 log = logging.getLogger("crucible.worker")
@@ -211,6 +212,7 @@ class Worker:
         torch.manual_seed(cfg.train.seed * 1000 + self.replica * 100 + self.stage)
         self.model = build_stage(cfg, self.stage, self.S).to(self.device)
         self.opt = optim.make_optimizer(self.model, cfg.train)
+        self.outer = OuterState(self.model, cfg.outer)
         self.fwd_codec = boundary_codec(cfg.compress.forward, cfg)
         self.bwd_codec = boundary_codec(cfg.compress.backward, cfg)
         if self.first:
@@ -364,6 +366,7 @@ class Worker:
             self.ctl.report({"event": "step", "replica": self.replica, "stage": 0, "step": step, "loss": loss,
                              "tokens": cfg.train.batch_size * cfg.train.seq_len, "lr": lr, "clip_coef": coef,
                              **st.as_dict()})
+            self.maybe_outer_round(step)
             if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
                 self.evaluate()
         if self.step >= cfg.train.steps:
@@ -442,6 +445,7 @@ class Worker:
                 self.step = self.ctl.step = ev.step + 1
                 self.ctl.report({"event": "stage_step", "replica": self.replica, "stage": self.stage,
                                  "step": ev.step, **st.as_dict()})
+                self.maybe_outer_round(ev.step)
                 st = StepStats()
             elif ev.src == "up" and ev.kind == K.EVAL:
                 with torch.no_grad():
@@ -455,6 +459,38 @@ class Worker:
                 self.send_up(st, K.EVAL_RESULT, ev.step, ev.micro, loss=ev.loss)
             else:
                 raise RuntimeError(f"{self.name}: unexpected frame kind {ev.kind} from {ev.src}")
+
+    # ---- outer sync ------------------------------------------------------------
+
+    def maybe_outer_round(self, committed_step: int) -> None:
+        if not self.outer.due(committed_step):
+            return
+        t0 = time.perf_counter()
+        payload, mine = self.outer.prepare()
+        t_enc = time.perf_counter() - t0
+        who, _, secs = self.cfg.debug.stall_outer.partition(":")
+        if who == self.name:
+            log.warning("%s: stalling %ss inside outer round %d (debug.stall_outer)", self.name, secs, self.outer.round)
+            time.sleep(float(secs or 0))
+        reply = self.ctl.outer_exchange(self.stage, self.outer.round, payload, self.outer.mode, self.outer.numel,
+                                        committed_step, timeout=max(3600.0, 10 * self.cfg.outer.deadline_s))
+        t1 = time.perf_counter()
+        if reply.round != self.outer.round:
+            raise RuntimeError(f"outer round {reply.round} answered for round {self.outer.round}")
+        done = self.outer.apply(self.replica, list(reply.contributors), list(reply.payloads), mine)
+        t_apply = time.perf_counter() - t1
+        self.ctl.report({"event": "outer", "replica": self.replica, "stage": self.stage, "round": reply.round,
+                         "step": committed_step, "mode": self.outer.mode, "contributors": list(reply.contributors),
+                         "left_out": done["left_out"], "undecodable": done["undecodable"],
+                         "bytes_sent": len(payload), "bytes_received": sum(len(p) for p in reply.payloads),
+                         "dense_bytes": 4 * self.outer.numel, "encode_s": t_enc, "apply_s": t_apply,
+                         "seconds": time.perf_counter() - t0})
+        if self.cfg.debug.dump_outer:
+            out = os.path.join(self.run_dir, "debug")
+            os.makedirs(out, exist_ok=True)
+            torch.save({"theta_global": self.outer.theta_global.clone(), "round": reply.round,
+                        "contributors": list(reply.contributors)},
+                       os.path.join(out, f"outer_{self.name}_round{reply.round}.pt"))
 
     # ---- tests and debugging ----------------------------------------------------
 

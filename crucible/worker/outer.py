@@ -1,0 +1,118 @@
+"""A stage's outer state and its side of an outer round (DESIGN.md, "Outer round").
+
+Every H inner steps, for this stage, across the replicas that hold it::
+
+    Δ = θ_global − θ_local
+    sparseloco:  e ← β·e + Δ;  Δ̂ = Q(TopK_chunk(e));  e ← e − Δ̂     (send Δ̂'s payload)
+    diloco:      send Δ in fp32                                     (dense baseline)
+
+The coordinator closes the round with the ordered contributors and their
+payloads; every replica decodes them, aggregates (sum in replica-id order ÷
+contributors, after ``outer.clip``) and applies the same update:
+
+    sparseloco:  θ_global ← θ_global − α·aggregate
+    diloco:      θ_global ← Nesterov-SGD step on θ_global with the aggregate
+    then         θ_local ← θ_global
+
+A replica left out of a round adds its Δ̂ back into e, so its work is not
+lost. A payload that does not decode is left out by every replica alike (the
+same bytes fail the same way everywhere), so all replicas still agree.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from crucible.compress import sparseloco as slc
+
+DENSE_HEADER = struct.Struct("<4sQ")
+DENSE_MAGIC = b"DNS0"
+
+
+def dense_encode(x: torch.Tensor) -> bytes:
+    x = x.detach().to(torch.float32).contiguous().cpu()
+    return DENSE_HEADER.pack(DENSE_MAGIC, x.numel()) + x.numpy().tobytes()
+
+
+def dense_decode(payload: bytes, numel: int) -> torch.Tensor:
+    if len(payload) != DENSE_HEADER.size + 4 * numel:
+        raise ValueError(f"dense payload of {len(payload)} bytes for {numel} parameters")
+    magic, n = DENSE_HEADER.unpack_from(payload, 0)
+    if magic != DENSE_MAGIC or n != numel:
+        raise ValueError("not a dense payload for this stage")
+    out = torch.frombuffer(bytearray(payload[DENSE_HEADER.size:]), dtype=torch.float32)
+    if not torch.isfinite(out).all():
+        raise ValueError("dense payload holds non-finite values")
+    return out
+
+
+class OuterState:
+    def __init__(self, model: torch.nn.Module, outer_cfg):
+        self.cfg = outer_cfg
+        self.mode = outer_cfg.mode
+        self.params = list(model.parameters())
+        self.theta_global = parameters_to_vector(self.params).detach().clone()
+        self.numel = self.theta_global.numel()
+        self.e = torch.zeros_like(self.theta_global) if self.mode == "sparseloco" else None
+        self.nesterov = slc.NesterovOuter(outer_cfg.lr, outer_cfg.momentum) if self.mode == "diloco" else None
+        self.round = 0
+
+    def due(self, committed_step: int) -> bool:
+        return self.mode != "none" and (committed_step + 1) % self.cfg.H == 0
+
+    def prepare(self) -> tuple[bytes, torch.Tensor]:
+        """This replica's contribution: (payload, Δ̂)."""
+        with torch.no_grad():
+            delta = self.theta_global - parameters_to_vector(self.params)
+            if self.mode == "sparseloco":
+                c = self.cfg
+                return slc.ef_compress(self.e, delta, c.beta, chunk=c.chunk, k=c.k, value_bits=c.value_bits)
+            return dense_encode(delta), delta
+
+    def decode(self, payload: bytes) -> torch.Tensor:
+        if self.mode == "sparseloco":
+            return slc.decode(payload, self.numel)
+        return dense_decode(payload, self.numel)
+
+    def apply(self, replica: int, contributors: list[int], payloads: list[bytes],
+              mine: torch.Tensor | None) -> dict:
+        """Apply a closed round; returns what happened (for the metrics)."""
+        used, bad = [], []
+        contribs = []
+        for r, p in zip(contributors, payloads):
+            try:
+                contribs.append(self.decode(p))
+                used.append(r)
+            except ValueError:
+                bad.append(r)
+        with torch.no_grad():
+            if contribs:
+                agg = slc.aggregate(contribs, clip=self.cfg.clip)
+                if self.mode == "sparseloco":
+                    slc.outer_sgd(self.theta_global, agg, self.cfg.lr)
+                else:
+                    self.nesterov.step(self.theta_global, agg)
+            if replica not in used and mine is not None and self.e is not None:
+                slc.ef_restore(self.e, mine)
+            offset = 0
+            for p in self.params:  # θ_local ← θ_global, in place (the optimizer keeps its parameters)
+                n = p.numel()
+                p.copy_(self.theta_global[offset:offset + n].view_as(p))
+                offset += n
+        self.round += 1
+        return {"used": used, "undecodable": bad, "left_out": replica not in used}
+
+    def state_dict(self) -> dict:
+        return {"theta_global": self.theta_global, "e": self.e, "round": self.round,
+                "nesterov": self.nesterov.state_dict() if self.nesterov else None}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.theta_global.copy_(sd["theta_global"])
+        if self.e is not None and sd.get("e") is not None:
+            self.e.copy_(sd["e"])
+        self.round = int(sd["round"])
+        if self.nesterov is not None and sd.get("nesterov") is not None:
+            self.nesterov.load_state_dict(sd["nesterov"])

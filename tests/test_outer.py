@@ -1,0 +1,79 @@
+"""Outer sync over real processes: every replica holds the same global weights."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+
+import grpc
+import pytest
+import torch
+
+from conftest import TINY
+from crucible import rpc
+from crucible._pb import crucible_pb2 as pb
+from crucible._pb import crucible_pb2_grpc as pbg
+
+
+def _dumps(run_dir):
+    out = {}
+    for path in glob.glob(os.path.join(run_dir, "debug", "outer_r*s*_round*.pt")):
+        name = os.path.basename(path)[len("outer_"):-3]           # r0s1_round2
+        worker, _, rnd = name.partition("_round")
+        out[(int(worker[1:worker.index("s")]), int(worker[worker.index("s") + 1:]), int(rnd))] = torch.load(path)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sparseloco", "diloco"])
+def test_replicas_agree_bitwise_after_every_round(mode, start_job):
+    job = start_job(["--replicas", "2", "--stages", "2", "--steps", "9", "--respawn-delay", "-1"],
+                    TINY + [f"outer.mode={mode}", "outer.H=3", "debug.dump_outer=true"])
+    assert job.wait(120) == 0, job.output()
+    d = _dumps(job.run_dir)
+    assert sorted(d) == sorted((r, s, n) for r in range(2) for s in range(2) for n in range(3))
+    for s in range(2):
+        for n in range(3):
+            a, b = d[(0, s, n)], d[(1, s, n)]
+            assert a["contributors"] == b["contributors"] == [0, 1]
+            assert torch.equal(a["theta_global"], b["theta_global"]), f"stage {s} round {n} differs"
+        assert not torch.equal(d[(0, s, 0)]["theta_global"], d[(0, s, 2)]["theta_global"])
+    outer = job.events("outer")
+    assert len(outer) == 12 and all(e["mode"] == mode for e in outer)
+    if mode == "sparseloco":  # ~1% of the dense bytes (chunked top-k 64/4096, 2-bit values)
+        assert all(e["bytes_sent"] * 50 < e["dense_bytes"] for e in outer)
+
+
+def test_worker_killed_inside_a_round_does_not_hang_the_others(start_job):
+    job = start_job(["--replicas", "2", "--stages", "2", "--steps", "100000", "--respawn-delay", "-1"],
+                    TINY + ["outer.H=3", "debug.stall_outer=r1s1:600"])
+    # r1s1 prepares its update for round 0 and stalls; r0s1 waits in that round.
+    job.wait_for(lambda st: st["replicas"][0]["step"] >= 3, 90, "replica 0 reaching its first outer round")
+    pid = next(w["pid"] for w in job.status()["workers"] if w["replica"] == 1 and w["stage"] == 1)
+    os.kill(pid, signal.SIGKILL)
+    # Replica 0 finishes the round without replica 1 and keeps training through more rounds.
+    job.wait_for(lambda st: st["replicas"][0]["step"] >= 10, 60, "replica 0 training on after the kill")
+    rounds = [e for e in job.events("outer_round") if e["stage"] == 1]
+    assert rounds and rounds[0]["contributors"] == [0]
+    assert all(e["contributors"] == [0] for e in rounds)
+
+
+def test_malformed_contribution_is_refused(start_job):
+    job = start_job(["--replicas", "2", "--stages", "2", "--steps", "100000", "--respawn-delay", "-1"],
+                    TINY + ["outer.H=2"])
+    job.wait_for(lambda st: all(r["step"] >= 1 for r in st["replicas"]), 90, "training")
+    wid = next(w["worker_id"] for w in job.status()["workers"] if w["replica"] == 1 and w["stage"] == 0)
+    md = rpc.metadata(job.token())
+    with rpc.make_channel(job.address()) as ch:
+        stub = pbg.CoordinatorStub(ch)
+        for payload in (b"garbage", b"SLC0" + b"\x01\x02\x00\x00" + (10).to_bytes(8, "little") + b"\0" * 8):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.OuterExchange(pb.OuterRequest(worker_id=wid, stage=0, round=10**6, payload=payload,
+                                                   mode="sparseloco", numel=10), metadata=md, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as e:  # a worker may only contribute to its own stage
+            stub.OuterExchange(pb.OuterRequest(worker_id=wid, stage=1, round=0, payload=b"x", mode="sparseloco"),
+                               metadata=md, timeout=10)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    before = job.status()["replicas"][0]["step"]
+    job.wait_for(lambda st: min(r["step"] for r in st["replicas"]) >= before + 4, 60, "training after bad payloads")
