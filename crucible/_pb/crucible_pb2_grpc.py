@@ -66,6 +66,11 @@ class CoordinatorStub:
                 request_serializer=crucible_dot___pb_dot_crucible__pb2.OuterRequest.SerializeToString,
                 response_deserializer=crucible_dot___pb_dot_crucible__pb2.OuterReply.FromString,
                 _registered_method=True)
+        self.ReportShard = channel.unary_unary(
+                '/crucible.v1.Coordinator/ReportShard',
+                request_serializer=crucible_dot___pb_dot_crucible__pb2.ShardReport.SerializeToString,
+                response_deserializer=crucible_dot___pb_dot_crucible__pb2.ShardAck.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -116,6 +121,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportShard(self, request, context):
+        """A worker's shard of checkpoint `ckpt_step` is persisted (or failed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +160,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.OuterExchange,
                     request_deserializer=crucible_dot___pb_dot_crucible__pb2.OuterRequest.FromString,
                     response_serializer=crucible_dot___pb_dot_crucible__pb2.OuterReply.SerializeToString,
+            ),
+            'ReportShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportShard,
+                    request_deserializer=crucible_dot___pb_dot_crucible__pb2.ShardReport.FromString,
+                    response_serializer=crucible_dot___pb_dot_crucible__pb2.ShardAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +331,33 @@ class Coordinator:
             '/crucible.v1.Coordinator/OuterExchange',
             crucible_dot___pb_dot_crucible__pb2.OuterRequest.SerializeToString,
             crucible_dot___pb_dot_crucible__pb2.OuterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crucible.v1.Coordinator/ReportShard',
+            crucible_dot___pb_dot_crucible__pb2.ShardReport.SerializeToString,
+            crucible_dot___pb_dot_crucible__pb2.ShardAck.FromString,
             options,
             channel_credentials,
             insecure,
