@@ -230,6 +230,8 @@ def throughput(step_events: list[dict], replica: int, warmup: int) -> dict:
         "measured_steps": len(measured),
         "tokens_per_step": int(by_step[last].get("tokens", 0)),
         "wall_s": wall,
+        "t_start": float(by_step[first]["time"]),
+        "t_end": float(by_step[last]["time"]),
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "mean_step_s": wall / len(measured) if measured and wall > 0 else 0.0,
         "mean_stage0_step_s": step_s,
@@ -268,6 +270,56 @@ def affinity_of(pid: int) -> list[int] | None:
         except OSError:
             pass
     return sorted(cpus) if cpus else None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of `pid` so far (all its threads), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CpuSampler:
+    """Samples the CPU time of named processes against the wall clock (time.time(),
+    the clock of metrics events), to tell CPU used per step from wall time."""
+
+    def __init__(self):
+        self.samples: dict[str, list[tuple[float, float]]] = {}
+
+    def sample(self, pids: dict) -> None:
+        now = time.time()
+        for name, pid in pids.items():
+            if not isinstance(pid, int):
+                continue
+            cpu = cpu_seconds(pid)
+            if cpu is not None:
+                self.samples.setdefault(name, []).append((now, cpu))
+
+    def at(self, name: str, t: float, slack: float = 0.5) -> float | None:
+        """CPU seconds of `name` at wall time t, interpolated between samples
+        (up to `slack` s outside them: the nearest sample)."""
+        xs = self.samples.get(name, [])
+        if len(xs) < 2 or not xs[0][0] - slack <= t <= xs[-1][0] + slack:
+            return None
+        if t <= xs[0][0]:
+            return xs[0][1]
+        if t >= xs[-1][0]:  # the process exited just after t: its last sample
+            return xs[-1][1]
+        for (t0, c0), (t1, c1) in zip(xs, xs[1:]):
+            if t0 <= t <= t1:
+                return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+        return None
+
+    def per_step(self, t_start: float, t_end: float, steps: int) -> dict[str, float | None]:
+        """Mean CPU seconds per step of each process between two wall times."""
+        out: dict[str, float | None] = {}
+        for name in sorted(self.samples):
+            a, b = self.at(name, t_start), self.at(name, t_end)
+            out[name] = (b - a) / steps if a is not None and b is not None and steps > 0 else None
+        return out
 
 
 def usable_cores() -> int:

@@ -90,6 +90,10 @@ DEFINITIONS = {
                            "receiving stage's transport_s is split over the boundaries it received from, in "
                            "proportion to the bytes from each",
     "ser_transport_fraction": "(serialize_s + transport_s) / step_s of a stage",
+    "cpu_s": "CPU seconds (user + system, all threads) a worker process used per step over the measured steps, "
+             "from /proc/<pid>/stat sampled every 0.1 s; compute_s is wall time and, when the cores are "
+             "oversubscribed, includes time the worker waited for a core",
+    "cpu_util": "cpu_s / wall time per step",
     "loopback_MBps": "payload MB of FORWARD-sized frames streamed one way on one gRPC stream over 127.0.0.1, "
                      "until the sink acknowledges the last, per second",
 }
@@ -195,9 +199,12 @@ def run_pipeline(workdir: str, stages: int, steps: int, warmup: int, extra: list
     pinned_pids: dict[str, int] = {}
     affinity: dict[str, list[int] | None] = {}
 
-    def do_pin() -> None:
+    cpu = common.CpuSampler()
+
+    def poll() -> None:
         pids = job.pids()
-        for wname, core in pin.items():
+        cpu.sample(pids)
+        for wname, core in (pin or {}).items():
             pid = pids.get(wname)
             if pid and common.pin_tasks(int(pid), {core}):
                 pinned_pids[wname] = int(pid)
@@ -208,7 +215,7 @@ def run_pipeline(workdir: str, stages: int, steps: int, warmup: int, extra: list
     t0 = time.monotonic()
     job = common.Launch(run_dir, 1, stages, steps, BASE_OVERRIDES + extra)
     try:
-        code = job.wait(timeout, poll=do_pin if pin else None, every=0.05 if pin else 0.2)
+        code = job.wait(timeout, poll=poll, every=0.1)
         info["wall_s_total"] = time.monotonic() - t0
         info["launch_exit_code"] = code
         events = job.events()
@@ -223,6 +230,14 @@ def run_pipeline(workdir: str, stages: int, steps: int, warmup: int, extra: list
         info["pinning"] = {"requested": dict(pin), "pinned_pids": pinned_pids, "observed_affinity": affinity,
                            "ok": all(affinity.get(w) == [c] for w, c in pin.items())}
     info.update(analyse(events, stages, warmup))
+    tp = info["throughput"]
+    if tp.get("measured_steps"):
+        per_step = cpu.per_step(tp["t_start"], tp["t_end"], tp["measured_steps"])
+        info["cpu_s_per_step"] = per_step
+        for row in info["per_stage"]:
+            c = per_step.get(f"r0s{row['stage']}")
+            row["cpu_s"] = c
+            row["cpu_util"] = c / tp["mean_step_s"] if c is not None and tp["mean_step_s"] > 0 else None
     info["loadavg_after"] = common.loadavg()
     progress(f"{name}: {info['tokens_per_s']:.0f} tokens/s, ser+transport "
              f"max {info['ser_transport_fraction']['max']:.1%}")
@@ -263,8 +278,11 @@ def plain_main(steps: int, warmup: int, overrides: list[str]) -> int:
         optim.apply_step(model, opt, coef, optim.lr_at(step, t))
         events.append({"event": "step", "replica": 0, "step": step, "loss": sum(losses) / M,
                        "tokens": t.batch_size * t.seq_len, "step_s": time.perf_counter() - t0,
-                       "time": time.time()})
+                       "time": time.time(), "cpu": time.process_time()})
     tp = common.throughput(events, 0, warmup)
+    if tp.get("measured_steps"):
+        first = events[-1 - tp["measured_steps"]]
+        tp["cpu_s_per_step"] = (events[-1]["cpu"] - first["cpu"]) / tp["measured_steps"]
     out = {"tokens_per_s": tp["tokens_per_s"], "throughput": tp, "params": params,
            "threads": torch.get_num_threads(), "losses": [e["loss"] for e in events]}
     print(json.dumps(out), flush=True)
@@ -513,14 +531,15 @@ def main(args) -> int:
 
 def _print_table(result: dict, f) -> None:
     print("\npipeline benchmark (R=1, default model)", file=f)
-    print(f"{'run':<10} {'tok/s':>8} {'stage':>5} {'step_s':>7} {'comp':>6} {'ser':>6} {'trans':>6} {'idle':>6}",
-          file=f)
+    print(f"{'run':<10} {'tok/s':>8} {'stage':>5} {'step_s':>7} {'comp':>6} {'ser':>6} {'trans':>6} {'idle':>6} "
+          f"{'cpu':>6}", file=f)
     for name, r in result["runs"].items():
         for st in r["per_stage"]:
             print(f"{name if st['stage'] == 0 else '':<10} "
                   f"{(format(r['tokens_per_s'], '8.0f') if st['stage'] == 0 else ''):>8} {st['stage']:>5} "
                   f"{st['step_s']:7.3f} {st['compute_s']:6.3f} {st['serialize_s']:6.3f} "
-                  f"{st['transport_s']:6.3f} {st['idle_s']:6.3f}", file=f)
+                  f"{st['transport_s']:6.3f} {st['idle_s']:6.3f} "
+                  f"{(format(st['cpu_s'], '6.3f') if st.get('cpu_s') is not None else '     -')}", file=f)
     b = result.get("baseline", {})
     print(f"{'plain':<10} {b.get('tokens_per_s', 0):8.0f}", file=f)
     lb = result.get("loopback", {})
