@@ -119,12 +119,16 @@ def _run(args) -> int:
             token = rpc.new_token()
             path = rpc.write_token(args.run_dir, token)
             print(f"crucible: no CRUCIBLE_TOKEN given; generated one in {path}", file=sys.stderr)
-        return serve(cfg, args.run_dir, args.bind, token)
+        return serve(cfg, args.run_dir, args.bind, token, resume=args.resume)
 
     if args.cmd == "worker":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         _setup_logging(f"worker r{args.replica}s{args.stage}")
         _die_with_parent()
+        if os.environ.get("CRUCIBLE_PDEATHSIG"):
+            # Under `launch`, Ctrl-C reaches the whole process group: let the
+            # coordinator take its final checkpoint and stop us.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         from crucible import rpc
 
         token = rpc.read_token()

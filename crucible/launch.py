@@ -23,6 +23,8 @@ import time
 from crucible import rpc
 from crucible.config import Config
 
+RESTART_EXIT = 75   # a worker's exit code under on_stage_failure = restart
+
 
 def default_run_dir() -> str:
     return os.path.join("runs", time.strftime("run-%Y%m%d-%H%M%S"))
@@ -81,7 +83,10 @@ class Launcher:
         return env
 
     def _coordinator_argv(self, resume: bool) -> list[str]:
-        argv = [sys.executable, "-m", "crucible", "coordinator", "--run-dir", self.run_dir, "--bind", "127.0.0.1:0"]
+        # A restarted coordinator binds the port of the one it replaces: workers
+        # only know that address.
+        bind = self.addr if getattr(self, "addr", None) else "127.0.0.1:0"
+        argv = [sys.executable, "-m", "crucible", "coordinator", "--run-dir", self.run_dir, "--bind", bind]
         if self.args.config:
             argv += ["--config", self.args.config]
         if resume:
@@ -96,16 +101,22 @@ class Launcher:
             self.coord = Proc("coordinator", self._coordinator_argv(resume),
                               os.path.join(self.run_dir, "logs", "coordinator.log"), self._env())
         else:
-            self.coord.argv = self._coordinator_argv(True)
-        self.coord.start()
+            self.coord.argv = self._coordinator_argv(resume)
+            self.coord.restarts += 1
         t_end = time.monotonic() + 30
+        self.coord.start()
         while time.monotonic() < t_end:
             if os.path.exists(addr_file):
                 with open(addr_file) as f:
                     addr = f.read().strip()
                 if addr:
+                    self._write_pids()
                     return addr
             if self.coord.poll() is not None:
+                if self.coord.restarts and time.monotonic() < t_end - 20:
+                    time.sleep(0.5)    # its port may still be held for a moment: try again
+                    self.coord.start()
+                    continue
                 raise SystemExit(f"coordinator exited with {self.coord.exit_code}; see {self.coord.log_path}")
             time.sleep(0.05)
         raise SystemExit(f"coordinator did not come up in 30s; see {self.coord.log_path}")
@@ -166,19 +177,32 @@ class Launcher:
                     self._start_worker(r, s)
             return self._supervise()
         finally:
+            if self.stopping:   # SIGTERM/SIGINT: a final checkpoint before everything stops
+                from crucible.coordinator.checkpoints import preempt
+
+                preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint)
             self._stop_all()
 
     def _on_signal(self, signum, frame) -> None:
         self.stopping = True
 
     def _supervise(self) -> int:
+        from crucible.chaos import Chaos
         from crucible.status import StatusClient, format_progress
 
         client = StatusClient(self.addr, self.token)
-        last_print, tty = 0.0, sys.stdout.isatty()
+        chaos = Chaos.parse(self.args.chaos) if self.args.chaos else None
+        t_start = time.monotonic()
+        last_print, last_status, st = 0.0, 0.0, None
+        tty = sys.stdout.isatty()
         delay = self.args.respawn_delay
+        stopped: dict[str, float] = {}
         while not self.stopping:
-            time.sleep(0.2)
+            time.sleep(0.1)
+            if any(w.poll() == RESTART_EXIT for w in self.workers.values()):
+                self._restart_all()
+                client = StatusClient(self.addr, self.token)
+                continue
             for name, w in self.workers.items():
                 code = w.poll()
                 if code is None or code == 0:
@@ -187,29 +211,77 @@ class Launcher:
                     print(f"crucible: {name} exited with {code}; starting a replacement", flush=True)
                     w.restarts += 1
                     self._start_worker(int(name[1:name.index("s")]), int(name[name.index("s") + 1:]))
-            if self.coord.poll() not in (None, 0):
+            if self.coord.poll() is not None and not (self.coord.exit_code == 0 and self._all_done()):
                 print(f"crucible: coordinator exited with {self.coord.exit_code}; restarting it", flush=True)
-                self.addr = self._start_coordinator(True)
+                self.addr = self._start_coordinator(False)
                 client = StatusClient(self.addr, self.token)
-            if all(w.poll() == 0 for w in self.workers.values()):
+            if self._all_done():
                 try:
                     self.coord.popen.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
                 break
-            if time.monotonic() - last_print >= (1.0 if tty else 5.0):
-                last_print = time.monotonic()
-                st = client.get()
-                if st is not None:
-                    line = format_progress(st)
-                    print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
+            now = time.monotonic()
+            if now - last_status >= 0.5:
+                last_status = now
+                st = client.get(timeout=1.0) or st
+            for name, t in list(stopped.items()):
+                if now >= t:
+                    self._signal(name, signal.SIGCONT, "CONT")
+                    del stopped[name]
+            if chaos is not None:
+                steps = {r["id"]: r["step"] for r in st["replicas"]} if st else {}
+                live = [n for n, w in self.workers.items() if w.poll() is None and n not in stopped]
+                for victim, sig in chaos.due(now - t_start, steps, live, self.cfg.job.stages):
+                    if sig == "STOP":
+                        self._signal(victim, signal.SIGSTOP, "STOP")
+                        stopped[victim] = now + 5.0
+                    else:
+                        self._signal(victim, signal.SIGKILL, "KILL")
+            if st is not None and now - last_print >= (1.0 if tty else 5.0):
+                last_print = now
+                line = format_progress(st)
+                print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
         if tty:
             print()
-        summary = self._summary()
-        print(summary, flush=True)
+        print(self._summary(), flush=True)
         if self.stopping:
             return 130
-        return 0 if all(w.poll() == 0 for w in self.workers.values()) else 1
+        return 0 if self._all_done() else 1
+
+    def _all_done(self) -> bool:
+        return all(w.poll() == 0 for w in self.workers.values())
+
+    def _signal(self, name: str, sig: int, what: str) -> None:
+        proc = self.coord if name == "coordinator" else self.workers.get(name)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        print(f"crucible: chaos: SIG{what} {name} (pid {proc.pid})", flush=True)
+        self._log_event({"event": "chaos", "signal": what, "target": name, "pid": proc.pid,
+                         "mono": time.monotonic()})
+
+    def _log_event(self, ev: dict) -> None:
+        ev.setdefault("time", time.time())
+        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(ev) + "\n")
+
+    def _restart_all(self) -> None:
+        """on_stage_failure = restart: the classic way. Every process goes; all come
+        back and resume from the latest committed checkpoint."""
+        print("crucible: a worker asked for a full restart (on_stage_failure = restart)", flush=True)
+        t0 = time.monotonic()
+        self._stop_all(grace=2.0)
+        self._log_event({"event": "job_restart", "reason": "on_stage_failure=restart"})
+        self.addr = None
+        self.addr = self._start_coordinator(True)
+        for name in list(self.workers):
+            r, s = int(name[1:name.index("s")]), int(name[name.index("s") + 1:])
+            self._start_worker(r, s)
+        self._log_event({"event": "job_restarted", "seconds": time.monotonic() - t0})
 
     def _summary(self) -> str:
         steps, losses = {}, {}

@@ -390,6 +390,11 @@ class StageStub:
                 request_serializer=crucible_dot___pb_dot_crucible__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=crucible_dot___pb_dot_crucible__pb2.ProbeReply.FromString,
                 _registered_method=True)
+        self.PullWeights = channel.unary_stream(
+                '/crucible.v1.Stage/PullWeights',
+                request_serializer=crucible_dot___pb_dot_crucible__pb2.PullRequest.SerializeToString,
+                response_deserializer=crucible_dot___pb_dot_crucible__pb2.WeightChunk.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -413,6 +418,14 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullWeights(self, request, context):
+        """A replacement pulls this stage's global weights (θ_global) from a healthy
+        peer of another replica, in chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -425,6 +438,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=crucible_dot___pb_dot_crucible__pb2.ProbeRequest.FromString,
                     response_serializer=crucible_dot___pb_dot_crucible__pb2.ProbeReply.SerializeToString,
+            ),
+            'PullWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullWeights,
+                    request_deserializer=crucible_dot___pb_dot_crucible__pb2.PullRequest.FromString,
+                    response_serializer=crucible_dot___pb_dot_crucible__pb2.WeightChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -483,6 +501,33 @@ class Stage:
             '/crucible.v1.Stage/Probe',
             crucible_dot___pb_dot_crucible__pb2.ProbeRequest.SerializeToString,
             crucible_dot___pb_dot_crucible__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/crucible.v1.Stage/PullWeights',
+            crucible_dot___pb_dot_crucible__pb2.PullRequest.SerializeToString,
+            crucible_dot___pb_dot_crucible__pb2.WeightChunk.FromString,
             options,
             channel_credentials,
             insecure,

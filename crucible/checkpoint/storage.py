@@ -92,10 +92,25 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-import numpy as np
-import torch
-
 from .policies import CkptInfo
+
+
+class _LazyModule:
+    """numpy / torch, imported on first use: listing, verifying, committing and
+    cleaning checkpoints (what the coordinator and ``crucible ckpt`` do) never
+    import torch; only encoding and decoding shard contents do."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(self._name), attr)
+
+
+np: Any = _LazyModule("numpy")
+torch: Any = _LazyModule("torch")
 
 __all__ = [
     "CheckpointCorrupt",

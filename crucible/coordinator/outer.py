@@ -38,7 +38,7 @@ SPARSE_HEADER = struct.Struct("<4sBBHQII")   # crucible.compress.sparseloco wire
 SPARSE_MAGIC = b"SLC0"
 DENSE_HEADER = struct.Struct("<4sQ")          # crucible.worker.outer dense (DiLoCo) payload
 DENSE_MAGIC = b"DNS0"
-KEEP_CLOSED = 8
+KEEP_CLOSED = 64
 
 
 def check_payload(mode: str, payload: bytes, numel: int) -> None:
@@ -100,7 +100,9 @@ class OuterRelay:
     def _maybe_close(self, rnd: Round) -> None:
         if rnd.closed:
             return
-        expected = self._expected(rnd.stage) - rnd.abstained
+        # Who the round waits for only shrinks: the replicas expected when it opened,
+        # less those that died, paused or skip this stage since.
+        expected = (rnd.expected_at_open & self._expected(rnd.stage)) - rnd.abstained
         if not expected <= set(rnd.payloads):
             if not rnd.warned and time.time() - rnd.opened > self.c.cfg.outer.deadline_s:
                 rnd.warned = True
@@ -144,10 +146,15 @@ class OuterRelay:
                 raise ValueError(f"contribution in mode {req.mode!r}; the job runs {mode!r}")
             if req.round < 0:
                 raise ValueError(f"round {req.round} < 0")
+            while not c.job_started:  # a restarted coordinator: wait for the members to come back
+                if not context.is_active() or c.stopping.is_set():
+                    raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "the job has not started; retry")
+                c.cv.wait(0.5)
             key = (req.stage, req.round)
             rnd = self.rounds.get(key)
             if rnd is None:
-                newest = self.newest.get(req.stage, -1)
+                # A coordinator that restarted knows no rounds yet: it takes the workers' numbering.
+                newest = self.newest.get(req.stage, req.round - 1)
                 if req.round > newest + 1:
                     raise ValueError(f"round {req.round} of stage {req.stage} is ahead of the job "
                                      f"(newest round {newest})")

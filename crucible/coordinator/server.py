@@ -42,7 +42,9 @@ import grpc
 from crucible import PROTOCOL_VERSION
 from crucible import rpc
 from crucible._pb import crucible_pb2 as pb
+from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
+from crucible.coordinator.checkpoints import CheckpointManager
 from crucible.coordinator.outer import OuterRelay
 
 log = logging.getLogger("crucible.coordinator")
@@ -119,7 +121,9 @@ class Coordinator:
         self.server = None
         self.port = 0
         self.job_started = False
+        self.restart_requested = False
         self.outer = OuterRelay(self)
+        self.ckpt = CheckpointManager(self)
 
     # ---- run-directory bookkeeping -------------------------------------
 
@@ -156,6 +160,7 @@ class Coordinator:
             "Report": rpc.unary("Report", pb.ReportRequest, pb.ReportReply, self.Report),
             "Status": rpc.unary("Status", pb.StatusRequest, pb.StatusReply, self.Status),
             "OuterExchange": rpc.unary("OuterExchange", pb.OuterRequest, pb.OuterReply, self.outer.exchange),
+            "ReportShard": rpc.unary("ReportShard", pb.ShardReport, pb.ShardAck, self.ckpt.report_shard),
         }
         self.server, self.port = rpc.make_server(SERVICE, handlers, self.token, bind,
                                                  max_workers=3 * n + 8, max_mb=self.cfg.net.max_message_mb)
@@ -168,6 +173,7 @@ class Coordinator:
                             "pid": os.getpid(), "replicas": self.cfg.job.replicas, "stages": self.cfg.job.stages,
                             "config": self.cfg.to_dict()})
         threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
+        self.ckpt.start()
         log.info("coordinator %s up at %s (incarnation %d)", self.run_dir, adv, self.incarnation)
         return self.port
 
@@ -204,15 +210,23 @@ class Coordinator:
                     raise rpc.RpcFault(grpc.StatusCode.RESOURCE_EXHAUSTED, "no vacant slot in this job")
             wid = f"r{slot[0]}s{slot[1]}-{uuid.uuid4().hex[:8]}"
             now = time.time()
+            # Once the job is under way a new worker is a replacement: it pulls its
+            # stage's weights from a peer and enters the route when it says "ready".
+            # A live worker re-registering after a coordinator restart is not.
+            replacement = self.job_started and not req.rejoin
             self.workers[wid] = WorkerInfo(wid, slot[0], slot[1], req.address, req.pid, req.host,
+                                           state="joining" if replacement else "alive",
                                            last_seen=now, registered_at=now)
             self.slots[slot] = wid
             self.metrics.write({"event": "worker_registered", "worker": wid, "replica": slot[0],
-                                "stage": slot[1], "address": req.address, "pid": req.pid})
+                                "stage": slot[1], "address": req.address, "pid": req.pid,
+                                "replacement": replacement, "rejoin": req.rejoin})
             self._recompute_routes(reason=f"r{slot[0]}s{slot[1]} registered")
             return pb.RegisterReply(worker_id=wid, replica=slot[0], stage=slot[1],
                                     config_json=self.cfg.to_json(), routes=self._route_update(),
-                                    run_dir=self.run_dir, incarnation=self.incarnation)
+                                    run_dir=self.run_dir, incarnation=self.incarnation,
+                                    replacement=replacement, replica_step=self._replica_step(slot[0]),
+                                    resume_dir=self.ckpt.resume_dir_for(slot, req.rejoin))
 
     def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         with self.cv:
@@ -224,9 +238,18 @@ class Coordinator:
                                    f"worker {req.worker_id} was declared dead: rejoin as a replacement")
             w.last_seen = time.time()
             w.step = req.step
+            if w.stage == 0 and w.state == "alive":
+                rep = self.replicas[w.replica]
+                rep.step = max(rep.step, int(req.step))
             if req.state == "done" and w.state != "done":
                 w.state = "done"
-            return pb.HeartbeatReply(epoch=self.epoch, command="stop" if self.stopping.is_set() else "")
+            elif req.state == "ready" and w.state == "joining":
+                w.state = "alive"
+                self.metrics.write({"event": "worker_joined", "worker": w.worker_id, "replica": w.replica,
+                                    "stage": w.stage})
+                self._recompute_routes(reason=f"r{w.replica}s{w.stage} rejoined")
+            command = "stop" if self.stopping.is_set() else ("restart" if self.restart_requested else "")
+            return pb.HeartbeatReply(epoch=self.epoch, command=command, ckpt_step=self.ckpt.target())
 
     def WatchRoutes(self, req: pb.WatchRequest, context):
         with self.cv:
@@ -283,10 +306,19 @@ class Coordinator:
                 rep.tokens.append((time.time(), int(ev.get("tokens", 0))))
             elif kind == "eval" and w.stage == 0:
                 rep.eval_loss = ev.get("loss")
+            elif kind == "suspect":
+                threading.Thread(target=self._probe, args=(ev.get("replica"), ev.get("stage"), ev.get("reason", "")),
+                                 daemon=True, name="probe").start()
             elif kind == "replica_done" and w.stage == 0:
                 rep.state = "done"
                 self._recompute_routes(reason=f"replica {w.replica} done")
                 self._check_finished()
+
+    def _replica_step(self, r: int) -> int:
+        """Committed steps of replica r: the most any of its live workers has applied."""
+        steps = [self.replicas[r].step]
+        steps += [w.step for w in self.workers.values() if w.replica == r and w.state == "alive"]
+        return max(steps)
 
     def _check_finished(self) -> None:
         if all(r.state == "done" for r in self.replicas) and not self.finished.is_set():
@@ -327,7 +359,9 @@ class Coordinator:
                     rep.started = True
                     rep.state = "training"
             elif 0 not in route or (S - 1) not in route:
-                rep.state = "paused"
+                rep.state = "paused"       # no stage to drive it, or none to compute its loss
+            elif len(route) < S and self.cfg.fault.on_stage_failure == "wait":
+                rep.state = "paused"       # policy wait: stall until a replacement arrives
             elif rep.state == "paused":
                 rep.state = "training"
             self.routes[r] = route
@@ -357,14 +391,48 @@ class Coordinator:
         while not self.stopping.wait(0.1):
             now = time.time()
             with self.cv:
+                if not self.job_started and self.incarnation > 1 and now - self.started > timeout \
+                        and not self.ckpt.resume_requested \
+                        and any(self._alive(slot) for slot in self.slots):
+                    # A restarted coordinator: whoever re-registered within one
+                    # heartbeat timeout carries on; the rest are vacancies.
+                    self.job_started = True
+                    self._recompute_routes(reason="coordinator restarted: grace period over")
+                self.cv.notify_all()
                 for w in self.workers.values():
                     if w.state in ("alive", "joining") and now - w.last_seen > timeout:
                         self._declare_dead(w, f"no heartbeat for {now - w.last_seen:.1f}s")
 
-    def _declare_dead(self, w: WorkerInfo, why: str) -> None:
+    def _probe(self, replica, stage, reason: str) -> None:
+        """A neighbour's data-plane call failed: confirm with a probe before evicting,
+        so that a slow worker is not evicted for being slow once."""
+        if not isinstance(replica, int) or not isinstance(stage, int) or (replica, stage) not in self.slots:
+            return
+        with self.cv:
+            wid = self.slots[(replica, stage)]
+            w = self.workers.get(wid) if wid else None
+            if w is None or w.state != "alive":
+                return
+            address = w.address
+        t0 = time.time()
+        try:
+            with rpc.make_channel(address) as ch:
+                pbg.StageStub(ch).Probe(pb.ProbeRequest(), metadata=rpc.metadata(self.token),
+                                        timeout=self.cfg.fault.probe_timeout)
+            return  # alive: it was a hiccup
+        except grpc.RpcError as e:
+            why = f"probe failed ({e.code().name}) after: {reason}"
+        with self.cv:
+            if self.slots.get((replica, stage)) == wid and w.state == "alive":
+                self._declare_dead(w, why, probe_s=time.time() - t0)
+
+    def _declare_dead(self, w: WorkerInfo, why: str, probe_s: float | None = None) -> None:
         w.state = "dead"
+        if self.cfg.fault.on_stage_failure == "restart" and self.job_started:
+            self.restart_requested = True
         self.metrics.write({"event": "fault", "kind": "worker_dead", "worker": w.worker_id,
-                            "replica": w.replica, "stage": w.stage, "reason": why})
+                            "replica": w.replica, "stage": w.stage, "pid": w.pid, "reason": why,
+                            "probe_s": probe_s})
         log.warning("worker r%ds%d (%s) declared dead: %s", w.replica, w.stage, w.worker_id, why)
         self._recompute_routes(reason=f"r{w.replica}s{w.stage} dead: {why}")
 
@@ -397,7 +465,7 @@ class Coordinator:
                 "finished": self.finished.is_set(),
                 "replicas": reps,
                 "workers": workers,
-                "checkpoint": {"latest_committed_step": self.latest_committed_step},
+                "checkpoint": self.ckpt.status(),
             }
 
 
@@ -410,11 +478,12 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def serve(cfg: Config, run_dir: str, bind: str, token: str) -> int:
+def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False) -> int:
     """Run a coordinator until the job finishes or SIGTERM/SIGINT."""
     import signal
 
     coord = Coordinator(cfg, run_dir, token)
+    coord.ckpt.prepare(resume)
     coord.start(bind)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -422,6 +491,10 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str) -> int:
     while not stop.is_set() and not coord.finished.is_set():
         stop.wait(0.2)
     if coord.finished.is_set():
+        coord.ckpt.drain(timeout=30.0)   # a save in flight at the end of the job may still commit
         time.sleep(0.5)  # let workers see the final state before the server goes
+    else:  # SIGTERM/SIGINT (a preemption notice): a final checkpoint, then every worker stops
+        coord.ckpt.final_checkpoint(cfg.checkpoint.preemption_timeout_secs)
+        coord.ckpt.stop_workers()
     coord.stop()
     return 0

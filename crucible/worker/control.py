@@ -37,10 +37,15 @@ class ControlClient:
         self.state = "alive"
         self.step = 0
         self.epoch = 0
+        self.on_reregister = None
+        self._hb_lock = threading.Lock()
 
-    def register(self, replica: int, stage: int, address: str, deadline_s: float = 60.0) -> pb.RegisterReply:
+    def register(self, replica: int, stage: int, address: str, deadline_s: float = 60.0,
+                 rejoin: bool = False) -> pb.RegisterReply:
+        """Register (or, after a coordinator restart, take our old slot again)."""
         req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage,
                                  address=address, pid=os.getpid(), host=socket.gethostname())
+        req.rejoin = rejoin
         delay, t_end = 0.1, time.monotonic() + deadline_s
         while True:
             try:
@@ -58,6 +63,23 @@ class ControlClient:
     def report(self, event: dict) -> None:
         event.setdefault("time", time.time())
         self.events.put(json.dumps(event, separators=(",", ":")))
+
+    def report_now(self, event: dict) -> None:
+        """Send one urgent event (a suspected neighbour) at once, off the caller's thread."""
+        self.report(event)
+        threading.Thread(target=self.flush, daemon=True, name="report-now").start()
+
+    def heartbeat_now(self) -> None:
+        try:
+            self._heartbeat(timeout=2.0)
+        except grpc.RpcError:
+            pass
+
+    def _heartbeat(self, timeout: float) -> pb.HeartbeatReply:
+        with self._hb_lock:
+            return self.stub.Heartbeat(
+                pb.HeartbeatRequest(worker_id=self.worker_id, epoch=self.epoch, step=self.step, state=self.state),
+                metadata=self.md, timeout=timeout)
 
     def flush(self) -> None:
         batch = []
@@ -99,17 +121,24 @@ class ControlClient:
                     continue
                 raise
 
-    def heartbeat_loop(self, interval: float, on_command: Callable[[str], None]) -> None:
+    def heartbeat_loop(self, interval: float, on_command: Callable[[str], None],
+                       on_reply: Callable[[pb.HeartbeatReply], None] | None = None) -> None:
         while not self.stop.is_set():
             t0 = time.monotonic()
             try:
-                reply = self.stub.Heartbeat(
-                    pb.HeartbeatRequest(worker_id=self.worker_id, epoch=self.epoch, step=self.step, state=self.state),
-                    metadata=self.md, timeout=max(interval * 2, 1.0))
+                reply = self._heartbeat(timeout=max(interval * 2, 1.0))
                 if reply.command:
                     on_command(reply.command)
+                if on_reply is not None:
+                    on_reply(reply)
             except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                if e.code() == grpc.StatusCode.NOT_FOUND and self.on_reregister is not None:
+                    # A restarted coordinator does not know us: take our slot again.
+                    try:
+                        self.on_reregister()
+                    except grpc.RpcError as e2:
+                        log.warning("re-registration failed: %s %s", e2.code().name, e2.details())
+                elif e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     on_command("evicted:" + (e.details() or ""))
                 else:
                     log.debug("heartbeat failed: %s", e.code().name)

@@ -52,12 +52,14 @@ class Event:
     loss: float = 0.0
     grad_sumsq: float = 0.0
     clip_coef: float = 1.0
+    snapshot: bool = False         # COMMIT: snapshot right after applying it (checkpoint cut)
     sent_at: float = 0.0
     recv_at: float = 0.0
     decode_s: float = 0.0
     nbytes: int = 0
     raw_nbytes: int = 0
     note: str = ""                 # for notices: "down_closed", "down_error", ...
+    peer: int = -1                 # for up_closed: the stage that fed the stream
 
 
 class Throttle:
@@ -88,6 +90,8 @@ class StageService:
         return {
             "Pipe": rpc.stream_stream("Pipe", pb.Frame, pb.Frame, self.Pipe),
             "Probe": rpc.unary("Probe", pb.ProbeRequest, pb.ProbeReply, self.Probe),
+            "PullWeights": rpc.unary_stream("PullWeights", pb.PullRequest, pb.WeightChunk,
+                                            lambda req, ctx: self.rt.weight_chunks(req.stage)),
         }
 
     def Probe(self, req, context):
@@ -124,7 +128,7 @@ class StageService:
                 self.decode(hello)
                 raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, "first frame on a Pipe must be HELLO")
             self.check_sender(hello)
-            stream.epoch = hello.epoch
+            stream.epoch, stream.src_stage = hello.epoch, hello.src_stage
             rt.attach_upstream(stream)
             for f in frames:
                 ev = self.decode(f)
@@ -147,7 +151,7 @@ class StageService:
             stream.out.put((grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
             if rt.detach_upstream(stream):
-                rt.inbox.put(Event("notice", note="up_closed"))
+                rt.inbox.put(Event("notice", note="up_closed", epoch=stream.epoch, peer=stream.src_stage))
             stream.out.put(None)
 
     def check_sender(self, hello) -> None:
@@ -173,7 +177,7 @@ class StageService:
         """Validate one upstream frame and decode its tensors."""
         rt = self.rt
         ev = Event("up", kind=f.kind, step=f.step, micro=f.micro, epoch=f.epoch, sent_at=f.sent_at,
-                   recv_at=time.monotonic(), clip_coef=f.clip_coef)
+                   recv_at=time.monotonic(), clip_coef=f.clip_coef, snapshot=f.snapshot)
         if f.kind in (K.FORWARD, K.EVAL):
             if not 0 <= f.micro < rt.micro_count(f.kind):
                 raise WireError(f"micro {f.micro} out of range")
@@ -202,6 +206,7 @@ class UpstreamStream:
     def __init__(self, out: queue.Queue):
         self.out = out
         self.epoch = 0
+        self.src_stage = -1
 
     def send(self, frame) -> None:
         frame.sent_at = time.monotonic()
@@ -219,6 +224,8 @@ class Downstream:
         self.on_event, self.decode_down = on_event, decode_down
         self.channel = rpc.make_channel(address, max_mb)
         self.closed = False
+        self.failed = False
+        self.epoch = hello.epoch
         self.q.put(hello)
         stub = pbg.StageStub(self.channel)
         self.call = stub.Pipe(self._requests(), metadata=rpc.metadata(token))
@@ -244,22 +251,23 @@ class Downstream:
                 try:
                     ev = self.decode_down(f)
                 except ValueError as e:
-                    self.on_event(Event("notice", note="down_error", epoch=f.epoch,
-                                        kind=-1, loss=0.0, step=-1, micro=-1, x=None))
+                    self.on_event(Event("notice", note="down_error", epoch=self.epoch))
                     log.error("bad frame from downstream %s: %s", self.address, e)
                     self.call.cancel()
                     return
                 self.on_event(ev)
-            self.on_event(Event("notice", note="down_closed"))
+            if not self.closed:
+                self.on_event(Event("notice", note="down_closed", epoch=self.epoch))
         except grpc.RpcError as e:
             if not self.closed:
                 log.warning("downstream %s: %s %s", self.address, e.code().name, e.details())
-                self.on_event(Event("notice", note="down_error"))
+                self.on_event(Event("notice", note="down_error", epoch=self.epoch))
 
     def close(self, wait: float = 5.0) -> None:
         """Half-close the stream and wait for the peer to finish it."""
         self.q.put(None)
-        self.reader.join(wait)
+        if wait > 0:
+            self.reader.join(wait)
         self.closed = True
         self.call.cancel()
         self.channel.close()

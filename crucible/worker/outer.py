@@ -22,6 +22,7 @@ same bytes fail the same way everywhere), so all replicas still agree.
 from __future__ import annotations
 
 import struct
+import threading
 
 import torch
 from torch.nn.utils import parameters_to_vector
@@ -50,15 +51,33 @@ def dense_decode(payload: bytes, numel: int) -> torch.Tensor:
 
 
 class OuterState:
-    def __init__(self, model: torch.nn.Module, outer_cfg):
+    def __init__(self, model: torch.nn.Module, outer_cfg, replicas: int = 2):
         self.cfg = outer_cfg
-        self.mode = outer_cfg.mode
+        # One replica has no one to agree with: no outer rounds.
+        self.mode = outer_cfg.mode if replicas > 1 else "none"
         self.params = list(model.parameters())
         self.theta_global = parameters_to_vector(self.params).detach().clone()
         self.numel = self.theta_global.numel()
         self.e = torch.zeros_like(self.theta_global) if self.mode == "sparseloco" else None
         self.nesterov = slc.NesterovOuter(outer_cfg.lr, outer_cfg.momentum) if self.mode == "diloco" else None
         self.round = 0
+        self.lock = threading.Lock()   # θ_global is read by PullWeights on another thread
+
+    def load_global(self, theta: torch.Tensor, outer_round: int) -> None:
+        """Replacement rule: θ_global from a peer, θ_local ← θ_global, e ← 0."""
+        with self.lock, torch.no_grad():
+            self.theta_global.copy_(theta)
+            if self.e is not None:
+                self.e.zero_()
+            self.round = int(outer_round)
+            self._set_local()
+
+    def _set_local(self) -> None:
+        offset = 0
+        for p in self.params:  # θ_local ← θ_global, in place (the optimizer keeps its parameters)
+            n = p.numel()
+            p.copy_(self.theta_global[offset:offset + n].view_as(p))
+            offset += n
 
     def due(self, committed_step: int) -> bool:
         return self.mode != "none" and (committed_step + 1) % self.cfg.H == 0
@@ -88,7 +107,7 @@ class OuterState:
                 used.append(r)
             except ValueError:
                 bad.append(r)
-        with torch.no_grad():
+        with self.lock, torch.no_grad():
             if contribs:
                 agg = slc.aggregate(contribs, clip=self.cfg.clip)
                 if self.mode == "sparseloco":
@@ -97,12 +116,8 @@ class OuterState:
                     self.nesterov.step(self.theta_global, agg)
             if replica not in used and mine is not None and self.e is not None:
                 slc.ef_restore(self.e, mine)
-            offset = 0
-            for p in self.params:  # θ_local ← θ_global, in place (the optimizer keeps its parameters)
-                n = p.numel()
-                p.copy_(self.theta_global[offset:offset + n].view_as(p))
-                offset += n
-        self.round += 1
+            self._set_local()
+            self.round += 1
         return {"used": used, "undecodable": bad, "left_out": replica not in used}
 
     def state_dict(self) -> dict:

@@ -32,27 +32,68 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
 from crucible import rpc
 from crucible._pb import crucible_pb2 as pb
+from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.compress.activations import make_codec
 from crucible.config import Config
 from crucible.data import Corpus, eval_batches
 from crucible.model import build_stage
 from crucible.wire import from_wire, to_wire
 from crucible.worker import optim
+from crucible.worker.checkpointing import WorkerCheckpointer
 from crucible.worker.control import ControlClient
 from crucible.worker.outer import OuterState
 from crucible.worker.dataplane import SERVICE, Downstream, Event, StageService, K
 
 log = logging.getLogger("crucible.worker")
+
+
+RESTART_EXIT = 75    # on_stage_failure = restart: the supervisor relaunches everyone with --resume
+EVICTED_EXIT = 3     # declared dead while alive (e.g. SIGSTOP): come back as a replacement
+
+
+class RouteChanged(Exception):
+    """The replica's route changed (or a neighbour is gone): abort the step in flight."""
+
+
+class Ledger:
+    """Where a replica's wall time goes (stage 0 keeps it): committed compute,
+    communication, lost work (aborted attempts), paused (no route), recovering,
+    checkpoint stall. Reported as `goodput` events."""
+
+    KINDS = ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering")
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.secs = dict.fromkeys(self.KINDS, 0.0)
+        self.last_report = self.t0
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.secs[kind] += seconds
+
+    def summary(self) -> dict:
+        wall = time.perf_counter() - self.t0
+        out = {k + "_s": round(v, 4) for k, v in self.secs.items()}
+        out["wall_s"] = round(wall, 4)
+        out["goodput"] = round(self.secs["compute"] / wall, 4) if wall > 0 else None
+        return out
+
+    def maybe_report(self, worker, force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self.last_report >= 10.0:
+            self.last_report = now
+            worker.ctl.report({"event": "goodput", "replica": worker.replica, "step": worker.step, **self.summary()})
 
 
 @dataclass
@@ -117,6 +158,9 @@ class Worker:
         self.fwd_codec = None
         self.bwd_codec = None
         self.cfg: Config | None = None
+        self.all_routes: list = []
+        self.down_epoch, self.down_stage = 0, None
+        self.exit_code = 0
 
     # ---- what the data plane asks of us ---------------------------------
 
@@ -179,9 +223,10 @@ class Worker:
         host = self.bind.rpartition(":")[0] or "127.0.0.1"
         if host in ("0.0.0.0", "[::]"):
             host = socket.gethostname()
-        address = self.advertise or f"{host}:{port}"
+        self.address = self.advertise or f"{host}:{port}"
         self.ctl = ControlClient(self.coordinator, self.token)
-        reply = self.ctl.register(self.replica, self.stage, address)
+        self.ctl.on_reregister = self._reregister
+        reply = self.ctl.register(self.replica, self.stage, self.address)
         self.cfg = cfg = Config.from_dict(json.loads(reply.config_json))
         self.replica, self.stage = reply.replica, reply.stage
         self.run_dir = reply.run_dir
@@ -190,20 +235,25 @@ class Worker:
         self.first, self.last = self.stage == 0, self.stage == self.S - 1
         self.name = f"r{self.replica}s{self.stage}"
         logging.getLogger().name = self.name
-        log.info("%s registered as %s at %s", self.name, reply.worker_id, address)
+        log.info("%s registered as %s at %s%s", self.name, reply.worker_id, self.address,
+                 " (replacement)" if reply.replacement else "")
+        self.ckpt = WorkerCheckpointer(self)
         threading.Thread(target=self.ctl.heartbeat_loop, args=(cfg.fault.heartbeat_interval, self.on_command),
-                         daemon=True, name="heartbeat").start()
+                         kwargs={"on_reply": self.ckpt.on_heartbeat}, daemon=True, name="heartbeat").start()
         self._build()
+        self.ckpt.restore(reply.resume_dir)
         self.on_routes(reply.routes)
         threading.Thread(target=self.ctl.watch_loop, args=(self.on_routes,), daemon=True, name="routes").start()
         signal.signal(signal.SIGTERM, lambda *_: self.stop_requested.set())
         try:
-            self._wait_training()
+            if reply.replacement:
+                self.step = self.ctl.step = int(reply.replica_step)
+                self.join_as_replacement()
             if self.first:
                 self.drive()
             else:
                 self.serve()
-            return 0
+            return self.exit_code
         finally:
             self.shutdown()
 
@@ -212,62 +262,177 @@ class Worker:
         torch.manual_seed(cfg.train.seed * 1000 + self.replica * 100 + self.stage)
         self.model = build_stage(cfg, self.stage, self.S).to(self.device)
         self.opt = optim.make_optimizer(self.model, cfg.train)
-        self.outer = OuterState(self.model, cfg.outer)
+        self.outer = OuterState(self.model, cfg.outer, cfg.job.replicas)
         self.fwd_codec = boundary_codec(cfg.compress.forward, cfg)
         self.bwd_codec = boundary_codec(cfg.compress.backward, cfg)
+        self.ledger = Ledger()
+        self.last_commit: tuple[int, float] | None = None   # stage 0: (step, coef) of the last COMMIT sent
         if self.first:
             corpus = Corpus(cfg)
             self.reader = corpus.reader(cfg, self.replica)
             self.evals = eval_batches(corpus.eval, cfg.train.seq_len, self.mb, cfg.train.eval_batches)
 
+    def _reregister(self) -> None:
+        """The coordinator restarted and does not know us: take our old slot again."""
+        self.ctl.register(self.replica, self.stage, self.address, deadline_s=30.0, rejoin=True)
+
     def on_routes(self, update: pb.RouteUpdate) -> None:
         for r in update.routes:
             if r.replica == self.replica:
                 with self.cv:
-                    if self.route is None or r.epoch >= self.route.epoch:
+                    changed = self.route is None or r.epoch != self.route.epoch or r.state != self.route.state
+                    if self.route is None or r.epoch >= self.route.epoch or update.epoch >> 32 != self.route.epoch >> 32:
                         self.route = r
                         self.ctl.epoch = r.epoch
                     self.cv.notify_all()
+                if changed:
+                    self.inbox.put(Event("notice", note="route", epoch=r.epoch))
+        with self.cv:
+            self.all_routes = list(update.routes)
 
     def on_command(self, command: str) -> None:
-        if command == "stop" or command.startswith("evicted"):
+        if command == "restart":
+            log.warning("%s: coordinator asks every worker to restart (on_stage_failure = restart)", self.name)
+            self.exit_code = RESTART_EXIT
+            self.stop_requested.set()
+        elif command == "stop" or command.startswith("evicted"):
             log.warning("%s: coordinator says %s", self.name, command)
+            if command.startswith("evicted"):
+                self.exit_code = EVICTED_EXIT
             self.stop_requested.set()
 
+    def _check_stop(self) -> None:
+        if self.stop_requested.is_set():
+            raise SystemExit(self.exit_code)
+
     def _wait_training(self) -> None:
+        """Block while the replica is not training (waiting, paused, resuming)."""
+        t0 = time.perf_counter()
         with self.cv:
-            while not (self.route is not None and self.route.state == "training"):
+            while not (self.route is not None and self.route.state == "training" and self.stage in self.route.stages):
                 if self.stop_requested.is_set():
-                    raise SystemExit(0)
-                self.cv.wait(0.2)
+                    break
+                self.cv.wait(0.1)
+        self._check_stop()
+        waited = time.perf_counter() - t0
+        if waited > 0.05 and self.first:
+            self.ledger.add("paused", waited)
+
+    def _successor(self, route) -> tuple[int, str] | None:
+        stages = list(route.stages)
+        if self.stage not in stages:
+            return None
+        i = stages.index(self.stage)
+        return None if i == len(stages) - 1 else (stages[i + 1], route.addresses[i + 1])
 
     def _connect_downstream(self) -> None:
+        """A stream to our successor in the current route, opened with HELLO(epoch)."""
         with self.cv:
             route = self.route
-        stages = list(route.stages)
-        i = stages.index(self.stage)
-        if i == len(stages) - 1:
-            self.down = None
-            return
-        if self.down is not None and self.down.address == route.addresses[i + 1] and self.down_epoch == route.epoch:
+        succ = self._successor(route)
+        if self.down is not None and succ is not None and self.down.address == succ[1] \
+                and self.down_epoch == route.epoch and not self.down.failed:
             return
         if self.down is not None:
-            self.down.close(wait=0.5)
+            self.down.close(wait=0.0)
+            self.down = None
+        if succ is None:
+            return
         hello = pb.Frame(kind=K.HELLO, epoch=route.epoch, src_replica=self.replica, src_stage=self.stage)
-        self.down = Downstream(route.addresses[i + 1], hello, self.token, 1024, self.cfg.net.link_mbps,
+        self.down = Downstream(succ[1], hello, self.token, 1024, self.cfg.net.link_mbps,
                                self.inbox.put, self.decode_down)
-        self.down_epoch = route.epoch
+        self.down_epoch, self.down_stage = route.epoch, succ[0]
+        if self.last_commit is not None:
+            # Roll forward: a stage that missed the last COMMIT (the route broke
+            # while it travelled) applies it before anything of the next step.
+            step, coef = self.last_commit
+            self.down.send(self._frame(K.COMMIT, step, 0, self.down_epoch, clip_coef=coef))
 
     def shutdown(self) -> None:
+        if getattr(self, "ckpt", None) is not None:
+            self.ckpt.close()    # finish (and report) the save in flight
         if self.down is not None:
-            self.down.close(wait=5.0)
-        self.ctl.close(final_state="done" if self.step >= self.cfg.train.steps else "")
+            self.down.close(wait=5.0 if self.exit_code == 0 else 0.0)
+        done = self.cfg is not None and self.step >= self.cfg.train.steps and self.exit_code == 0
+        self.ctl.close(final_state="done" if done else "")
         self.server.stop(0.5)
+
+    # ---- joining a running job ------------------------------------------------
+
+    def join_as_replacement(self) -> None:
+        """The replacement rule: θ_global from the same stage of a healthy replica
+        (bitwise), θ_local ← θ_global, e ← 0, fresh AdamW; then tell the
+        coordinator we are ready, and enter the route at its next step boundary."""
+        t0 = time.perf_counter()
+        source = "init"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            self._check_stop()
+            peer = self._healthy_peer()
+            if peer is None:
+                break
+            try:
+                self.outer.load_global(*self._pull_weights(peer))
+                source = f"r{peer[0]}s{self.stage}"
+                break
+            except (grpc.RpcError, ValueError) as e:
+                log.warning("%s: pulling weights from r%d failed: %s", self.name, peer[0], e)
+                time.sleep(0.2)
+        self.ctl.state = "ready"
+        self.ctl.heartbeat_now()
+        self.ctl.report({"event": "replacement_ready", "replica": self.replica, "stage": self.stage,
+                         "source": source, "step": self.step, "seconds": time.perf_counter() - t0})
+        log.info("%s: replacement ready (weights from %s) in %.2fs", self.name, source, time.perf_counter() - t0)
+        if self.cfg.debug.dump_outer:
+            self._dump("outer", "join", {
+                "theta_global": self.outer.theta_global.clone(), "round": self.outer.round, "source": source,
+                "theta_local": torch.nn.utils.parameters_to_vector(self.model.parameters()).detach().clone()})
+
+    def _healthy_peer(self) -> tuple[int, str] | None:
+        with self.cv:
+            routes = list(getattr(self, "all_routes", []))
+        for r in routes:
+            if r.replica != self.replica and r.state == "training" and self.stage in r.stages:
+                return r.replica, r.addresses[list(r.stages).index(self.stage)]
+        return None
+
+    def _pull_weights(self, peer: tuple[int, str]) -> tuple[torch.Tensor, int]:
+        buf, total, rnd = None, None, 0
+        with rpc.make_channel(peer[1], 1024) as ch:
+            stub = pbg.StageStub(ch)
+            for chunk in stub.PullWeights(pb.PullRequest(stage=self.stage), metadata=rpc.metadata(self.token),
+                                          timeout=30):
+                if total is None:
+                    total = int(chunk.total)
+                    if total != self.outer.numel:
+                        raise ValueError(f"peer sends {total} weights; this stage has {self.outer.numel}")
+                    buf = bytearray(4 * total)
+                start, n = 4 * int(chunk.offset), len(chunk.data)
+                if start + n > len(buf):
+                    raise ValueError("weight chunk out of range")
+                buf[start:start + n] = chunk.data
+                rnd = chunk.outer_round
+        if buf is None:
+            raise ValueError("peer sent no weights")
+        return torch.frombuffer(buf, dtype=torch.float32).clone(), int(rnd)
+
+    def weight_chunks(self, stage: int):
+        """Serve PullWeights: a consistent copy of θ_global, in 1 MiB chunks."""
+        if stage != self.stage or self.cfg is None:
+            raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, f"this worker holds stage {self.stage}")
+        with self.outer.lock:
+            theta = self.outer.theta_global.clone()
+            rnd, step = self.outer.round, self.step
+        data = theta.numpy().tobytes()
+        per = 1 << 20
+        for off in range(0, max(len(data), 1), per):
+            yield pb.WeightChunk(offset=off // 4, total=theta.numel(), data=data[off:off + per], step=step,
+                                 outer_round=rnd)
 
     # ---- sending ------------------------------------------------------------
 
-    def _frame(self, kind: int, step: int, micro: int, **kw) -> pb.Frame:
-        return pb.Frame(kind=kind, step=step, micro=micro, epoch=self.route_epoch(),
+    def _frame(self, kind: int, step: int, micro: int, epoch: int, **kw) -> pb.Frame:
+        return pb.Frame(kind=kind, step=step, micro=micro, epoch=epoch,
                         src_replica=self.replica, src_stage=self.stage, **kw)
 
     def send_down(self, st: StepStats, kind: int, step: int, micro: int, h: torch.Tensor,
@@ -275,118 +440,177 @@ class Worker:
         t0 = time.perf_counter()
         if targets_msg is None:
             targets_msg = to_wire(targets)
-        f = self._frame(kind, step, micro, tensor=to_wire(h, self.fwd_codec), targets=targets_msg)
+        f = self._frame(kind, step, micro, self.down_epoch, tensor=to_wire(h, self.fwd_codec), targets=targets_msg)
         st.sent(f, time.perf_counter() - t0)
         self.down.send(f)
 
-    def send_up(self, st: StepStats, kind: int, step: int, micro: int, g: torch.Tensor | None = None,
-                **kw) -> None:
+    def send_up(self, st: StepStats, kind: int, step: int, micro: int, epoch: int,
+                g: torch.Tensor | None = None, **kw) -> None:
         t0 = time.perf_counter()
-        f = self._frame(kind, step, micro, **kw)
+        f = self._frame(kind, step, micro, epoch, **kw)
         if g is not None:
             f.tensor.CopyFrom(to_wire(g, self.bwd_codec))
         st.sent(f, time.perf_counter() - t0)
         with self.cv:
             up = self.upstream
-        if up is None:
-            raise RuntimeError("no upstream stream to answer on")
+        if up is None or up.epoch != epoch:
+            return  # the stream we would answer on is gone; upstream retries the step
         up.send(f)
 
-    def next_event(self, st: StepStats, timeout: float = 60.0) -> Event:
+    def suspect(self, stage: int | None, why: str) -> None:
+        """A data-plane call failed: ask the coordinator to probe that neighbour."""
+        if stage is None:
+            return
+        self.ctl.report_now({"event": "suspect", "replica": self.replica, "stage": stage, "by": self.name,
+                             "reason": why})
+
+    def next_event(self, st: StepStats, epoch: int | None = None, timeout: float | None = None) -> Event:
+        """The next event for the compute thread. Stage 0 passes its attempt's
+        epoch: a route change raises RouteChanged and frames of other epochs are
+        dropped. A failed neighbour is reported as a suspect; the wait goes on
+        until the coordinator's route change (or `timeout`)."""
         t0 = time.perf_counter()
+        timeout = timeout if timeout is not None else max(60.0, 4 * self.cfg.fault.rpc_timeout)
         while True:
             try:
-                ev = self.inbox.get(timeout=0.5)
-                break
-            except Exception:  # queue.Empty
-                if self.stop_requested.is_set():
-                    raise SystemExit(0)
+                ev = self.inbox.get(timeout=0.2)
+            except queue.Empty:
+                self._check_stop()
                 if time.perf_counter() - t0 > timeout:
-                    raise TimeoutError(f"{self.name}: nothing from neighbours for {timeout:.0f}s")
+                    st.wait += time.perf_counter() - t0
+                    raise RouteChanged(f"{self.name}: nothing from neighbours for {timeout:.0f}s")
+                continue
+            if ev.src == "notice":
+                if ev.note == "route":
+                    if epoch is not None and self.route_epoch() != epoch:
+                        st.wait += time.perf_counter() - t0
+                        raise RouteChanged(f"route epoch {epoch:#x} -> {ev.epoch:#x}")
+                    if epoch is None:
+                        break
+                elif ev.note in ("down_error", "down_closed"):
+                    if self.down is not None and ev.epoch == self.down_epoch and not self.down.failed:
+                        self.down.failed = True
+                        self.suspect(self.down_stage, f"stream to successor: {ev.note}")
+                        if epoch is not None:  # do not wait longer than it takes to declare it dead
+                            timeout = min(timeout, time.perf_counter() - t0 + 2 * self.cfg.fault.heartbeat_timeout)
+                elif ev.note == "up_closed":
+                    if epoch is None:
+                        break
+                continue
+            cur = self.route_epoch()
+            if ev.epoch != (epoch if epoch is not None else cur):
+                continue  # a frame of another route epoch: stale
+            break
         st.wait += time.perf_counter() - t0
-        if ev.src == "notice":
-            if ev.note in ("down_error", "down_closed"):
-                raise ConnectionError(f"{self.name}: downstream stream {ev.note}")
-            return ev  # up_closed: the caller decides
-        st.received(ev)
+        if ev.src != "notice":
+            st.received(ev)
         return ev
 
     # ---- stage 0: drive the replica --------------------------------------
 
     def drive(self) -> None:
-        cfg, M = self.cfg, self.M
-        limit = M if cfg.train.schedule == "gpipe" else self.S
-        while self.step < cfg.train.steps and not self.stop_requested.is_set():
-            step, st = self.step, StepStats()
-            if not self.last:
-                self._connect_downstream()
-            x, y = self.reader.batch_at(step * cfg.train.batch_size, cfg.train.batch_size)
-            xs, ys = x.chunk(M), y.chunk(M)
-            losses: list[float] = []
-            if self.last:  # a one-stage pipeline
-                for m in range(M):
-                    t0 = time.perf_counter()
-                    loss = self.model.loss(self.model(xs[m].to(self.device)), ys[m].to(self.device)) / M
-                    loss.backward()
-                    losses.append(float(loss.detach()) * M)
-                    st.compute += time.perf_counter() - t0
-                down_sumsq = 0.0
-            else:
-                saved: dict[int, torch.Tensor] = {}
-                fwd = bwd = 0
-                down_sumsq = 0.0
-                while bwd < M:
-                    if fwd < M and fwd - bwd < limit:
-                        t0 = time.perf_counter()
-                        saved[fwd] = self.model(xs[fwd].to(self.device))
-                        st.compute += time.perf_counter() - t0
-                        self.send_down(st, K.FORWARD, step, fwd, saved[fwd], targets=ys[fwd])
-                        fwd += 1
-                        continue
-                    ev = self.next_event(st)
-                    if ev.kind != K.BACKWARD or ev.step != step or ev.micro != bwd:
-                        raise RuntimeError(f"expected BACKWARD {step}/{bwd}, got kind {ev.kind} {ev.step}/{ev.micro}")
-                    t0 = time.perf_counter()
-                    saved.pop(bwd).backward(ev.x.to(self.device))
-                    st.compute += time.perf_counter() - t0
-                    losses.append(ev.loss)
-                    if bwd == M - 1:
-                        down_sumsq = ev.grad_sumsq
-                    bwd += 1
+        cfg = self.cfg
+        while self.step < cfg.train.steps:
+            self._wait_training()
+            epoch = self.route_epoch()
             t0 = time.perf_counter()
-            self._maybe_dump(step, losses)
-            coef = optim.clip_coefficient(optim.grad_sumsq(self.model) + down_sumsq, cfg.train.grad_clip)
-            if not self.last:
-                self.down.send(self._frame(K.COMMIT, step, 0, clip_coef=coef))
-            lr = optim.lr_at(step, cfg.train)
-            optim.apply_step(self.model, self.opt, coef, lr)
-            st.compute += time.perf_counter() - t0
-            self.step = self.ctl.step = step + 1
-            loss = sum(losses) / M
-            self.ctl.report({"event": "step", "replica": self.replica, "stage": 0, "step": step, "loss": loss,
-                             "tokens": cfg.train.batch_size * cfg.train.seq_len, "lr": lr, "clip_coef": coef,
-                             **st.as_dict()})
-            self.maybe_outer_round(step)
+            try:
+                self._connect_downstream()
+                st = self.run_step(self.step, epoch)
+            except RouteChanged as e:
+                lost = time.perf_counter() - t0
+                self.ledger.add("lost", lost)
+                self.opt.zero_grad(set_to_none=True)
+                self.ctl.report({"event": "step_aborted", "replica": self.replica, "step": self.step,
+                                 "reason": str(e), "lost_s": lost})
+                log.warning("%s: step %d aborted (%s); retrying", self.name, self.step, e)
+                continue
+            self.ledger.add("compute", st.compute)
+            self.ledger.add("communication", max(0.0, time.perf_counter() - t0 - st.compute))
             if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
-                self.evaluate()
-        if self.step >= cfg.train.steps:
-            self.ctl.report({"event": "replica_done", "replica": self.replica, "step": self.step})
+                try:
+                    self.evaluate()
+                except RouteChanged as e:
+                    log.warning("%s: evaluation at step %d skipped (%s)", self.name, self.step, e)
+            self.ledger.maybe_report(self)
+        self.ledger.maybe_report(self, force=True)
+        self.ctl.report({"event": "replica_done", "replica": self.replica, "step": self.step})
+
+    def run_step(self, step: int, epoch: int) -> StepStats:
+        """One inner step on the current route; raises RouteChanged to abort it."""
+        cfg, M = self.cfg, self.M
+        st = StepStats()
+        limit = M if cfg.train.schedule == "gpipe" else self.S
+        x, y = self.reader.batch_at(step * cfg.train.batch_size, cfg.train.batch_size)
+        xs, ys = x.chunk(M), y.chunk(M)
+        losses: list[float] = []
+        self.opt.zero_grad(set_to_none=True)
+        down_sumsq = 0.0
+        if self.down is None:  # alone in the route: a one-stage pipeline
+            for m in range(M):
+                t0 = time.perf_counter()
+                loss = self.model.loss(self.model(xs[m].to(self.device)), ys[m].to(self.device)) / M
+                loss.backward()
+                losses.append(float(loss.detach()) * M)
+                st.compute += time.perf_counter() - t0
+        else:
+            saved: dict[int, torch.Tensor] = {}
+            fwd = bwd = 0
+            while bwd < M:
+                if fwd < M and fwd - bwd < limit:
+                    t0 = time.perf_counter()
+                    saved[fwd] = self.model(xs[fwd].to(self.device))
+                    st.compute += time.perf_counter() - t0
+                    self.send_down(st, K.FORWARD, step, fwd, saved[fwd], targets=ys[fwd])
+                    fwd += 1
+                    continue
+                ev = self.next_event(st, epoch, timeout=cfg.fault.rpc_timeout)
+                if ev.kind != K.BACKWARD or ev.step != step or ev.micro != bwd:
+                    continue  # a late answer of an aborted attempt
+                t0 = time.perf_counter()
+                saved.pop(bwd).backward(ev.x.to(self.device))
+                st.compute += time.perf_counter() - t0
+                losses.append(ev.loss)
+                if bwd == M - 1:
+                    down_sumsq = ev.grad_sumsq
+                bwd += 1
+        t0 = time.perf_counter()
+        self._maybe_dump(step, losses)
+        coef = optim.clip_coefficient(optim.grad_sumsq(self.model) + down_sumsq, cfg.train.grad_clip)
+        # Commit point: every stage of the route is prepared. From here on the
+        # step is applied everywhere (a stage that misses this COMMIT gets it
+        # again when the route is rebuilt: roll forward, never back).
+        self.last_commit = (step, coef)
+        snapshot = self.ckpt.commit_flag(step)   # the checkpoint's cut: every stage snapshots after this step
+        if self.down is not None:
+            self.down.send(self._frame(K.COMMIT, step, 0, self.down_epoch, clip_coef=coef, snapshot=snapshot))
+        lr = optim.lr_at(step, cfg.train)
+        optim.apply_step(self.model, self.opt, coef, lr)
+        st.compute += time.perf_counter() - t0
+        self.step = self.ctl.step = step + 1
+        self.ctl.report({"event": "step", "replica": self.replica, "stage": 0, "step": step,
+                         "loss": sum(losses) / M, "tokens": cfg.train.batch_size * cfg.train.seq_len, "lr": lr,
+                         "clip_coef": coef, "epoch": epoch, "route": list(self.route.stages), **st.as_dict()})
+        self.maybe_outer_round(step)
+        self.ckpt.after_commit(snapshot)
+        return st
 
     def evaluate(self) -> None:
         st = StepStats()
+        epoch = self.route_epoch()
+        self._connect_downstream()
         losses = []
         with torch.no_grad():
             for i, (x, y) in enumerate(self.evals):
                 h = self.model(x.to(self.device))
-                if self.last:
+                if self.down is None:
                     losses.append(float(self.model.loss(h, y.to(self.device))))
                 else:
                     self.send_down(st, K.EVAL, self.step, i, h, targets=y)
             while len(losses) < len(self.evals):
-                ev = self.next_event(st)
-                if ev.kind != K.EVAL_RESULT:
-                    raise RuntimeError(f"expected EVAL_RESULT, got kind {ev.kind}")
-                losses.append(ev.loss)
+                ev = self.next_event(st, epoch, timeout=self.cfg.fault.rpc_timeout)
+                if ev.kind == K.EVAL_RESULT and ev.step == self.step:
+                    losses.append(ev.loss)
         loss = sum(losses) / len(losses)
         self.ctl.report({"event": "eval", "replica": self.replica, "step": self.step, "loss": loss,
                          "seconds": time.perf_counter() - st.t0})
@@ -399,32 +623,51 @@ class Worker:
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         st = StepStats()
         while True:
-            if not self.last:
+            self._check_stop()
+            with self.cv:
+                in_route = self.route is not None and self.stage in self.route.stages
+            if in_route:
                 self._connect_downstream()
-            ev = self.next_event(st)
-            if ev.src == "notice" and ev.note == "up_closed":
-                if self.step >= cfg.train.steps:
-                    return  # stage 0 finished (and evaluated): the stream closes down the route
+            ev = self.next_event(st, timeout=1e9)
+            if ev.src == "notice":
+                if ev.note == "up_closed":
+                    if self.step >= cfg.train.steps:
+                        return  # stage 0 finished (and evaluated): the stream closes down the route
+                    if ev.epoch == self.route_epoch():
+                        self.suspect(ev.peer, "stream from predecessor closed")
                 continue
-            if ev.src == "up" and ev.kind == K.FORWARD:
+            if ev.kind == K.FORWARD:
+                if ev.micro == 0:
+                    # A new attempt at a step: whatever an aborted attempt left is dropped.
+                    self.opt.zero_grad(set_to_none=True)
+                    saved.clear()
+                if ev.step != self.step:
+                    # Stage 0 numbers the steps: a replacement learns its replica's step
+                    # this way, and a stage ahead of a replaced stage 0 follows it back.
+                    if ev.step < self.step:
+                        log.warning("%s: stage 0 is at step %d, this stage at %d: following it",
+                                    self.name, ev.step, self.step)
+                    self.step = self.ctl.step = ev.step
                 t0 = time.perf_counter()
                 x = ev.x.to(self.device).requires_grad_(True)
-                if self.last:
+                if self.down is None:  # last in the route: loss and backward at once
                     loss = self.model.loss(self.model(x), ev.targets.to(self.device)) / M
                     loss.backward()
-                    g = x.grad
-                    sumsq = optim.grad_sumsq(self.model) if ev.micro == M - 1 else 0.0
+                    sumsq = 0.0
                     if ev.micro == M - 1:
                         self._maybe_dump(ev.step, None)
+                        sumsq = optim.grad_sumsq(self.model)
                     st.compute += time.perf_counter() - t0
-                    self.send_up(st, K.BACKWARD, ev.step, ev.micro, g, loss=float(loss.detach()) * M,
-                                 grad_sumsq=sumsq)
+                    self.send_up(st, K.BACKWARD, ev.step, ev.micro, ev.epoch, x.grad,
+                                 loss=float(loss.detach()) * M, grad_sumsq=sumsq)
                 else:
                     h = self.model(x)
                     saved[ev.micro] = (x, h)
                     st.compute += time.perf_counter() - t0
                     self.send_down(st, K.FORWARD, ev.step, ev.micro, h, targets_msg=ev.targets_msg)
-            elif ev.src == "down" and ev.kind == K.BACKWARD:
+            elif ev.kind == K.BACKWARD:
+                if ev.micro not in saved or ev.step != self.step:
+                    continue
                 x, h = saved.pop(ev.micro)
                 t0 = time.perf_counter()
                 h.backward(ev.x.to(self.device))
@@ -433,38 +676,54 @@ class Worker:
                     self._maybe_dump(ev.step, None)
                     sumsq = optim.grad_sumsq(self.model) + ev.grad_sumsq
                 st.compute += time.perf_counter() - t0
-                self.send_up(st, K.BACKWARD, ev.step, ev.micro, x.grad, loss=ev.loss, grad_sumsq=sumsq)
-            elif ev.src == "up" and ev.kind == K.COMMIT:
-                if ev.step != self.step:
-                    raise RuntimeError(f"COMMIT for step {ev.step} while at step {self.step}")
-                if not self.last:
-                    self.down.send(self._frame(K.COMMIT, ev.step, 0, clip_coef=ev.clip_coef))
+                self.send_up(st, K.BACKWARD, ev.step, ev.micro, self.upstream_epoch(), x.grad, loss=ev.loss,
+                             grad_sumsq=sumsq)
+            elif ev.kind == K.COMMIT:
+                if self.down is not None:
+                    self.down.send(self._frame(K.COMMIT, ev.step, 0, self.down_epoch, clip_coef=ev.clip_coef,
+                                               snapshot=ev.snapshot))
+                if ev.step < self.step:
+                    continue  # a replay of a COMMIT we applied
                 t0 = time.perf_counter()
-                optim.apply_step(self.model, self.opt, ev.clip_coef, optim.lr_at(ev.step, cfg.train))
+                if ev.step == self.step and any(p.grad is not None for p in self.model.parameters()):
+                    optim.apply_step(self.model, self.opt, ev.clip_coef, optim.lr_at(ev.step, cfg.train))
+                self.opt.zero_grad(set_to_none=True)
+                saved.clear()
                 st.compute += time.perf_counter() - t0
                 self.step = self.ctl.step = ev.step + 1
                 self.ctl.report({"event": "stage_step", "replica": self.replica, "stage": self.stage,
                                  "step": ev.step, **st.as_dict()})
                 self.maybe_outer_round(ev.step)
+                self.ckpt.after_commit(ev.snapshot)
                 st = StepStats()
-            elif ev.src == "up" and ev.kind == K.EVAL:
+            elif ev.kind == K.EVAL:
                 with torch.no_grad():
                     h = self.model(ev.x.to(self.device))
-                    if self.last:
-                        self.send_up(st, K.EVAL_RESULT, ev.step, ev.micro,
+                    if self.down is None:
+                        self.send_up(st, K.EVAL_RESULT, ev.step, ev.micro, ev.epoch,
                                      loss=float(self.model.loss(h, ev.targets.to(self.device))))
                     else:
                         self.send_down(st, K.EVAL, ev.step, ev.micro, h, targets_msg=ev.targets_msg)
-            elif ev.src == "down" and ev.kind == K.EVAL_RESULT:
-                self.send_up(st, K.EVAL_RESULT, ev.step, ev.micro, loss=ev.loss)
-            else:
-                raise RuntimeError(f"{self.name}: unexpected frame kind {ev.kind} from {ev.src}")
+            elif ev.kind == K.EVAL_RESULT:
+                self.send_up(st, K.EVAL_RESULT, ev.step, ev.micro, self.upstream_epoch(), loss=ev.loss)
+
+    def upstream_epoch(self) -> int:
+        with self.cv:
+            return self.upstream.epoch if self.upstream is not None else -1
+
 
     # ---- outer sync ------------------------------------------------------------
 
     def maybe_outer_round(self, committed_step: int) -> None:
         if not self.outer.due(committed_step):
             return
+        # Round numbers follow from the step (every replica syncs after the same
+        # steps); a round this stage already has (a replacement that pulled newer
+        # global weights) is skipped.
+        round_no = (committed_step + 1) // self.cfg.outer.H - 1
+        if round_no < self.outer.round:
+            return
+        self.outer.round = round_no
         t0 = time.perf_counter()
         payload, mine = self.outer.prepare()
         t_enc = time.perf_counter() - t0
@@ -486,13 +745,17 @@ class Worker:
                          "dense_bytes": 4 * self.outer.numel, "encode_s": t_enc, "apply_s": t_apply,
                          "seconds": time.perf_counter() - t0})
         if self.cfg.debug.dump_outer:
-            out = os.path.join(self.run_dir, "debug")
-            os.makedirs(out, exist_ok=True)
-            torch.save({"theta_global": self.outer.theta_global.clone(), "round": reply.round,
-                        "contributors": list(reply.contributors)},
-                       os.path.join(out, f"outer_{self.name}_round{reply.round}.pt"))
+            self._dump("outer", reply.round, {"theta_global": self.outer.theta_global.clone(), "round": reply.round,
+                                              "contributors": list(reply.contributors)})
 
     # ---- tests and debugging ----------------------------------------------------
+
+    def _dump(self, kind: str, tag, obj: dict) -> None:
+        out = os.path.join(self.run_dir, "debug")
+        os.makedirs(out, exist_ok=True)
+        tmp = os.path.join(out, f".{kind}_{self.name}_round{tag}.pt.tmp")
+        torch.save(obj, tmp)
+        os.replace(tmp, os.path.join(out, f"{kind}_{self.name}_round{tag}.pt"))
 
     def _maybe_dump(self, step: int, losses: list[float] | None) -> None:
         if step != self.cfg.debug.dump_grads_step:

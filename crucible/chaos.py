@@ -1,0 +1,104 @@
+"""Fault injection for `crucible launch --chaos SPEC` (no torch).
+
+SPEC is a comma-separated list of items:
+
+    r1s2@step=50      SIGKILL worker r1s2 when replica 1 reaches step 50
+    r0s1@t=30         SIGKILL r0s1 30 s after the launch
+    coordinator@t=20  SIGKILL the coordinator at 20 s
+    inner@every=30    every 30 s, SIGKILL a random live worker of an inner stage
+    any@every=30      every 30 s, a random live worker of any stage
+    mtbf=60           random kills of any worker, exponential gaps with mean 60 s
+    stop@t=40         SIGSTOP instead of SIGKILL (with a name: r1s1:stop@t=40, SIGCONT 5 s later)
+    count=20          at most 20 kills in all (default: unlimited)
+    seed=7            the random choices' seed (default 0)
+
+Every kill is logged to the run's metrics as {"event": "chaos", ...} by the
+launcher, with the victim's pid and the time of the signal, so that recovery
+times can be measured from the metrics alone.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Rule:
+    target: str              # "r1s2" | "coordinator" | "inner" | "any"
+    at_step: int | None = None
+    at_time: float | None = None
+    every: float | None = None
+    mtbf: float | None = None
+    signal: str = "KILL"     # KILL | STOP
+    next_time: float | None = None
+    done: bool = False
+
+
+@dataclass
+class Chaos:
+    rules: list[Rule] = field(default_factory=list)
+    count: int | None = None
+    seed: int = 0
+    kills: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> "Chaos":
+        out = cls()
+        for raw in filter(None, (p.strip() for p in spec.split(","))):
+            m = re.fullmatch(r"(count|seed|mtbf)=([0-9.]+)", raw)
+            if m:
+                key, val = m.groups()
+                if key == "count":
+                    out.count = int(float(val))
+                elif key == "seed":
+                    out.seed = int(float(val))
+                else:
+                    out.rules.append(Rule("any", mtbf=float(val)))
+                continue
+            m = re.fullmatch(r"(r\d+s\d+|coordinator|inner|any)(?::(stop))?@(step|t|every)=([0-9.]+)", raw)
+            if not m:
+                raise ValueError(f"bad chaos item {raw!r}: expected e.g. r1s2@step=50, inner@every=30, mtbf=60, "
+                                 "count=20, seed=7")
+            target, sig, kind, val = m.groups()
+            rule = Rule(target, signal="STOP" if sig else "KILL")
+            if kind == "step":
+                if not re.fullmatch(r"r\d+s\d+", target):
+                    raise ValueError(f"bad chaos item {raw!r}: @step needs a worker name like r1s2")
+                rule.at_step = int(float(val))
+            elif kind == "t":
+                rule.at_time = float(val)
+            else:
+                rule.every = float(val)
+            out.rules.append(rule)
+        out.rng = random.Random(out.seed)
+        return out
+
+    def due(self, elapsed: float, steps: dict[int, int], live: list[str], stages: int) -> list[tuple[str, str]]:
+        """(victim, signal) pairs to fire now. `live` = names of running workers."""
+        fire = []
+        for rule in self.rules:
+            if rule.done or (self.count is not None and self.kills >= self.count):
+                continue
+            if rule.at_step is not None:
+                r = int(rule.target[1:rule.target.index("s")])
+                if steps.get(r, 0) >= rule.at_step:
+                    rule.done = True
+                    fire.append((rule.target, rule.signal))
+            elif rule.at_time is not None:
+                if elapsed >= rule.at_time:
+                    rule.done = True
+                    fire.append((rule.target, rule.signal))
+            else:
+                if rule.next_time is None:
+                    rule.next_time = rule.every if rule.every else self.rng.expovariate(1.0 / rule.mtbf)
+                if elapsed >= rule.next_time:
+                    gap = rule.every if rule.every else self.rng.expovariate(1.0 / rule.mtbf)
+                    rule.next_time = elapsed + gap
+                    pool = [n for n in live if rule.target == "any" or
+                            (rule.target == "inner" and 0 < int(n[n.index("s") + 1:]) < stages - 1)]
+                    if pool:
+                        fire.append((self.rng.choice(sorted(pool)), rule.signal))
+        self.kills += len(fire)
+        return fire

@@ -1,0 +1,282 @@
+"""Phase 2 of a save, off the training process: write a shard from a shared region.
+
+A worker's snapshot (see ``crucible.worker.checkpointing``) copies its state
+into one shared-memory region laid out exactly as the data region of a shard
+file (``storage``'s format: every blob at a 64-byte-aligned offset, gaps
+zero). Persisting it is then one sequential write:
+
+    prefix (magic, header JSON, padding)  |  region[0:data_bytes]  |  trailer
+
+with the SHA-256 of every byte before the trailer computed on the way, the
+file written under a temporary name, fsynced, renamed to its final name and
+the directory fsynced: byte for byte what ``storage.write_shard`` writes for
+the same state, so ``read_shard``, ``verify`` and ``commit`` treat both alike.
+
+Where the write runs:
+
+* ``ProcessPersister`` (the default on Linux): a small child process
+  (``python -m crucible.checkpoint.persister``, no torch, started with
+  ``subprocess``) that maps the same region (a ``memfd`` handed over with
+  ``pass_fds``) and writes shards on request. The training process keeps its
+  GIL and its CPU caches; the child can die (a SIGKILL, an I/O error) without
+  taking the worker with it: the save fails, the coordinator aborts that
+  checkpoint, and the next save starts a fresh child. The child dies with its
+  parent (``PR_SET_PDEATHSIG`` and EOF on its stdin), so it never outlives it.
+* ``ThreadPersister``: the same write on a thread of the training process
+  (other platforms, ``checkpoint.persister = thread``).
+
+Requests and replies are JSON lines over the child's stdin and stdout.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import mmap
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from . import storage
+
+CHUNK = 8 << 20
+
+
+class PersistError(RuntimeError):
+    """A shard could not be persisted (the writer died or failed)."""
+
+
+def shard_prefix(header: dict) -> bytes:
+    """The bytes of a shard file before its data region (see ``storage``)."""
+    hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    prefix = storage.MAGIC + struct.pack("<Q", len(hbytes)) + hbytes
+    return prefix + b"\0" * (storage._align(len(prefix)) - len(prefix))
+
+
+def write_region(prefix: bytes, region, data_bytes: int, directory: str | os.PathLike, name: str,
+                 delay_s: float = 0.0) -> dict:
+    """Write one shard file: ``prefix``, ``region[:data_bytes]``, trailer;
+    crash-safely (temporary name, fsync, rename, directory fsync). Returns
+    ``{"name", "bytes", "checksum"}`` as ``storage.write_shard`` does.
+    ``delay_s`` (tests only) stretches the write so that it can be
+    interrupted at chosen moments."""
+    storage._check_shard_name(name)
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / name
+    part = d / f".{name}.partial-{os.getpid()}-{time.monotonic_ns():x}"
+    h = hashlib.sha256()
+    mv = memoryview(region)
+    try:
+        with open(part, "wb") as f:
+            h.update(prefix)
+            f.write(prefix)
+            pieces = max(1, -(-data_bytes // CHUNK))
+            for i, off in enumerate(range(0, data_bytes, CHUNK)):
+                piece = mv[off:min(off + CHUNK, data_bytes)]
+                h.update(piece)
+                f.write(piece)
+                if delay_s:
+                    time.sleep(delay_s / (2 * pieces))
+            digest = h.digest()
+            f.write(storage.TRAILER_MAGIC + digest)
+            f.flush()
+            if delay_s:
+                time.sleep(delay_s / 2)
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(part, final)
+    except BaseException:
+        try:
+            os.unlink(part)
+        except OSError:
+            pass
+        raise
+    finally:
+        mv.release()
+    storage._fsync_path(d, directory=True)
+    return {"name": name, "bytes": size, "checksum": digest.hex()}
+
+
+class ThreadPersister:
+    """Writes on the calling thread (the caller runs it in the background)."""
+
+    kind = "thread"
+
+    def __init__(self) -> None:
+        self.region = None
+        self.pid = os.getpid()
+
+    def attach(self, fd: int, size: int, region) -> None:
+        self.region = region
+
+    def write(self, prefix: bytes, data_bytes: int, directory: str, name: str, delay_s: float = 0.0) -> dict:
+        return write_region(prefix, self.region, data_bytes, directory, name, delay_s)
+
+    def close(self) -> None:
+        self.region = None
+
+
+class ProcessPersister:
+    """A child process that writes shards from a shared region (see the module
+    docstring). ``write`` blocks until the child answers; call it from a
+    background thread. Not for concurrent use (one save in flight)."""
+
+    kind = "process"
+
+    def __init__(self, on_start=None) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.fd: int | None = None
+        self.size = 0
+        self.on_start = on_start        # called with the child's pid
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def attach(self, fd: int, size: int, region) -> None:
+        """A new region (a new layout): the next write starts a child that maps it."""
+        with self._lock:
+            if fd != self.fd or size != self.size:
+                self._stop()
+                self.fd, self.size = fd, size
+
+    def _start(self) -> None:
+        env = dict(os.environ)
+        env["CRUCIBLE_PERSISTER_PARENT"] = str(os.getpid())
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "crucible.checkpoint.persister", "--fd", str(self.fd), "--size", str(self.size)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, pass_fds=(self.fd,), env=env,
+            close_fds=True)
+        if self.on_start is not None:
+            self.on_start(self.proc.pid)
+
+    def _stop(self) -> None:
+        p, self.proc = self.proc, None
+        if p is None:
+            return
+        try:
+            p.stdin.close()
+        except OSError:
+            pass
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        for s in (p.stdout,):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def write(self, prefix: bytes, data_bytes: int, directory: str, name: str, delay_s: float = 0.0) -> dict:
+        with self._lock:
+            if self.fd is None:
+                raise PersistError("no region attached")
+            if self.proc is None or self.proc.poll() is not None:
+                self._reap()
+                self._start()
+            self._seq += 1
+            req = {"id": self._seq, "prefix": base64.b64encode(prefix).decode("ascii"), "data_bytes": data_bytes,
+                   "dir": str(directory), "name": name, "delay_s": delay_s}
+            proc = self.proc
+        try:
+            proc.stdin.write((json.dumps(req) + "\n").encode())
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+        except (OSError, ValueError):
+            line = b""
+        if not line:
+            code = proc.wait()
+            with self._lock:
+                self._reap()
+            why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            raise PersistError(f"persister process {proc.pid} died ({why}) while writing {name}")
+        try:
+            rep = json.loads(line)
+        except ValueError:
+            raise PersistError(f"persister process answered garbage: {line[:100]!r}") from None
+        if rep.get("id") != req["id"]:
+            raise PersistError(f"persister answered request {rep.get('id')} for {req['id']}")
+        if not rep.get("ok"):
+            raise PersistError(f"persister could not write {name}: {rep.get('error')}")
+        return {"name": rep["name"], "bytes": int(rep["bytes"]), "checksum": rep["checksum"]}
+
+    def _reap(self) -> None:
+        p, self.proc = self.proc, None
+        if p is not None:
+            for s in (p.stdin, p.stdout):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+            try:
+                p.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+
+# ---------------------------------------------------------------- the child
+
+
+def _die_with_parent() -> None:
+    parent = os.environ.get("CRUCIBLE_PERSISTER_PARENT")
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if parent and str(os.getppid()) != parent:
+        os._exit(1)
+
+
+def child_main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="crucible-persister")
+    ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--size", type=int, required=True)
+    args = ap.parse_args(argv)
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent decides when we stop
+    region = mmap.mmap(args.fd, args.size, prot=mmap.PROT_READ) if args.size else b""
+    out = sys.stdout.buffer
+    for line in sys.stdin.buffer:
+        req = None
+        try:
+            req = json.loads(line)
+            data_bytes = int(req["data_bytes"])
+            if not 0 <= data_bytes <= args.size:
+                raise ValueError(f"data_bytes {data_bytes} outside the region ({args.size})")
+            info = write_region(base64.b64decode(req["prefix"]), region, data_bytes, req["dir"], req["name"],
+                                float(req.get("delay_s") or 0.0))
+            rep = {"id": req.get("id"), "ok": True, **info}
+        except Exception as e:  # answered, never fatal: the parent reports it
+            rep = {"id": req.get("id") if isinstance(req, dict) else None, "ok": False,
+                   "error": f"{type(e).__name__}: {e}"}
+        out.write((json.dumps(rep) + "\n").encode())
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

@@ -1,0 +1,137 @@
+"""Fault tolerance with real processes and SIGKILL (one shared 2 x 4 job).
+
+The tests run in order against one job, each leaving it fully recovered:
+an inner stage killed (skip, replacement, bitwise rejoin), an inner stage
+SIGSTOPped and woken, stage 0 of one replica killed (pause, resume), a whole
+replica killed, and the coordinator killed and restarted.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import TINY, Job
+
+FULL = [0, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    j = Job(tmp_path_factory.mktemp("faults") / "run",
+            ["--replicas", "2", "--stages", "4", "--steps", "1000000", "--respawn-delay", "0.5"],
+            TINY + ["outer.H=4", "debug.dump_outer=true"])
+    try:
+        j.wait_for(lambda st: all(r["step"] >= 3 for r in st["replicas"]), 120, "both replicas training")
+        yield j
+    finally:
+        j.kill()
+
+
+def worker(st, r, s):
+    return next(w for w in st["workers"] if w["replica"] == r and w["stage"] == s)
+
+
+def healthy(st) -> bool:
+    return all(r["state"] == "training" and r["route"] == FULL for r in st["replicas"]) and \
+        all(w["state"] == "alive" for w in st["workers"])
+
+
+def wait_healthy(job, timeout=90):
+    return job.wait_for(lambda st: st if healthy(st) else None, timeout, "every replica training on a full route")
+
+
+def steps(job, r):
+    return job.status()["replicas"][r]["step"]
+
+
+def test_inner_stage_killed_is_skipped_then_replaced_bitwise(job):
+    st = wait_healthy(job)
+    victim = worker(st, 1, 2)
+    t_kill = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    st = job.wait_for(lambda s: s if s["replicas"][1]["route"] == [0, 1, 3] else None, 10, "r1 route skipping s2")
+    assert time.monotonic() - t_kill < 3.0, "route change took longer than 3 s"
+    assert st["replicas"][1]["state"] == "training"
+    before = st["replicas"][1]["step"]
+    # Steps keep committing without stage 2 (until the replacement arrives, they may race).
+    job.wait_for(lambda s: s["replicas"][1]["step"] >= before + 2, 30, "r1 committing steps after the kill")
+    st = wait_healthy(job)
+    assert worker(st, 1, 2)["pid"] != victim["pid"]
+    # The replacement took θ_global of stage 2 from replica 0 bitwise, and θ_local = θ_global.
+    joins = glob.glob(os.path.join(job.run_dir, "debug", "outer_r1s2_roundjoin.pt"))
+    assert joins, "the replacement left no join dump"
+    j = torch.load(joins[0])
+    assert torch.equal(j["theta_local"], j["theta_global"])
+    peer = os.path.join(job.run_dir, "debug", f"outer_r0s2_round{j['round'] - 1}.pt")
+    if j["round"] > 0:
+        assert torch.equal(torch.load(peer)["theta_global"], j["theta_global"])
+    # And after the next rounds both replicas still agree bitwise on stage 2.
+    n = j["round"] + 1
+    job.wait_for(lambda s: os.path.exists(os.path.join(job.run_dir, "debug", f"outer_r1s2_round{n}.pt")) and
+                 os.path.exists(os.path.join(job.run_dir, "debug", f"outer_r0s2_round{n}.pt")), 60,
+                 f"round {n} on both replicas")
+    a = torch.load(os.path.join(job.run_dir, "debug", f"outer_r0s2_round{n}.pt"))["theta_global"]
+    b = torch.load(os.path.join(job.run_dir, "debug", f"outer_r1s2_round{n}.pt"))["theta_global"]
+    assert torch.equal(a, b)
+    losses = [e["loss"] for e in job.events("step") if e["replica"] == 1]
+    assert losses[-1] < losses[0]
+
+
+def test_sigstopped_stage_is_skipped_and_comes_back_as_a_replacement(job):
+    st = wait_healthy(job)
+    victim = worker(st, 0, 1)
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        job.wait_for(lambda s: s["replicas"][0]["route"] == [0, 2, 3], 10, "r0 route skipping the stopped s1")
+        before = steps(job, 0)
+        job.wait_for(lambda s: s["replicas"][0]["step"] >= before + 2, 30, "r0 training without s1")
+    finally:
+        os.kill(victim["pid"], signal.SIGCONT)
+    # Woken, it finds itself declared dead (its heartbeat is refused), exits, and is replaced.
+    st = wait_healthy(job)
+    assert worker(st, 0, 1)["pid"] != victim["pid"]
+    regs = [e for e in job.events("worker_registered") if e["replica"] == 0 and e["stage"] == 1]
+    assert regs[-1]["replacement"] is True
+
+
+def test_stage0_killed_pauses_its_replica_only(job):
+    st = wait_healthy(job)
+    os.kill(worker(st, 1, 0)["pid"], signal.SIGKILL)
+    st = job.wait_for(lambda s: s if s["replicas"][1]["state"] == "paused" else None, 10, "r1 paused")
+    before = st["replicas"][0]["step"]
+    job.wait_for(lambda s: s["replicas"][0]["step"] >= before + 3, 30, "r0 training while r1 is paused")
+    wait_healthy(job)
+    before = steps(job, 1)
+    job.wait_for(lambda s: s["replicas"][1]["step"] >= before + 2, 30, "r1 training again")
+
+
+def test_whole_replica_killed(job):
+    st = wait_healthy(job)
+    for s in range(4):
+        os.kill(worker(st, 0, s)["pid"], signal.SIGKILL)
+    st = job.wait_for(lambda s: s if s["replicas"][0]["state"] == "paused" else None, 10, "r0 paused")
+    before = st["replicas"][1]["step"]
+    job.wait_for(lambda s: s["replicas"][1]["step"] >= before + 3, 30, "r1 training alone")
+    wait_healthy(job)
+
+
+def test_coordinator_killed_and_restarted(job):
+    st = wait_healthy(job)
+    inc = st["incarnation"]
+    with open(os.path.join(job.run_dir, "pids.json")) as f:
+        coord_pid = json.load(f)["coordinator"]
+    os.kill(coord_pid, signal.SIGKILL)
+    st = job.wait_for(lambda s: s if s["incarnation"] == inc + 1 and healthy(s) else None, 60,
+                      "a new coordinator with every worker back")
+    before = [r["step"] for r in st["replicas"]]
+    job.wait_for(lambda s: all(r["step"] >= b + 3 for r, b in zip(s["replicas"], before)), 30,
+                 "training after the coordinator restart")
+    # No worker was replaced: they re-registered into their old slots.
+    assert all(w["state"] == "alive" for w in st["workers"])
