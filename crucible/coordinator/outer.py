@@ -91,18 +91,23 @@ class OuterRelay:
         self.c = coord
         self.rounds: dict[tuple[int, int], Round] = {}
         self.numel: dict[int, int] = {}
-        self.newest: dict[int, int] = {}   # newest round opened, per stage
+        self.closed_max: dict[int, int] = {}   # newest round closed, per stage
 
-    def _expected(self, stage: int) -> set[int]:
+    def _expected(self, stage: int, number: int) -> set[int]:
+        """Replicas that will contribute to round `number` of `stage`: training (or
+        done), holding the stage, and not yet past the step the round follows (a
+        replica that trained through it without the stage never will)."""
+        at = (number + 1) * self.c.cfg.outer.H
         return {rep.id for rep in self.c.replicas
-                if rep.state in ("training", "done") and stage in self.c.routes[rep.id]}
+                if rep.state in ("training", "done") and stage in self.c.routes[rep.id]
+                and self.c._replica_step(rep.id) <= at}
 
     def _maybe_close(self, rnd: Round) -> None:
         if rnd.closed:
             return
         # Who the round waits for only shrinks: the replicas expected when it opened,
         # less those that died, paused or skip this stage since.
-        expected = (rnd.expected_at_open & self._expected(rnd.stage)) - rnd.abstained
+        expected = (rnd.expected_at_open & self._expected(rnd.stage, rnd.number)) - rnd.abstained
         if not expected <= set(rnd.payloads):
             if not rnd.warned and time.time() - rnd.opened > self.c.cfg.outer.deadline_s:
                 rnd.warned = True
@@ -118,8 +123,9 @@ class OuterRelay:
                               "contributors": rnd.contributors, "dropped": rnd.dropped,
                               "bytes": sum(len(rnd.payloads[r]) for r in rnd.contributors),
                               "seconds": time.time() - rnd.opened})
+        self.closed_max[rnd.stage] = max(self.closed_max.get(rnd.stage, rnd.number), rnd.number)
         for key in sorted(self.rounds):
-            if key[0] == rnd.stage and key[1] <= rnd.number - KEEP_CLOSED:
+            if key[0] == rnd.stage and key[1] <= self.closed_max[rnd.stage] - KEEP_CLOSED and self.rounds[key].closed:
                 del self.rounds[key]
         self.c.cv.notify_all()
 
@@ -153,16 +159,14 @@ class OuterRelay:
             key = (req.stage, req.round)
             rnd = self.rounds.get(key)
             if rnd is None:
-                # A coordinator that restarted knows no rounds yet: it takes the workers' numbering.
-                newest = self.newest.get(req.stage, req.round - 1)
-                if req.round > newest + 1:
-                    raise ValueError(f"round {req.round} of stage {req.stage} is ahead of the job "
-                                     f"(newest round {newest})")
-                if req.round <= newest:
+                # Round numbers follow from steps; some are never opened (no replica
+                # held the stage then). Only rounds closed long ago are refused.
+                closed = self.closed_max.get(req.stage)
+                if closed is not None and req.round <= closed - KEEP_CLOSED:
                     raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
-                                       f"round {req.round} of stage {req.stage} is long gone (newest {newest})")
-                rnd = self.rounds[key] = Round(req.stage, req.round, expected_at_open=self._expected(req.stage))
-                self.newest[req.stage] = req.round
+                                       f"round {req.round} of stage {req.stage} is long gone (newest {closed})")
+                rnd = self.rounds[key] = Round(req.stage, req.round,
+                                               expected_at_open=self._expected(req.stage, req.round))
             r = w.replica
             if req.payload and not rnd.closed:
                 numel = self.numel.setdefault(req.stage, req.numel)
