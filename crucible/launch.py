@@ -284,7 +284,8 @@ class Launcher:
         self._log_event({"event": "job_restarted", "seconds": time.monotonic() - t0})
 
     def _summary(self) -> str:
-        steps, losses = {}, {}
+        """Final loss per replica, its time ledger, and the faults seen."""
+        steps, losses, ledger, faults = {}, {}, {}, 0
         path = os.path.join(self.run_dir, "metrics.jsonl")
         try:
             with open(path) as f:
@@ -293,14 +294,31 @@ class Launcher:
                         ev = json.loads(line)
                     except json.JSONDecodeError:
                         continue
-                    if ev.get("event") == "step":
+                    kind = ev.get("event")
+                    if kind == "step":
                         steps[ev["replica"]] = ev["step"] + 1
                         losses[ev["replica"]] = ev["loss"]
-                    elif ev.get("event") == "eval":
+                    elif kind == "eval":
                         losses[f"eval{ev['replica']}"] = ev["loss"]
+                    elif kind == "goodput":
+                        ledger[ev["replica"]] = ev
+                    elif kind == "fault":
+                        faults += 1
         except OSError:
             pass
-        parts = [f"r{r}: {steps[r]} steps, loss {losses[r]:.3f}"
-                 + (f", held-out {losses[f'eval{r}']:.3f}" if f"eval{r}" in losses else "")
-                 for r in sorted(k for k in steps)]
-        return "crucible: finished. " + "; ".join(parts) + f"\ncrucible: metrics in {path}"
+        lines = []
+        for r in sorted(steps):
+            line = f"r{r}: {steps[r]} steps, loss {losses[r]:.3f}"
+            if f"eval{r}" in losses:
+                line += f", held-out {losses[f'eval{r}']:.3f}"
+            g = ledger.get(r)
+            if g and g.get("wall_s"):
+                parts = ", ".join(f"{k} {g[k + '_s']:.1f}s" for k in
+                                  ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering")
+                                  if g.get(k + "_s"))
+                line += f"; goodput {100 * (g.get('goodput') or 0):.0f}% of {g['wall_s']:.0f}s ({parts})"
+            lines.append(line)
+        out = "crucible: finished.\n" + "\n".join(f"  {x}" for x in lines)
+        if faults:
+            out += f"\n  {faults} worker faults handled"
+        return out + f"\ncrucible: metrics in {path}"

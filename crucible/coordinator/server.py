@@ -75,6 +75,7 @@ class ReplicaInfo:
     step: int = 0
     loss: float | None = None
     eval_loss: float | None = None
+    goodput: dict = field(default_factory=dict)   # the replica's latest time ledger
     started: bool = False
     tokens: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
 
@@ -226,7 +227,7 @@ class Coordinator:
                                     config_json=self.cfg.to_json(), routes=self._route_update(),
                                     run_dir=self.run_dir, incarnation=self.incarnation,
                                     replacement=replacement, replica_step=self._replica_step(slot[0]),
-                                    resume_dir=self.ckpt.resume_dir_for(slot, req.rejoin))
+                                    resume_dir=self.ckpt.resume_dir_for(slot, req.rejoin or replacement))
 
     def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         with self.cv:
@@ -306,6 +307,8 @@ class Coordinator:
                 rep.tokens.append((time.time(), int(ev.get("tokens", 0))))
             elif kind == "eval" and w.stage == 0:
                 rep.eval_loss = ev.get("loss")
+            elif kind == "goodput" and w.stage == 0:
+                rep.goodput = {k: v for k, v in ev.items() if k.endswith("_s") or k == "goodput"}
             elif kind == "suspect":
                 threading.Thread(target=self._probe, args=(ev.get("replica"), ev.get("stage"), ev.get("reason", "")),
                                  daemon=True, name="probe").start()
@@ -448,7 +451,8 @@ class Coordinator:
                         tps = sum(n for _, n in list(rep.tokens)[1:]) / span
                 reps.append({"id": rep.id, "state": rep.state, "step": rep.step, "loss": rep.loss,
                              "epoch": self.route_epoch[rep.id],
-                             "eval_loss": rep.eval_loss, "tokens_per_s": tps, "route": list(self.routes[rep.id])})
+                             "eval_loss": rep.eval_loss, "tokens_per_s": tps, "route": list(self.routes[rep.id]),
+                             "goodput": rep.goodput})
             workers = []
             for (r, s), wid in sorted(self.slots.items()):
                 w = self.workers.get(wid) if wid else None
