@@ -510,6 +510,7 @@ class Worker:
 
     def drive(self) -> None:
         cfg = self.cfg
+        recovering = False
         while self.step < cfg.train.steps:
             self._wait_training()
             epoch = self.route_epoch()
@@ -520,13 +521,18 @@ class Worker:
             except RouteChanged as e:
                 lost = time.perf_counter() - t0
                 self.ledger.add("lost", lost)
+                recovering = True
                 self.opt.zero_grad(set_to_none=True)
                 self.ctl.report({"event": "step_aborted", "replica": self.replica, "step": self.step,
                                  "reason": str(e), "lost_s": lost})
                 log.warning("%s: step %d aborted (%s); retrying", self.name, self.step, e)
                 continue
             self.ledger.add("compute", st.compute)
-            self.ledger.add("communication", max(0.0, time.perf_counter() - t0 - st.compute))
+            # The wait inside the first step after an abort is recovery (new
+            # streams, neighbours catching up), not ordinary communication.
+            self.ledger.add("recovering" if recovering else "communication",
+                            max(0.0, time.perf_counter() - t0 - st.compute))
+            recovering = False
             if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
                 try:
                     self.evaluate()
