@@ -138,11 +138,7 @@ class OuterRelay:
         c = self.c
         mode = c.cfg.outer.mode
         with c.cv:
-            w = c.workers.get(req.worker_id)
-            if w is None:
-                raise rpc.RpcFault(grpc.StatusCode.NOT_FOUND, f"unknown worker {req.worker_id!r}: register again")
-            if w.state == "dead":
-                raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, f"worker {req.worker_id} is stale")
+            w = c.member(req.worker_id)
             if req.stage != w.stage:
                 raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
                                    f"worker r{w.replica}s{w.stage} cannot contribute to stage {req.stage}")

@@ -229,14 +229,21 @@ class Coordinator:
                                     replacement=replacement, replica_step=self._replica_step(slot[0]),
                                     resume_dir=self.ckpt.resume_dir_for(slot, req.rejoin or replacement))
 
+    def member(self, worker_id: str) -> WorkerInfo:
+        """Under self.cv: the calling worker. An unknown one gets NOT_FOUND (it should
+        register again: we may be a restarted coordinator); one declared dead gets
+        FAILED_PRECONDITION (it is stale and must come back as a replacement)."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            raise rpc.RpcFault(grpc.StatusCode.NOT_FOUND, f"unknown worker {worker_id!r}: register again")
+        if w.state == "dead":
+            raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"worker {worker_id} was declared dead: rejoin as a replacement")
+        return w
+
     def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         with self.cv:
-            w = self.workers.get(req.worker_id)
-            if w is None:
-                raise rpc.RpcFault(grpc.StatusCode.NOT_FOUND, f"unknown worker {req.worker_id!r}: register again")
-            if w.state == "dead":
-                raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"worker {req.worker_id} was declared dead: rejoin as a replacement")
+            w = self.member(req.worker_id)
             w.last_seen = time.time()
             w.step = req.step
             if w.stage == 0 and w.state == "alive":
@@ -270,11 +277,7 @@ class Coordinator:
         if len(req.events_json) > MAX_EVENTS_PER_REPORT:
             raise ValueError(f"{len(req.events_json)} events in one report (max {MAX_EVENTS_PER_REPORT})")
         with self.cv:
-            w = self.workers.get(req.worker_id)
-            if w is None:
-                raise rpc.RpcFault(grpc.StatusCode.NOT_FOUND, f"unknown worker {req.worker_id!r}: register again")
-            if w.state == "dead":
-                raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, f"worker {req.worker_id} is stale")
+            w = self.member(req.worker_id)
         events = []
         for i, raw in enumerate(req.events_json):
             if len(raw) > MAX_EVENT_BYTES:
