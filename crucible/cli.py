@@ -53,11 +53,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True)
     p.add_argument("worker", help="like r1s2, or 'coordinator'")
 
+    p = sub.add_parser("ckpt", help="list, verify or inspect a job's checkpoints")
+    p.add_argument("action", choices=["list", "verify", "inspect"])
+    p.add_argument("dir", metavar="D", help="run directory, its checkpoints/ directory, or one step_<N>")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("interval", help="Young/Daly checkpoint interval and expected overhead")
+    p.add_argument("--cost", type=float, help="checkpoint cost C in seconds (the snapshot stall)")
+    p.add_argument("--mtbf", type=float, help="node mean time between failures, seconds")
+    p.add_argument("--nodes", type=int, help="nodes in the job (M = mtbf / nodes)")
+    p.add_argument("--restart", type=float, help="restart time R in seconds")
+    p.add_argument("--persist", type=float, help="background write time W in seconds")
+    p.add_argument("--run-dir", help="take C (and M, when faults were logged) from a run's metrics.jsonl")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos"])
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--quick", action="store_true", help="a short run (for smoke tests)")
     p.add_argument("--out", help="also write the JSON result to this file")
+    p.add_argument("--size-mb", type=float, help="bench ckpt: state size in MB (default: the job's)")
     return ap
 
 
@@ -149,6 +164,16 @@ def _run(args) -> int:
         from crucible.kill import kill
 
         return kill(args.run_dir, args.worker)
+
+    if args.cmd == "ckpt":
+        from crucible.ckpt_cli import main as ckpt_main
+
+        return ckpt_main(args)
+
+    if args.cmd == "interval":
+        from crucible.ckpt_cli import interval_main
+
+        return interval_main(args)
 
     if args.cmd == "bench":
         import importlib

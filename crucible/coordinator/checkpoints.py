@@ -47,7 +47,7 @@ policy), waits for its commit for at most
 
 Resume. With ``--resume``, ``prepare`` finds the newest committed checkpoint
 that verifies (a damaged one is reported, ``ckpt_damaged``, and the previous
-one used), and sets each replica's step and the outer rounds from its
+one used), and sets each replica's step from its
 manifest; every worker registering before the job starts gets its slot's
 shard (``RegisterReply.resume_dir``).
 """
@@ -184,17 +184,11 @@ class CheckpointManager:
                         m.get("config_hash"), c.cfg.digest())
         self.resume_dir, self.resume_manifest = chosen.path, m
         self.latest_committed_step = chosen.step
-        rounds = []
-        with c.cv:
+        with c.cv:   # (outer round numbers follow from the steps: the relay needs nothing)
             for r, info in (m.get("replicas") or {}).items():
                 r = int(r)
                 if 0 <= r < R:
                     c.replicas[r].step = int(info.get("step", chosen.step))
-                    if info.get("round") is not None:
-                        rounds.append(int(info["round"]))
-            if rounds and c.cfg.outer.mode != "none":
-                for s in range(S):
-                    c.outer.newest[s] = max(rounds) - 1
             c.latest_committed_step = chosen.step
         c.metrics.write({"event": "ckpt_resume", "step": chosen.step, "path": chosen.path,
                          "replicas": m.get("replicas"), "vacant": m.get("vacant", [])})
@@ -212,10 +206,11 @@ class CheckpointManager:
         p = self.pending
         return p.step if p is not None and p.abort is None else 0
 
-    def resume_dir_for(self, slot: tuple[int, int], rejoin: bool = False) -> str:
+    def resume_dir_for(self, slot: tuple[int, int], not_fresh: bool = False) -> str:
         """The checkpoint a worker registering into ``slot`` restores from: the
-        resumed checkpoint, before the job starts, when it has the slot's shard."""
-        if rejoin or not self.resume_dir or self.c.job_started or self.resume_manifest is None:
+        resumed checkpoint, for a worker of the job's start (not a replacement,
+        not a live worker re-registering), when it has the slot's shard."""
+        if not_fresh or not self.resume_dir or self.resume_manifest is None:
             return ""
         name = storage.shard_name(*slot)
         return self.resume_dir if any(s["name"] == name for s in self.resume_manifest["shards"]) else ""

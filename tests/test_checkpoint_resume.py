@@ -1,0 +1,248 @@
+"""Continuous checkpointing over real processes: exact resume after SIGKILL and
+SIGTERM, a corrupted shard, and the save cadence.
+
+One straight run of a 2x2 job to N steps is the reference. Another run is
+SIGKILLed (every process) after a checkpoint past an outer round, resumed with
+`launch --resume`, and must end bitwise equal to the reference: parameters,
+optimizer state and error-feedback buffers of every worker (config
+`debug.dump_final`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, Job, child_env, crucible_cmd
+from crucible.checkpoint import storage
+
+N = 150
+CKPT = TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=0", "outer.H=3",
+               "debug.dump_final=true", "fault.heartbeat_interval=0.2", "fault.heartbeat_timeout=6"]
+ARGS = ["--replicas", "2", "--stages", "2", "--steps", str(N), "--respawn-delay", "-1"]
+
+
+def alive_in_group(pgid: int, wait_s: float = 10.0) -> list[int]:
+    """Live (not zombie) processes of a process group, after waiting up to
+    ``wait_s`` for them to go."""
+    t_end = time.monotonic() + wait_s
+    while True:
+        out = _members(pgid)
+        if not out or time.monotonic() > t_end:
+            return out
+        time.sleep(0.1)
+
+
+def _members(pgid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d))
+    return out
+
+
+def _dumps(run_dir: str) -> dict:
+    out = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "debug", "final_r*s*.pt"))):
+        out[os.path.basename(path)[len("final_"):-3]] = torch.load(path, weights_only=False)
+    return out
+
+
+def _equal(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            _equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{where}/{i}")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _same_final_state(run_dir: str, reference: dict) -> None:
+    got = _dumps(run_dir)
+    assert sorted(got) == sorted(reference) == ["r0s0", "r0s1", "r1s0", "r1s1"]
+    for name in reference:
+        assert got[name]["step"] == N
+        _equal(got[name]["model"], reference[name]["model"], f"{name}/model")
+        _equal(got[name]["optimizer"], reference[name]["optimizer"], f"{name}/optimizer")
+        _equal(got[name]["outer"], reference[name]["outer"], f"{name}/outer")
+        assert got[name]["outer"]["e"] is not None and got[name]["outer"]["round"] == N // 3
+
+
+def _start(run_dir: str, args=ARGS, overrides=CKPT, resume: bool = False) -> Job:
+    return Job(run_dir, list(args) + (["--resume"] if resume else []), list(overrides))
+
+
+def _wait_for_commit(job: Job, min_step: int, timeout: float) -> int:
+    root = os.path.join(job.run_dir, "checkpoints")
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        done = storage.list_checkpoints(root)
+        if done and done[-1].step >= min_step:
+            return done[-1].step
+        if job.proc.poll() is not None:
+            pytest.fail(f"job exited ({job.proc.returncode}) before a checkpoint >= {min_step}:\n{job.output()}")
+        time.sleep(0.02)
+    pytest.fail(f"no checkpoint >= {min_step} within {timeout}s:\n{job.output()}")
+
+
+def _events(run_dir: str, kind: str | None = None) -> list[dict]:
+    out = []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if kind is None or ev.get("event") == kind:
+                out.append(ev)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    job = _start(str(tmp_path_factory.mktemp("straight") / "run"))
+    try:
+        assert job.wait(150) == 0, job.output()
+        return {"dumps": _dumps(job.run_dir), "run_dir": job.run_dir}
+    finally:
+        job.kill()
+
+
+@pytest.fixture(scope="module")
+def sigkilled_and_resumed(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("sigkill") / "run")
+    job = _start(run_dir)
+    try:
+        _wait_for_commit(job, 4, 120)     # past the first outer round (H = 3)
+    finally:
+        job.kill()                        # SIGKILL to every process of the job
+    assert alive_in_group(job.pgid) == []
+    latest = storage.list_checkpoints(os.path.join(run_dir, "checkpoints"))[-1]
+    job = _start(run_dir, resume=True)
+    try:
+        assert job.wait(150) == 0, job.output()
+    finally:
+        job.kill()
+    return {"run_dir": run_dir, "killed_at": latest.step}
+
+
+def test_sigkill_then_resume_is_bitwise_exact(reference, sigkilled_and_resumed):
+    run_dir, k = sigkilled_and_resumed["run_dir"], sigkilled_and_resumed["killed_at"]
+    assert 4 <= k < N
+    resumed = [e for e in _events(run_dir, "ckpt_resume")]
+    assert [e["step"] for e in resumed] == [k]
+    assert all(r["round"] >= 1 for r in resumed[0]["replicas"].values())     # after an outer step
+    restores = _events(run_dir, "ckpt_restore")
+    assert sorted((e["replica"], e["stage"], e["step"]) for e in restores) == \
+        [(r, s, k) for r in range(2) for s in range(2)]
+    _same_final_state(run_dir, reference["dumps"])
+
+
+def test_corrupted_shard_is_caught_and_resume_falls_back(reference, sigkilled_and_resumed):
+    run_dir = sigkilled_and_resumed["run_dir"]
+    root = os.path.join(run_dir, "checkpoints")
+    done = storage.list_checkpoints(root)
+    assert len(done) >= 2
+    newest, previous = done[-1], done[-2]
+    shard = os.path.join(newest.path, "r1s0.shard")
+    with open(shard, "r+b") as f:       # flip one byte in the middle of the data
+        f.seek(os.path.getsize(shard) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x5A]))
+    out = subprocess.run(crucible_cmd("ckpt", "verify", run_dir), capture_output=True, text=True,
+                         env=child_env(), cwd=ROOT, timeout=60)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "r1s0.shard" in out.stdout and "checksum" in out.stdout
+    assert f"step {previous.step}" in out.stdout
+    job = _start(run_dir, resume=True)
+    try:
+        assert job.wait(150) == 0, job.output()
+    finally:
+        job.kill()
+    damaged = _events(run_dir, "ckpt_damaged")
+    assert [e["step"] for e in damaged] == [newest.step]
+    assert _events(run_dir, "ckpt_resume")[-1]["step"] == previous.step
+    _same_final_state(run_dir, reference["dumps"])
+
+
+def test_sigterm_takes_a_final_checkpoint_and_resume_continues_there(reference, tmp_path):
+    run_dir = str(tmp_path / "run")
+    overrides = CKPT + ["checkpoint.minimum_interval_secs=0.5"]
+    job = _start(run_dir, overrides=overrides)
+    try:
+        _wait_for_commit(job, 1, 120)
+        job.proc.send_signal(signal.SIGTERM)      # the launcher only: a preemption notice
+        assert job.wait(60) == 130, job.output()
+        assert alive_in_group(job.pgid) == [], "processes left after SIGTERM"
+    finally:
+        job.kill()
+    final = [e for e in _events(run_dir, "ckpt_commit") if e.get("final")]
+    assert len(final) == 1, job.output()
+    f = final[0]["step"]
+    assert f < N
+    assert storage.list_checkpoints(os.path.join(run_dir, "checkpoints"))[-1].step == f
+    # The workers exited by themselves (0) after the commit, told by the coordinator.
+    logs = open(job.log_path).read()
+    assert "final checkpoint" in logs
+    _check_cadence(run_dir, 0.5)
+    n_before = len(_events(run_dir))
+    job = _start(run_dir, overrides=overrides, resume=True)
+    try:
+        assert job.wait(150) == 0, job.output()
+    finally:
+        job.kill()
+    after = _events(run_dir)[n_before:]
+    for r in range(2):
+        steps = [e["step"] for e in after if e["event"] == "step" and e["replica"] == r]
+        assert steps[0] == f and steps == list(range(f, N)), f"replica {r} resumed at {steps[:3]}, not {f}"
+    _same_final_state(run_dir, reference["dumps"])
+
+
+def _check_cadence(run_dir: str, min_interval: float) -> None:
+    """Each save starts within one step of the previous commit (a step as the
+    coordinator counts them) unless the minimum interval holds it back, and
+    never sooner than the minimum interval after the previous start."""
+    evs = [e for e in _events(run_dir) if e["event"] in ("ckpt_start", "ckpt_commit", "ckpt_abort")
+           and not e.get("final")]       # a preemption's final save does not wait for the interval
+    starts = [e for e in evs if e["event"] == "ckpt_start"]
+    assert len(starts) >= 2
+    for a, b in zip(starts, starts[1:]):
+        assert b["time"] - a["time"] >= min_interval - 1e-3, (a, b)
+    checked = 0
+    for prev, nxt in zip(evs, evs[1:]):
+        if prev["event"] != "ckpt_commit" or nxt["event"] != "ckpt_start":
+            continue
+        last_start = max(e["time"] for e in starts if e["time"] <= prev["time"])
+        due = max(prev["time"], last_start + min_interval)
+        assert nxt["time"] - due <= 0.15, (prev, nxt)        # one 50 ms tick, plus scheduling slack
+        if last_start + min_interval <= prev["time"]:        # not held back: within one step
+            gap = max(nxt["replica_steps"].values()) - max(prev["replica_steps"].values())
+            assert gap <= 1, (prev, nxt)
+        checked += 1
+    assert checked >= 1
+
+
+def test_continuous_cadence_without_minimum_interval(reference):
+    _check_cadence(reference["run_dir"], 0.0)
