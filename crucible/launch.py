@@ -211,7 +211,8 @@ class Launcher:
                     print(f"crucible: {name} exited with {code}; starting a replacement", flush=True)
                     w.restarts += 1
                     self._start_worker(int(name[1:name.index("s")]), int(name[name.index("s") + 1:]))
-            if self.coord.poll() is not None and not (self.coord.exit_code == 0 and self._all_done()):
+            if self.coord.poll() is not None and not (self.coord.exit_code == 0 and (
+                    self._all_done() or (st or {}).get("finished"))):   # finished: the workers are exiting
                 print(f"crucible: coordinator exited with {self.coord.exit_code}; restarting it", flush=True)
                 self.addr = self._start_coordinator(False)
                 client = StatusClient(self.addr, self.token)

@@ -123,7 +123,7 @@ def _events(run_dir: str, kind: str | None = None) -> list[dict]:
 def reference(tmp_path_factory):
     job = _start(str(tmp_path_factory.mktemp("straight") / "run"))
     try:
-        assert job.wait(150) == 0, job.output()
+        assert job.wait(300) == 0, job.output()
         return {"dumps": _dumps(job.run_dir), "run_dir": job.run_dir}
     finally:
         job.kill()
@@ -134,14 +134,14 @@ def sigkilled_and_resumed(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("sigkill") / "run")
     job = _start(run_dir)
     try:
-        _wait_for_commit(job, 4, 120)     # past the first outer round (H = 3)
+        _wait_for_commit(job, 4, 240)     # past the first outer round (H = 3)
     finally:
         job.kill()                        # SIGKILL to every process of the job
     assert alive_in_group(job.pgid) == []
     latest = storage.list_checkpoints(os.path.join(run_dir, "checkpoints"))[-1]
     job = _start(run_dir, resume=True)
     try:
-        assert job.wait(150) == 0, job.output()
+        assert job.wait(300) == 0, job.output()
     finally:
         job.kill()
     return {"run_dir": run_dir, "killed_at": latest.step}
@@ -178,7 +178,7 @@ def test_corrupted_shard_is_caught_and_resume_falls_back(reference, sigkilled_an
     assert f"step {previous.step}" in out.stdout
     job = _start(run_dir, resume=True)
     try:
-        assert job.wait(150) == 0, job.output()
+        assert job.wait(300) == 0, job.output()
     finally:
         job.kill()
     damaged = _events(run_dir, "ckpt_damaged")
@@ -192,9 +192,9 @@ def test_sigterm_takes_a_final_checkpoint_and_resume_continues_there(reference, 
     overrides = CKPT + ["checkpoint.minimum_interval_secs=0.5"]
     job = _start(run_dir, overrides=overrides)
     try:
-        _wait_for_commit(job, 1, 120)
+        _wait_for_commit(job, 1, 240)
         job.proc.send_signal(signal.SIGTERM)      # the launcher only: a preemption notice
-        assert job.wait(60) == 130, job.output()
+        assert job.wait(120) == 130, job.output()
         assert alive_in_group(job.pgid) == [], "processes left after SIGTERM"
     finally:
         job.kill()
@@ -210,7 +210,7 @@ def test_sigterm_takes_a_final_checkpoint_and_resume_continues_there(reference, 
     n_before = len(_events(run_dir))
     job = _start(run_dir, overrides=overrides, resume=True)
     try:
-        assert job.wait(150) == 0, job.output()
+        assert job.wait(300) == 0, job.output()
     finally:
         job.kill()
     after = _events(run_dir)[n_before:]

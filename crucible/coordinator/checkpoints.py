@@ -60,6 +60,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import statistics
 import threading
 import time
@@ -195,7 +196,7 @@ class CheckpointManager:
         log.info("resuming from %s (step %d)", chosen.path, chosen.step)
 
     def start(self) -> None:
-        if self._thread is None:
+        if self._thread is None and self.enabled:
             self._thread = threading.Thread(target=self._loop, name="checkpoints", daemon=True)
             self._thread.start()
 
@@ -535,11 +536,30 @@ class CheckpointManager:
                              "replica_steps": {str(r): s for r, s in self._replica_steps().items()}})
             if p.final:
                 self.final_result = p.step
+                self.final_wanted = False
             c.cv.notify_all()
+            if self.enabled and not c.stopping.is_set():   # continuous: the next save starts now
+                self._maybe_start(self._replica_steps(), time.monotonic())
+            pending = self.pending.step if self.pending is not None else None
         log.info("checkpoint of step %d committed (%d shards, %.1f MB)", p.step, len(reports),
                  sum(rp["bytes"] for rp in reports) / 1e6)
         self._retention()
-        storage.clean_tmp(self.root)      # leftovers of aborted saves (no save is in flight now)
+        self._remove_stale_tmp(keep=pending)
+
+    def _remove_stale_tmp(self, keep: int | None) -> None:
+        """Leftovers of aborted saves (every temporary directory but the pending save's)."""
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return
+        for e in entries:
+            if e.name.startswith(".tmp-step_"):
+                try:
+                    step = int(e.name[len(".tmp-step_"):])
+                except ValueError:
+                    continue
+                if step != keep:
+                    shutil.rmtree(e.path, ignore_errors=True)
 
     def _retention(self) -> None:
         try:

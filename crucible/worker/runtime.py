@@ -299,6 +299,8 @@ class Worker:
             log.warning("%s: coordinator says %s", self.name, command)
             if command.startswith("evicted"):
                 self.exit_code = EVICTED_EXIT
+            else:  # "stop": also end calls that wait on the coordinator (an outer round whose peer stopped)
+                self.ctl.stop.set()
             self.stop_requested.set()
 
     def _check_stop(self) -> None:

@@ -1,0 +1,260 @@
+"""`crucible bench ckpt [--json] [--quick] [--size-mb MB] [--out F]`: what a save costs.
+
+Part 1, one process, a worker's state of ``--size-mb`` MB (default 256; at
+least 100 MB is the size the targets are stated for): a model stage (GPT
+blocks of width 512), its AdamW state after a step, and its outer state
+(global weights and error-feedback buffer), i.e. what a shard holds. Ten
+saves of each, after one warm-up save, reporting medians:
+
+* ``floor``     a plain copy of every tensor into preallocated host buffers;
+* ``snapshot``  Crucible's stall: the state is collected (``state_dict``) and
+                copied into the reused shared region (``crucible.worker.checkpointing``);
+* ``persist``   the background write of that shard by the persister process
+                (header, data, SHA-256, fsync, rename), which training does not wait for;
+* ``asyncsaver`` the stall of ``crucible.checkpoint.AsyncSaver.snapshot`` (the
+                thread-based building block), for reference;
+* ``dcp``       ``torch.distributed.checkpoint.async_save`` of the same tensors in
+                the same run: the time until it returns (its stall) and until its
+                future completes.
+
+Part 2 (skipped with ``--quick``... which runs a small version): real jobs of
+the default model (2 replicas x 4 stages) with checkpointing off and
+continuous at ``minimum_interval_secs`` = 0, 5 and 30 (the default), same
+steps; the slowdown of the median step time against checkpointing off, and
+the part of wall time the snapshots stalled (from the ``ckpt_commit`` events).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import types
+
+from crucible.bench.common import Launch, environment, emit, progress, read_events
+
+TARGET_MIN_MB = 100
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": [round(x, 6) for x in xs]}
+
+
+def _state(size_mb: float, device: str):
+    """A stage's model, AdamW (after one step) and outer state of about size_mb MB."""
+    import torch
+
+    from crucible.config import Config
+    from crucible.model import build_stage
+    from crucible.worker import optim
+    from crucible.worker.outer import OuterState
+
+    d = 512
+    per_block = 12 * d * d + 13 * d          # attention + MLP + norms, fp32
+    n_layer = max(1, round(size_mb * 1e6 / 20 / per_block))   # 4 B x (weights, 2 moments, θ_global, e)
+    cfg = Config.load(None, [f"model.n_layer={n_layer}", f"model.d_model={d}", "model.n_head=8",
+                             "job.stages=1", "job.replicas=2", "train.seq_len=16", "train.batch_size=2",
+                             "train.microbatches=1"])
+    torch.manual_seed(0)
+    model = build_stage(cfg, 0, 1).to(device)
+    opt = optim.make_optimizer(model, cfg.train)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optim.apply_step(model, opt, 1.0, 1e-4)
+    outer = OuterState(model, cfg.outer, cfg.job.replicas)
+    outer.e.normal_()
+    return cfg, model, opt, outer
+
+
+def _job_state_bytes() -> int:
+    """Checkpoint bytes of the default job (2 x 4 of the default model), all workers."""
+    from crucible.config import Config
+    from crucible.model import build_stage
+
+    cfg = Config.load()
+    total = 0
+    for s in range(cfg.job.stages):
+        n = sum(p.numel() for p in build_stage(cfg, s, cfg.job.stages).parameters())
+        total += 20 * n
+    return total * cfg.job.replicas
+
+
+def bench_saves(size_mb: float, saves: int, device: str) -> dict:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from crucible.checkpoint.snapshot import AsyncSaver
+    from crucible.worker.checkpointing import Snapshotter, WorkerCheckpointer
+
+    torch.set_num_threads(1)
+    cfg, model, opt, outer = _state(size_mb, device)
+    tmp = tempfile.mkdtemp(prefix="crucible-bench-ckpt-", dir=os.environ.get("CRUCIBLE_BENCH_DIR"))
+    w = types.SimpleNamespace(cfg=cfg, model=model, opt=opt, outer=outer, replica=0, stage=1, step=1000,
+                              device=torch.device(device), run_dir=tmp, ctl=None)
+    ck = WorkerCheckpointer(w)
+    state = ck.state_dict()
+    tensors = {}
+
+    def flat(v, path):
+        if isinstance(v, torch.Tensor):
+            tensors[path] = v
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                flat(x, f"{path}.{k}" if path else str(k))
+
+    flat(state, "")
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    pin = device.startswith("cuda")
+    bufs = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in tensors.items()}
+    snap = Snapshotter("process", pin=pin)
+    saver = AsyncSaver(pin_memory=pin)
+    res = {k: [] for k in ("floor", "snapshot", "persist", "asyncsaver", "dcp_stall", "dcp_total")}
+    progress(f"state {nbytes / 1e6:.0f} MB in {len(tensors)} tensors on {device}; {saves} saves each")
+    try:
+        for i in range(saves + 1):
+            # floor: a plain copy into preallocated buffers
+            t0 = time.perf_counter()
+            for k, t in tensors.items():
+                bufs[k].copy_(t, non_blocking=pin)
+            if pin:
+                torch.cuda.synchronize()
+            floor = time.perf_counter() - t0
+            # Crucible's snapshot: collect the state and copy it into the shared region
+            t0 = time.perf_counter()
+            header = snap.snapshot(ck.state_dict())
+            stall = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            snap.persist(header, os.path.join(tmp, f"s{i}"), "r0s1.shard")
+            persist = time.perf_counter() - t0
+            shutil.rmtree(os.path.join(tmp, f"s{i}"), ignore_errors=True)
+            # AsyncSaver (thread persist; only its snapshot is timed)
+            saver.snapshot(ck.state_dict())
+            aso = saver.last_stall_s
+            # torch.distributed.checkpoint.async_save of the same tensors
+            t0 = time.perf_counter()
+            fut = dcp.async_save(tensors, checkpoint_id=os.path.join(tmp, f"dcp{i}"))
+            dstall = time.perf_counter() - t0
+            fut.result()
+            dtotal = time.perf_counter() - t0
+            shutil.rmtree(os.path.join(tmp, f"dcp{i}"), ignore_errors=True)
+            if i == 0:
+                continue   # warm-up: first-touch allocations everywhere
+            for k, v in (("floor", floor), ("snapshot", stall), ("persist", persist), ("asyncsaver", aso),
+                         ("dcp_stall", dstall), ("dcp_total", dtotal)):
+                res[k].append(v)
+            progress(f"save {i}: floor {floor * 1e3:.1f} ms, snapshot {stall * 1e3:.1f} ms, persist {persist:.3f} s, "
+                     f"AsyncSaver {aso * 1e3:.1f} ms, DCP async_save {dstall * 1e3:.1f} ms (done {dtotal:.3f} s)")
+    finally:
+        snap.close()
+        saver.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = {"state_bytes": nbytes, "tensors": len(tensors), "saves": saves, "device": device,
+           "floor_copy_s": _stats(res["floor"]), "snapshot_stall_s": _stats(res["snapshot"]),
+           "persist_s": _stats(res["persist"]), "asyncsaver_stall_s": _stats(res["asyncsaver"]),
+           "dcp_async_save_stall_s": _stats(res["dcp_stall"]), "dcp_async_save_total_s": _stats(res["dcp_total"])}
+    med = {k: out[k]["median"] for k in ("floor_copy_s", "snapshot_stall_s", "dcp_async_save_stall_s", "persist_s")}
+    out["stall_over_floor"] = med["snapshot_stall_s"] / med["floor_copy_s"]
+    out["stall_over_dcp_stall"] = med["snapshot_stall_s"] / med["dcp_async_save_stall_s"]
+    out["persist_GBps"] = nbytes / med["persist_s"] / 1e9
+    out["targets"] = {"state_at_least_100MB": nbytes >= TARGET_MIN_MB * 1e6,
+                      "stall_le_1.5x_floor": out["stall_over_floor"] <= 1.5,
+                      "stall_below_dcp_async_save": out["stall_over_dcp_stall"] < 1.0}
+    return out
+
+
+def bench_runs(quick: bool) -> dict:
+    """Real jobs: checkpointing off vs continuous at several minimum intervals."""
+    if quick:
+        size = ["model.n_layer=4", "model.d_model=32", "model.n_head=2", "train.seq_len=32", "train.batch_size=8",
+                "data.max_bytes=2000000"]
+        replicas, stages, steps, warmup, repeats = 2, 2, 120, 20, 1
+        settings = [("off", None), ("continuous_0s", 0.0), ("continuous_default", None)]
+    else:
+        size = []
+        replicas, stages, steps, warmup, repeats = 2, 4, 200, 20, 2
+        settings = [("off", None), ("continuous_0s", 0.0), ("continuous_5s", 5.0), ("continuous_30s_default", None)]
+    from crucible.config import CheckpointConfig
+
+    default_interval = CheckpointConfig.minimum_interval_secs
+    samples: dict[str, dict] = {name: {"step_s": [], "wall": [], "commits": [], "aborts": 0, "ledger": []}
+                                 for name, _ in settings}
+    root = tempfile.mkdtemp(prefix="crucible-bench-ckpt-runs-", dir=os.environ.get("CRUCIBLE_BENCH_DIR"))
+    try:
+        for rep in range(repeats):            # interleaved, so that drifting load hits every setting alike
+            for name, interval in settings:
+                ov = list(size) + ["train.eval_every=0"]
+                if name == "off":
+                    ov.append("checkpoint.enable_checkpointing=false")
+                else:
+                    ov.append(f"checkpoint.minimum_interval_secs={default_interval if interval is None else interval}")
+                progress(f"run {name} #{rep + 1}: {replicas}x{stages}, {steps} steps")
+                run_dir = os.path.join(root, f"{name}-{rep}")
+                with Launch(run_dir, replicas, stages, steps, ov) as job:
+                    code = job.wait(3600)
+                    if code != 0:
+                        raise RuntimeError(f"run {name} failed ({code}):\n{job.tail()}")
+                events = read_events(os.path.join(run_dir, "metrics.jsonl"))
+                sm = samples[name]
+                sm["step_s"] += [e["step_s"] for e in events if e["event"] == "step" and e["step"] >= warmup]
+                steps_ev = [e for e in events if e["event"] == "step"]
+                sm["wall"].append(max(e["time"] for e in steps_ev)
+                                  - min(e["time"] for e in steps_ev if e["step"] >= warmup))
+                sm["commits"].append([e for e in events if e["event"] == "ckpt_commit"])
+                sm["aborts"] += sum(e["event"] == "ckpt_abort" for e in events)
+                last = {}
+                for e in events:
+                    if e["event"] == "goodput":
+                        last[e.get("replica")] = e
+                sm["ledger"] += [e.get("checkpoint_stall_s", 0.0) / e["wall_s"] for e in last.values()
+                                 if e.get("wall_s")]
+                progress(f"run {name} #{rep + 1}: median step {statistics.median(sm['step_s']) * 1e3:.1f} ms, "
+                         f"{len(sm['commits'][-1])} checkpoints")
+                shutil.rmtree(run_dir, ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    runs = {}
+    for name, interval in settings:
+        sm = samples[name]
+        commits = [c for run in sm["commits"] for c in run]
+        gaps = [b["time"] - a["time"] for run in sm["commits"] for a, b in zip(run, run[1:])]
+        runs[name] = {
+            "minimum_interval_secs": None if name == "off" else (default_interval if interval is None else interval),
+            "runs": repeats,
+            "median_step_s": statistics.median(sm["step_s"]),
+            "mean_step_s": statistics.mean(sm["step_s"]),
+            "wall_s_after_warmup": sm["wall"],
+            "commits": len(commits),
+            "aborts": sm["aborts"],
+            "median_stall_s": statistics.median([c["stall_s"] for c in commits]) if commits else None,
+            "median_persist_s": statistics.median([c["persist_s"] for c in commits]) if commits else None,
+            "bytes_per_checkpoint": commits[-1]["bytes"] if commits else None,
+            "median_interval_s": statistics.median(gaps) if gaps else None,
+            "checkpoint_stall_share": statistics.mean(sm["ledger"]) if sm["ledger"] else None,
+        }
+    base = runs["off"]["median_step_s"]
+    for name, r in runs.items():
+        r["slowdown_vs_off"] = r["median_step_s"] / base - 1.0
+        if r["median_stall_s"] is not None and r["median_interval_s"]:
+            r["stall_fraction"] = r["median_stall_s"] / r["median_interval_s"]
+    default_name = [n for n in runs if n.endswith("default")][0]
+    return {"replicas": replicas, "stages": stages, "steps": steps, "warmup_steps": warmup, "runs": runs,
+            "default_minimum_interval_secs": default_interval,
+            "target_default_slowdown_le_5pct": runs[default_name]["slowdown_vs_off"] <= 0.05}
+
+
+def main(args) -> int:
+    quick = bool(getattr(args, "quick", False))
+    size_mb = getattr(args, "size_mb", None) or (16.0 if quick else 256.0)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = {"bench": "ckpt", "quick": quick, "env": environment()}
+    result["job_state_bytes"] = _job_state_bytes()
+    result["saves"] = bench_saves(size_mb, 3 if quick else 10, device)
+    result["runs"] = bench_runs(quick)
+    result["command"] = "crucible bench ckpt --json" + (" --quick" if quick else "") + \
+        (f" --size-mb {size_mb:g}" if getattr(args, "size_mb", None) else "")
+    emit(result, args)
+    return 0

@@ -1,0 +1,104 @@
+"""SIGKILL the process that persists a shard at 20 random moments within one job.
+
+Each worker writes its shards through a persister child process (see
+crucible/checkpoint/persister.py); a shard being written shows as
+`.tmp-step_N/.rXsY.shard.partial-<pid>-...`, which names that process. The
+test kills it at a random moment of the write (writes are stretched with
+`debug.persist_delay_s`), and after every kill checks that every listed
+checkpoint is a committed `step_N` directory and that the newest one verifies
+and loads. The job goes on: the save is aborted, the next one starts with a
+fresh persister, and checkpoints keep being committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, Job
+from crucible.checkpoint import storage
+
+PARTIAL = re.compile(r"^\.r\d+s\d+\.shard\.partial-(\d+)-[0-9a-f]+$")
+
+
+def _writing(root: Path) -> list[int]:
+    """Pids of persisters writing a shard now."""
+    pids = []
+    for d in root.glob(".tmp-step_*"):
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            continue
+        for n in names:
+            m = PARTIAL.match(n)
+            if m:
+                pids.append(int(m.group(1)))
+    return pids
+
+
+def _check(root: Path) -> int:
+    infos = storage.list_checkpoints(root)
+    assert infos, "no committed checkpoint"
+    for info in infos:
+        assert re.fullmatch(r"step_\d{8}", Path(info.path).name), f"{info.path} listed as a checkpoint"
+        assert (Path(info.path) / storage.MANIFEST).is_file()
+    latest = infos[-1]
+    assert storage.verify(latest.path) == []
+    m = storage.read_manifest(latest.path)
+    assert len(m["shards"]) == 4
+    for s in m["shards"]:
+        sd = storage.load_shard(latest.path, s["name"])
+        assert sd["step"] == m["step"] and sd["model"] and sd["optimizer"]["state"]
+    return latest.step
+
+
+def test_sigkill_persister_at_20_random_moments(tmp_path):
+    overrides = TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=0",
+                        "debug.persist_delay_s=0.3", "outer.H=3",
+                        "fault.heartbeat_interval=0.2", "fault.heartbeat_timeout=6"]
+    job = Job(str(tmp_path / "run"), ["--replicas", "2", "--stages", "2", "--steps", "1000000",
+                                      "--respawn-delay", "-1"], overrides)
+    root = Path(job.run_dir) / "checkpoints"
+    rng = random.Random(20)
+    kills, during = 0, 0
+    try:
+        t_end = time.monotonic() + 120
+        while not storage.list_checkpoints(root):
+            assert time.monotonic() < t_end and job.proc.poll() is None, job.output()
+            time.sleep(0.05)
+        while kills < 20:
+            t_end = time.monotonic() + 60
+            while not (pids := _writing(root)):
+                assert time.monotonic() < t_end and job.proc.poll() is None, f"no persist to interrupt\n{job.output()}"
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.2))
+            pid = rng.choice(pids)
+            during += pid in _writing(root)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            kills += 1
+            _check(root)
+        # The job goes on checkpointing after the last kill.
+        last = _check(root)
+        t_end = time.monotonic() + 60
+        while _check(root) <= last:
+            assert time.monotonic() < t_end and job.proc.poll() is None, f"no commit after the kills\n{job.output()}"
+            time.sleep(0.1)
+    finally:
+        job.kill()
+    assert during >= 12          # most kills hit a write in progress (a persister killed idle is replaced silently)
+    events = [json.loads(line) for line in open(os.path.join(job.run_dir, "metrics.jsonl"))
+              if line.startswith("{")]
+    failed = [e for e in events if e["event"] == "ckpt_shard_failed" and "persister process" in e["error"]]
+    assert len(failed) >= 12
+    assert any(e["event"] == "ckpt_abort" and "persister process" in e["reason"] for e in events)
+    assert sum(e["event"] == "ckpt_commit" for e in events) >= 3

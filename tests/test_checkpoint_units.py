@@ -1,0 +1,294 @@
+"""Checkpointing parts in one process: the snapshot region and the persister,
+the coordinator's save manager against a stand-in coordinator, and the
+`crucible ckpt` / `crucible interval` commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import grpc
+import pytest
+import torch
+
+from conftest import ROOT, child_env, crucible_cmd
+from crucible import rpc
+from crucible._pb import crucible_pb2 as pb
+from crucible.checkpoint import storage
+from crucible.checkpoint.persister import PersistError
+from crucible.config import Config
+from crucible.worker.checkpointing import Snapshotter
+
+
+def _state(scale: int = 1) -> dict:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32 * scale, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 3))
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 32 * scale)).sum().backward()
+    opt.step()
+    return {"model": m.state_dict(), "optimizer": opt.state_dict(), "step": 7, "lr": float("nan"),
+            "rng": torch.get_rng_state(), "data": {"cursor": 56}, "pair": (1, "a"), "none": None}
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_snapshot_writes_exactly_what_write_shard_writes(tmp_path, kind):
+    state = _state()
+    snap = Snapshotter(kind)
+    try:
+        for i in range(3):
+            info = snap.persist(snap.snapshot(state), str(tmp_path / kind), "r0s1.shard")
+        assert snap.allocations == 1                     # the region is reused from save to save
+        ref = storage.write_shard(tmp_path, "ref.shard", state)
+        assert (tmp_path / kind / "r0s1.shard").read_bytes() == (tmp_path / "ref.shard").read_bytes()
+        assert info == {**ref, "name": "r0s1.shard"}
+        back = storage.read_shard(tmp_path / kind / "r0s1.shard", info["checksum"])
+        for k, v in state["model"].items():
+            assert torch.equal(back["model"][k], v)
+        assert back["optimizer"]["state"][0]["step"] == state["optimizer"]["state"][0]["step"]
+        assert back["pair"] == (1, "a") and back["data"] == {"cursor": 56}
+        # A snapshot is a copy: changing the state afterwards does not change what is persisted.
+        header = snap.snapshot(state)
+        before = state["model"]["0.weight"].clone()
+        state["model"]["0.weight"].add_(1.0)
+        info2 = snap.persist(header, str(tmp_path / "after"), "x.shard")
+        assert torch.equal(storage.read_shard(tmp_path / "after" / "x.shard", info2["checksum"])["model"]["0.weight"],
+                           before)
+        snap.snapshot(_state(scale=2))                    # a shape changed: a new region
+        assert snap.allocations == 2
+    finally:
+        snap.close()
+
+
+def test_a_killed_persister_fails_that_save_and_the_next_one_works(tmp_path):
+    started = []
+    snap = Snapshotter("process", on_persister_start=started.append)
+    state = _state()
+    try:
+        snap.persist(snap.snapshot(state), str(tmp_path / "a"), "r0s0.shard")
+        header = snap.snapshot(state)
+        t = threading.Timer(0.3, lambda: os.kill(started[-1], signal.SIGKILL))
+        t.start()
+        with pytest.raises(PersistError, match="died"):
+            snap.persist(header, str(tmp_path / "b"), "r0s0.shard", delay_s=3.0)
+        t.join()
+        assert not (tmp_path / "b" / "r0s0.shard").exists()
+        info = snap.persist(snap.snapshot(state), str(tmp_path / "c"), "r0s0.shard")
+        assert len(started) == 2
+        storage.read_shard(tmp_path / "c" / "r0s0.shard", info["checksum"])
+    finally:
+        snap.close()
+
+
+def test_the_persister_dies_with_its_parent(tmp_path):
+    code = ("import os, sys, torch; from crucible.worker.checkpointing import Snapshotter\n"
+            "s = Snapshotter('process'); s.persist(s.snapshot({'x': torch.ones(4)}), sys.argv[1], 'a.shard')\n"
+            "print(s.persister.pid, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60)
+    pid = int(out.stdout.split()[0])
+    t_end = time.monotonic() + 10
+    while time.monotonic() < t_end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except OSError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the persister outlived its parent")
+
+
+# ---------------------------------------------------------------- the coordinator's manager
+
+
+class _Metrics:
+    def __init__(self):
+        self.events = []
+
+    def write(self, ev):
+        self.events.append(dict(ev))
+
+
+def _coordinator(tmp_path, **overrides):
+    from crucible.coordinator.checkpoints import CheckpointManager
+    from crucible.coordinator.outer import OuterRelay  # noqa: F401  (the real coordinator has one)
+
+    cfg = Config.load(None, {"job.replicas": 2, "job.stages": 2, "train.steps": 1000,
+                             "checkpoint.minimum_interval_secs": 0, "checkpoint.max_num_checkpoints_to_keep": 2,
+                             **overrides})
+    c = types.SimpleNamespace(cfg=cfg, run_dir=str(tmp_path), cv=threading.Condition(), metrics=_Metrics(),
+                              stopping=threading.Event(), finished=threading.Event(), job_started=True,
+                              incarnation=1, latest_committed_step=None)
+    c.replicas = [types.SimpleNamespace(id=r, state="training", step=10, loss=2.0, eval_loss=None) for r in range(2)]
+    c.routes = {0: [0, 1], 1: [0, 1]}
+    c.workers, c.slots = {}, {}
+    for r in range(2):
+        for s in range(2):
+            wid = f"r{r}s{s}-x"
+            c.workers[wid] = types.SimpleNamespace(worker_id=wid, replica=r, stage=s, state="alive", step=10)
+            c.slots[(r, s)] = wid
+    c.ckpt = CheckpointManager(c)
+    return c
+
+
+def _report(c, wid, step, **kw):
+    w = c.workers[wid]
+    name = storage.shard_name(w.replica, w.stage)
+    d = storage.tmp_dir(c.ckpt.root, step)
+    info = storage.write_shard(d, name, {"step": step, "x": torch.ones(3)})
+    req = pb.ShardReport(worker_id=wid, ckpt_step=step, name=name, bytes=info["bytes"], checksum=info["checksum"],
+                         replica_step=step, outer_round=3, stall_s=0.01, persist_s=0.1)
+    for k, v in kw.items():
+        setattr(req, k, v)
+    return c.ckpt.report_shard(req, None)
+
+
+def test_manager_names_a_target_collects_shards_commits_and_keeps_the_newest(tmp_path):
+    c = _coordinator(tmp_path)
+    m = c.ckpt
+    m.prepare(resume=False)
+    committed = []
+    for _ in range(4):
+        m._tick()
+        t = m.target()
+        assert t > 10 and m.pending.required and len(m.pending.required) == 4
+        for wid in sorted(c.workers):
+            assert _report(c, wid, t).accepted
+        m._tick()          # all shards in: commit
+        assert m.target() == 0 and c.latest_committed_step == t
+        committed.append(t)
+        for rep in c.replicas:
+            rep.step = t + 1
+    ckpts = storage.list_checkpoints(m.root)
+    assert [i.step for i in ckpts] == committed[-2:]      # max_num_checkpoints_to_keep = 2
+    man = storage.read_manifest(ckpts[-1].path)
+    assert man["replicas"]["0"]["step"] == committed[-1] and man["replicas"]["1"]["round"] == 3
+    assert man["topology"] == {"replicas": 2, "stages": 2} and man["vacant"] == []
+    assert man["config_hash"] == c.cfg.digest() and len(man["shards"]) == 4
+    commit = [e for e in c.metrics.events if e["event"] == "ckpt_commit"][-1]
+    assert commit["stall_s"] == pytest.approx(0.01) and commit["shards"] == 4 and commit["bytes"] > 0
+
+
+def test_manager_refuses_bad_reports_and_aborts_on_a_failure_or_a_lost_worker(tmp_path):
+    c = _coordinator(tmp_path)
+    m = c.ckpt
+    m.prepare(resume=False)
+    m._tick()
+    t = m.target()
+    with pytest.raises(rpc.RpcFault) as e:
+        _report(c, "r0s0-x", t, name="r1s1.shard")
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(ValueError):
+        _report(c, "r0s0-x", t, checksum="nothex")
+    with pytest.raises(rpc.RpcFault) as e:
+        m.report_shard(pb.ShardReport(worker_id="nobody", ckpt_step=t, name="r0s0.shard"), None)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert not _report(c, "r0s0-x", t + 1).accepted            # not the pending save: ignored
+    assert _report(c, "r0s0-x", t).accepted
+    _report(c, "r0s1-x", t, error="PersistError: persister process 1 died")
+    m._tick()
+    assert m.pending is None and "persister" in c.metrics.events[-1]["reason"]
+    m._tick()
+    t2 = m.target()
+    assert t2 > 0
+    c.workers["r1s1-x"].state = "dead"
+    m._tick()
+    assert m.pending is None and "r1s1 lost" in c.metrics.events[-1]["reason"]
+    assert storage.list_checkpoints(m.root) == []
+
+
+def test_manager_resume_falls_back_over_a_damaged_checkpoint(tmp_path):
+    c = _coordinator(tmp_path)
+    c.ckpt.prepare(resume=False)
+    steps = []
+    for _ in range(2):
+        c.ckpt._tick()
+        t = c.ckpt.target()
+        for wid in sorted(c.workers):
+            _report(c, wid, t)
+        c.ckpt._tick()
+        steps.append(t)
+        for rep in c.replicas:
+            rep.step = t + 1
+    newest = storage.step_dir(c.ckpt.root, steps[-1])
+    (newest / "r0s1.shard").write_bytes(b"garbage")
+    c2 = _coordinator(tmp_path)
+    c2.ckpt.prepare(resume=True)
+    assert c2.ckpt.resume_dir == str(storage.step_dir(c2.ckpt.root, steps[0]))
+    assert [r.step for r in c2.replicas] == [steps[0], steps[0]]
+    assert [e["step"] for e in c2.metrics.events if e["event"] == "ckpt_damaged"] == [steps[1]]
+    assert c2.ckpt.resume_dir_for((1, 0)) == c2.ckpt.resume_dir
+    assert c2.ckpt.resume_dir_for((1, 0), not_fresh=True) == ""
+    assert [i.step for i in storage.list_checkpoints(c2.ckpt.root)] == [steps[0]]   # the damaged one set aside
+
+
+def test_fixed_interval_policy_targets_multiples_of_the_period(tmp_path):
+    c = _coordinator(tmp_path, **{"checkpoint.enable_continuous_checkpointing": False,
+                                  "checkpoint.checkpoint_period": 25})
+    c.ckpt.prepare(resume=False)
+    c.ckpt._tick()
+    assert c.ckpt.target() == 25
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _run(*args, cwd=ROOT):
+    return subprocess.run(crucible_cmd(*args), capture_output=True, text=True, env=child_env(), cwd=cwd, timeout=60)
+
+
+def test_ckpt_list_verify_inspect(tmp_path):
+    c = _coordinator(tmp_path)
+    c.ckpt.prepare(resume=False)
+    c.ckpt._tick()
+    t = c.ckpt.target()
+    for wid in sorted(c.workers):
+        _report(c, wid, t)
+    c.ckpt._tick()
+    storage.tmp_dir(c.ckpt.root, t + 50)                       # a save in progress: never listed
+    out = _run("ckpt", "list", str(tmp_path))
+    assert out.returncode == 0 and f"{t:>8}" in out.stdout and "not checkpoints: 1" in out.stdout
+    listed = json.loads(_run("ckpt", "list", str(tmp_path / "checkpoints"), "--json").stdout)
+    assert [r["step"] for r in listed["checkpoints"]] == [t] and listed["not_checkpoints"]
+    out = _run("ckpt", "verify", str(tmp_path))
+    assert out.returncode == 0 and f"step {t}: ok" in out.stdout
+    out = _run("ckpt", "inspect", str(tmp_path))
+    assert out.returncode == 0 and "r1s1.shard" in out.stdout and "replica 1: training" in out.stdout
+    shard = storage.step_dir(c.ckpt.root, t) / "r0s0.shard"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    out = _run("ckpt", "verify", str(storage.step_dir(c.ckpt.root, t)))
+    assert out.returncode == 1 and "DAMAGED" in out.stdout and "r0s0.shard" in out.stdout
+
+
+def test_interval_command(tmp_path):
+    out = _run("interval", "--cost", "2", "--mtbf", "86400", "--nodes", "16")
+    assert out.returncode == 0, out.stderr
+    assert "Young  sqrt(2CM):     147 s (2.4 min)" in out.stdout and "Daly" in out.stdout and "expected overhead" in out.stdout
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for i, ev in enumerate([{"event": "ckpt_commit", "stall_s": 0.01, "persist_s": 0.5},
+                                {"event": "fault"}, {"event": "ckpt_commit", "stall_s": 0.03, "persist_s": 0.5},
+                                {"event": "fault"}]):
+            f.write(json.dumps({**ev, "time": 1000.0 + 100 * i}) + "\n")
+    out = _run("interval", "--run-dir", str(tmp_path), "--json")
+    d = json.loads(out.stdout)
+    assert d["cost_s"] == pytest.approx(0.02) and d["mtbf_s"] == pytest.approx(150.0) and d["daly_s"] > 0
+    assert _run("interval", "--cost", "1").returncode == 2
+
+
+def test_bench_ckpt_saves_small(monkeypatch, tmp_path):
+    from crucible.bench import ckpt
+
+    monkeypatch.setenv("CRUCIBLE_BENCH_DIR", str(tmp_path))
+    r = ckpt.bench_saves(4, 2, "cpu")
+    assert r["saves"] == 2 and r["state_bytes"] > 3e6
+    for k in ("floor_copy_s", "snapshot_stall_s", "persist_s", "dcp_async_save_stall_s"):
+        assert len(r[k]["all"]) == 2 and r[k]["median"] > 0
