@@ -17,11 +17,12 @@ saves of each, after one warm-up save, reporting medians:
                 the same run: the time until it returns (its stall) and until its
                 future completes.
 
-Part 2 (skipped with ``--quick``... which runs a small version): real jobs of
-the default model (2 replicas x 4 stages) with checkpointing off and
-continuous at ``minimum_interval_secs`` = 0, 5 and 30 (the default), same
-steps; the slowdown of the median step time against checkpointing off, and
-the part of wall time the snapshots stalled (from the ``ckpt_commit`` events).
+Part 2: real jobs of the default model (2 replicas x 4 stages, 200 steps)
+with checkpointing off and continuous at ``minimum_interval_secs`` = 0, 5
+and 30 (the default), twice each, interleaved; the slowdown of the median
+step time against checkpointing off, and the share of stage 0's wall time
+the checkpoint stalls took (the goodput ledger). ``--quick``: a tiny model,
+120 steps, once, off / 0 s / default only (a smoke test).
 """
 
 from __future__ import annotations
@@ -113,26 +114,41 @@ def bench_saves(size_mb: float, saves: int, device: str) -> dict:
     res = {k: [] for k in ("floor", "snapshot", "persist", "asyncsaver", "dcp_stall", "dcp_total")}
     progress(f"state {nbytes / 1e6:.0f} MB in {len(tensors)} tensors on {device}; {saves} saves each")
     try:
-        for i in range(saves + 1):
-            # floor: a plain copy into preallocated buffers
+        def plain_copy() -> float:
             t0 = time.perf_counter()
             for k, t in tensors.items():
                 bufs[k].copy_(t, non_blocking=pin)
             if pin:
                 torch.cuda.synchronize()
-            floor = time.perf_counter() - t0
-            # Crucible's snapshot: collect the state and copy it into the shared region
+            return time.perf_counter() - t0
+
+        def crucible_snapshot() -> tuple[float, dict]:
             t0 = time.perf_counter()
             header = snap.snapshot(ck.state_dict())
-            stall = time.perf_counter() - t0
+            return time.perf_counter() - t0, header
+
+        for i in range(saves + 1):
+            # The floor (a plain copy into preallocated buffers) and Crucible's stall
+            # (collect the state, copy it into the reused shared region) back to back,
+            # in alternating order, after the previous writes reached the disk (so
+            # that the kernel's writeback does not compete with one of them only).
+            os.sync()
+            if i % 2:
+                floor = plain_copy()
+                stall, header = crucible_snapshot()
+            else:
+                stall, header = crucible_snapshot()
+                floor = plain_copy()
             t0 = time.perf_counter()
             snap.persist(header, os.path.join(tmp, f"s{i}"), "r0s1.shard")
             persist = time.perf_counter() - t0
             shutil.rmtree(os.path.join(tmp, f"s{i}"), ignore_errors=True)
             # AsyncSaver (thread persist; only its snapshot is timed)
+            os.sync()
             saver.snapshot(ck.state_dict())
             aso = saver.last_stall_s
             # torch.distributed.checkpoint.async_save of the same tensors
+            os.sync()
             t0 = time.perf_counter()
             fut = dcp.async_save(tensors, checkpoint_id=os.path.join(tmp, f"dcp{i}"))
             dstall = time.perf_counter() - t0
@@ -184,7 +200,9 @@ def bench_runs(quick: bool) -> dict:
     try:
         for rep in range(repeats):            # interleaved, so that drifting load hits every setting alike
             for name, interval in settings:
-                ov = list(size) + ["train.eval_every=0"]
+                # A long heartbeat timeout: on a loaded machine a worker still importing torch
+                # must not be declared dead (the bench's jobs have no respawn).
+                ov = list(size) + ["train.eval_every=0", "fault.heartbeat_timeout=10"]
                 if name == "off":
                     ov.append("checkpoint.enable_checkpointing=false")
                 else:
@@ -192,7 +210,7 @@ def bench_runs(quick: bool) -> dict:
                 progress(f"run {name} #{rep + 1}: {replicas}x{stages}, {steps} steps")
                 run_dir = os.path.join(root, f"{name}-{rep}")
                 with Launch(run_dir, replicas, stages, steps, ov) as job:
-                    code = job.wait(3600)
+                    code = job.wait(1200)
                     if code != 0:
                         raise RuntimeError(f"run {name} failed ({code}):\n{job.tail()}")
                 events = read_events(os.path.join(run_dir, "metrics.jsonl"))

@@ -77,6 +77,7 @@ from crucible.config import CheckpointConfig
 log = logging.getLogger("crucible.checkpoints")
 
 TICK_S = 0.05
+PAUSED_GRACE_S = 2.0     # how long a save waits for paused replicas' frozen shards once the rest is in
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -88,8 +89,10 @@ class Save:
     required: dict                      # worker id -> (replica, stage)
     replicas: dict                      # replica -> {"state", "route", "step"}
     vacant: list
+    optional: dict = dataclasses.field(default_factory=dict)  # paused replicas' live workers (best effort)
     final: bool = False
     reports: dict = dataclasses.field(default_factory=dict)   # shard name -> report
+    required_in_mono: float | None = None   # when every required shard was in
     abort: str | None = None
     committing: bool = False
     passed_mono: float | None = None    # when every expected replica had passed T
@@ -257,10 +260,11 @@ class CheckpointManager:
             if not current:
                 return pb.ShardAck(accepted=False)      # a shard of an aborted or finished save
             expected = req.worker_id in p.required
-            if not expected and (p.replicas.get(w.replica, {}).get("state") != "training"
-                                 or w.stage not in c.routes.get(w.replica, [])):
+            frozen = req.worker_id in p.optional
+            if not expected and not frozen and (p.replicas.get(w.replica, {}).get("state") != "training"
+                                                or w.stage not in c.routes.get(w.replica, [])):
                 return pb.ShardAck(accepted=False)
-            if req.replica_step != p.step:
+            if req.replica_step != p.step and not (frozen and 0 <= req.replica_step <= p.step):
                 raise ValueError(f"shard of step {req.replica_step} reported for checkpoint {p.step}")
             p.reports[name] = {"name": name, "bytes": int(req.bytes), "checksum": req.checksum,
                                "replica": w.replica, "stage": w.stage, "step": int(req.replica_step),
@@ -353,6 +357,15 @@ class CheckpointManager:
                 missing = [n for n in self._expected_names(p) if n not in p.reports]
                 if missing:
                     return False
+                if p.required_in_mono is None:
+                    p.required_in_mono = mono
+                for wid, slot in list(p.optional.items()):
+                    w = c.workers.get(wid)
+                    if w is None or w.state != "alive" or c.slots.get(slot) != wid:
+                        del p.optional[wid]          # a paused replica's worker went away: no shard from it
+                waiting = [wid for wid, slot in p.optional.items() if storage.shard_name(*slot) not in p.reports]
+                if waiting and mono - p.required_in_mono < PAUSED_GRACE_S:
+                    return False
                 p.committing = True
                 commit = p
             elif self.enabled and not c.stopping.is_set():
@@ -418,7 +431,7 @@ class CheckpointManager:
             return
         if not self.final_wanted and not self.save_policy.should_save(target, mono, self.last_start, False):
             return
-        required, vacant, replicas = {}, [], {}
+        required, optional, vacant, replicas = {}, {}, [], {}
         for rep in c.replicas:
             route = list(c.routes[rep.id])
             replicas[rep.id] = {"state": rep.state, "route": route, "step": steps[rep.id]}
@@ -427,10 +440,12 @@ class CheckpointManager:
                 w = c.workers.get(wid) if wid else None
                 if rep.state == "training" and s in route and w is not None and w.state == "alive":
                     required[wid] = (rep.id, s)
+                elif rep.state == "paused" and w is not None and w.state == "alive":
+                    optional[wid] = (rep.id, s)      # its frozen state, if it can snapshot it
                 else:
                     vacant.append(f"r{rep.id}s{s}")
         self.pending = Save(step=target, started=time.time(), started_mono=mono, required=required,
-                            replicas=replicas, vacant=vacant, final=self.final_wanted)
+                            optional=optional, replicas=replicas, vacant=vacant, final=self.final_wanted)
         self.last_start = mono
         c.metrics.write({"event": "ckpt_start", "step": target, "margin": margin, "final": self.final_wanted,
                          "replica_steps": {str(r): s for r, s in steps.items()},
@@ -476,14 +491,21 @@ class CheckpointManager:
     def _commit(self, p: Save) -> None:
         c = self.c
         reports = list(p.reports.values())
-        rounds: dict[int, int] = {}
+        rounds: dict[int, list] = {}
+        shard_steps: dict[int, list] = {}
         for rp in reports:
-            rounds[rp["replica"]] = max(rounds.get(rp["replica"], 0), rp["outer_round"])
+            rounds.setdefault(rp["replica"], []).append(rp["outer_round"])
+            shard_steps.setdefault(rp["replica"], []).append(rp["step"])
         replicas = {}
         for r, info in p.replicas.items():
-            training = info["state"] == "training"
-            replicas[str(r)] = {"state": info["state"], "step": p.step if training else info["step"],
-                                "round": rounds.get(r), "route": info["route"]}
+            if info["state"] == "training":
+                step, rnd = p.step, max(rounds.get(r, [0]))
+            else:   # paused: its frozen state, where its live workers could give it
+                step = min(shard_steps[r]) if r in shard_steps else info["step"]
+                rnd = min(rounds[r]) if r in rounds else None
+            replicas[str(r)] = {"state": info["state"], "step": step, "round": rnd, "route": info["route"]}
+            if r in shard_steps and len(set(shard_steps[r])) > 1:
+                replicas[str(r)]["shard_steps"] = sorted(set(shard_steps[r]))
         present = {rp["name"] for rp in reports}
         vacant = sorted({f"r{r}s{s}" for r in range(c.cfg.job.replicas) for s in range(c.cfg.job.stages)}
                         - {n.removesuffix(".shard") for n in present})

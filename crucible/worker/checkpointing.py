@@ -209,6 +209,7 @@ class WorkerCheckpointer:
         self.root = os.path.join(worker.run_dir, "checkpoints")
         self.name = storage.shard_name(worker.replica, worker.stage)
         self.delay_s = float(cfg.debug.persist_delay_s)
+        self.busy_timeout_s = 30.0       # longest wait for the previous persist before skipping a save
         self.target = 0                  # the coordinator's pending target step (0 = none)
         self.handled: set[int] = set()   # targets this worker snapshotted or reported late
         self._snap: Snapshotter | None = None
@@ -247,6 +248,19 @@ class WorkerCheckpointer:
                                               error=f"late: replica {self.w.replica} was at step {step + 1} "
                                                     f"when it learnt target {t}"))
         return False
+
+    def idle(self) -> None:
+        """The training thread is waiting (its replica paused): snapshot the
+        frozen state for a pending save, once (best effort; the coordinator
+        records the replica as paused, at the step its shards are at)."""
+        t = self.target
+        if not self.enabled or t <= 0 or t in self.handled:
+            return
+        route = self.w.route
+        if route is None or route.state != "paused" or self.w.step > t:
+            return
+        self.handled.add(t)
+        self.save(self.w.step, ckpt_step=t)
 
     def after_commit(self, snapshot: bool) -> None:
         """Every stage, after applying a COMMIT and the outer round it may close.
@@ -302,10 +316,18 @@ class WorkerCheckpointer:
             self.w.ctl.report({"event": "ckpt_error", "replica": self.w.replica, "stage": self.w.stage,
                                "error": f"{type(err).__name__}: {err}"})
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, ckpt_step: int | None = None) -> None:
+        """Snapshot the state (at ``step``) for the save of ``ckpt_step`` (the
+        same but for a paused replica's frozen state), persist it in the background."""
+        ckpt_step = step if ckpt_step is None else ckpt_step
         t0 = time.perf_counter()
-        self.handled.add(step)
-        self._finish_previous()
+        self.handled.add(ckpt_step)
+        try:   # the previous persist reads the region this snapshot would overwrite
+            self._finish_previous(timeout=self.busy_timeout_s)
+        except TimeoutError as e:   # a stuck write: give up this save rather than stall training longer
+            self._report_async(pb.ShardReport(ckpt_step=ckpt_step, name=self.name, replica_step=step,
+                                              error=f"skipped: {e}"))
+            return
         t1 = time.perf_counter()
         snap = self._snapshotter()
         header = snap.snapshot(self.state_dict())
@@ -314,7 +336,7 @@ class WorkerCheckpointer:
         ledger = getattr(self.w, "ledger", None)
         if ledger is not None and hasattr(ledger, "add"):
             ledger.add("checkpoint_stall", stall + self.last_wait_s)
-        args = (step, header, self.w.outer.round, stall)
+        args = (ckpt_step, step, header, self.w.outer.round, stall)
         if self._thread is None:
             self._thread = threading.Thread(target=self._persist_loop, daemon=True, name="ckpt-persist")
             self._thread.start()
@@ -334,18 +356,18 @@ class WorkerCheckpointer:
             finally:
                 self._idle.set()
 
-    def _persist(self, step: int, header: dict, outer_round: int, stall: float) -> None:
+    def _persist(self, ckpt_step: int, step: int, header: dict, outer_round: int, stall: float) -> None:
         t0 = time.perf_counter()
         info, err = None, ""
         try:
-            d = storage.tmp_dir(self.root, step)
+            d = storage.tmp_dir(self.root, ckpt_step)
             info = self._snap.persist(header, str(d), self.name, self.delay_s)
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
             self._error = e
         self.last_persist_s = time.perf_counter() - t0
         self.saves += 1
-        req = pb.ShardReport(ckpt_step=step, name=self.name, replica_step=step, outer_round=outer_round,
+        req = pb.ShardReport(ckpt_step=ckpt_step, name=self.name, replica_step=step, outer_round=outer_round,
                              stall_s=stall + self.last_wait_s + (0.0 if self.async_ else self.last_persist_s),
                              persist_s=self.last_persist_s, error=err)
         if info is not None:

@@ -315,6 +315,7 @@ class Worker:
                 if self.stop_requested.is_set():
                     break
                 self.cv.wait(0.1)
+                self.ckpt.idle()          # a paused replica snapshots its frozen state for a pending save
         self._check_stop()
         waited = time.perf_counter() - t0
         if waited > 0.05 and self.first:
@@ -478,6 +479,7 @@ class Worker:
                 ev = self.inbox.get(timeout=0.2)
             except queue.Empty:
                 self._check_stop()
+                self.ckpt.idle()          # a paused replica snapshots its frozen state for a pending save
                 if time.perf_counter() - t0 > timeout:
                     st.wait += time.perf_counter() - t0
                     raise RouteChanged(f"{self.name}: nothing from neighbours for {timeout:.0f}s")
