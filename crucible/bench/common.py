@@ -282,6 +282,20 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+SYSTEM = "__system__"
+
+
+def system_busy_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy (all cores, /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            parts = f.readline().split()
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in parts[1:9])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+
+
 class CpuSampler:
     """Samples the CPU time of named processes against the wall clock (time.time(),
     the clock of metrics events), to tell CPU used per step from wall time."""
@@ -291,6 +305,9 @@ class CpuSampler:
 
     def sample(self, pids: dict) -> None:
         now = time.time()
+        busy = system_busy_seconds()
+        if busy is not None:
+            self.samples.setdefault(SYSTEM, []).append((now, busy))
         for name, pid in pids.items():
             if not isinstance(pid, int):
                 continue
@@ -313,10 +330,31 @@ class CpuSampler:
                 return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
         return None
 
+    def contention(self, t_start: float, t_end: float) -> dict | None:
+        """Cores busy between two wall times: in all, with the sampled processes, and
+        with everything else on the machine (other jobs: a contaminated measurement)."""
+        if t_end <= t_start:
+            return None
+        a, b = self.at(SYSTEM, t_start), self.at(SYSTEM, t_end)
+        if a is None or b is None:
+            return None
+        ours = 0.0
+        for name in self.samples:
+            if name == SYSTEM:
+                continue
+            x, y = self.at(name, t_start), self.at(name, t_end)
+            if x is not None and y is not None:
+                ours += y - x
+        wall = t_end - t_start
+        busy = (b - a) / wall
+        return {"busy_cores": busy, "ours_cores": ours / wall, "others_cores": max(0.0, busy - ours / wall)}
+
     def per_step(self, t_start: float, t_end: float, steps: int) -> dict[str, float | None]:
         """Mean CPU seconds per step of each process between two wall times."""
         out: dict[str, float | None] = {}
         for name in sorted(self.samples):
+            if name == SYSTEM:
+                continue
             a, b = self.at(name, t_start), self.at(name, t_end)
             out[name] = (b - a) / steps if a is not None and b is not None and steps > 0 else None
         return out

@@ -94,6 +94,9 @@ DEFINITIONS = {
              "from /proc/<pid>/stat sampled every 0.1 s; compute_s is wall time and, when the cores are "
              "oversubscribed, includes time the worker waited for a core",
     "cpu_util": "cpu_s / wall time per step",
+    "machine": "cores busy over the measured steps (/proc/stat): busy_cores in all, ours_cores with this job and "
+               "the bench, others_cores with anything else; contended = others_cores > 0.25 (the numbers of that "
+               "run are not clean)",
     "loopback_MBps": "payload MB of FORWARD-sized frames streamed one way on one gRPC stream over 127.0.0.1, "
                      "until the sink acknowledges the last, per second",
 }
@@ -203,7 +206,7 @@ def run_pipeline(workdir: str, stages: int, steps: int, warmup: int, extra: list
 
     def poll() -> None:
         pids = job.pids()
-        cpu.sample(pids)
+        cpu.sample({**pids, "bench": os.getpid()})
         for wname, core in (pin or {}).items():
             pid = pids.get(wname)
             if pid and common.pin_tasks(int(pid), {core}):
@@ -234,6 +237,9 @@ def run_pipeline(workdir: str, stages: int, steps: int, warmup: int, extra: list
     if tp.get("measured_steps"):
         per_step = cpu.per_step(tp["t_start"], tp["t_end"], tp["measured_steps"])
         info["cpu_s_per_step"] = per_step
+        info["machine"] = cpu.contention(tp["t_start"], tp["t_end"])
+        if info["machine"] is not None:
+            info["contended"] = info["machine"]["others_cores"] > 0.25
         for row in info["per_stage"]:
             c = per_step.get(f"r0s{row['stage']}")
             row["cpu_s"] = c
@@ -284,6 +290,7 @@ def plain_main(steps: int, warmup: int, overrides: list[str]) -> int:
         first = events[-1 - tp["measured_steps"]]
         tp["cpu_s_per_step"] = (events[-1]["cpu"] - first["cpu"]) / tp["measured_steps"]
     out = {"tokens_per_s": tp["tokens_per_s"], "throughput": tp, "params": params,
+           "process_cpu_s": time.process_time(),
            "threads": torch.get_num_threads(), "losses": [e["loss"] for e in events]}
     print(json.dumps(out), flush=True)
     return 0
@@ -296,11 +303,13 @@ def run_plain(steps: int, warmup: int, extra: list[str]) -> dict:
         argv += ["--set", o]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         info: dict = {"loadavg_before": common.loadavg()}
+        busy0, t0 = common.system_busy_seconds(), time.time()
         child = common.Child(argv, env=common.child_env(), stdout=out, stderr=err)
         try:
             code = child.wait(60.0 + steps * 5.0)
         finally:
             child.close()
+        busy1, t1 = common.system_busy_seconds(), time.time()
         out.seek(0)
         err.seek(0)
         text = out.read().decode(errors="replace").strip().splitlines()
@@ -310,6 +319,11 @@ def run_plain(steps: int, warmup: int, extra: list[str]) -> dict:
             progress(info["error"])
             return info
     info.update(json.loads(text[-1]))
+    if busy0 is not None and busy1 is not None and t1 > t0:
+        # over the child's whole life (start-up included): cores busy with anything but it
+        others = max(0.0, (busy1 - busy0 - info["process_cpu_s"]) / (t1 - t0))
+        info["machine"] = {"busy_cores": (busy1 - busy0) / (t1 - t0), "others_cores": others}
+        info["contended"] = others > 0.25
     info["loadavg_after"] = common.loadavg()
     progress(f"plain: {info['tokens_per_s']:.0f} tokens/s")
     return _round(info)
@@ -511,6 +525,7 @@ def main(args) -> int:
         "tokens_per_s": {**{k: v["tokens_per_s"] for k, v in runs.items()}, "plain": plain_tps},
         "relative_to_plain": {k: (v["tokens_per_s"] / plain_tps if plain_tps else None) for k, v in runs.items()},
         "oversubscribed": {k: v["oversubscribed"] for k, v in runs.items()},
+        "contended": {**{k: v.get("contended") for k, v in runs.items()}, "plain": base.get("contended")},
         "pinned_S2_ser_transport_fraction": pinned["ser_transport_fraction"]["max"],
         "pinned_S2_ser_transport_fraction_per_stage": pinned["ser_transport_fraction"]["per_stage"],
         "pinned_S2_target": TARGET_FRACTION,
