@@ -28,6 +28,7 @@ the checkpoint stalls took (the goodput ledger). ``--quick``: a tiny model,
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -39,8 +40,25 @@ from crucible.bench.common import Launch, environment, emit, progress, read_even
 TARGET_MIN_MB = 100
 
 
-def _stats(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": [round(x, 6) for x in xs]}
+def _stats(xs: list[float], cpu: list[float] | None = None) -> dict:
+    out = {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": [round(x, 6) for x in xs]}
+    if cpu:
+        out["cpu_median"] = statistics.median(cpu)
+        out["cpu_all"] = [round(x, 6) for x in cpu]
+    return out
+
+
+class _Timer:
+    """Wall time and this process's CPU time (all its threads) of a block: on a
+    machine shared with other work the CPU time is what the block itself cost."""
+
+    def __enter__(self):
+        self.w0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.w0
+        self.cpu = time.process_time() - self.c0
 
 
 def _state(size_mb: float, device: str):
@@ -111,21 +129,22 @@ def bench_saves(size_mb: float, saves: int, device: str) -> dict:
     bufs = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in tensors.items()}
     snap = Snapshotter("process", pin=pin)
     saver = AsyncSaver(pin_memory=pin)
-    res = {k: [] for k in ("floor", "snapshot", "persist", "asyncsaver", "dcp_stall", "dcp_total")}
+    res = {k: [] for k in ("floor", "snapshot", "persist", "asyncsaver", "dcp_stall", "dcp_total", "floor_cpu",
+                           "snapshot_cpu", "dcp_stall_cpu")}
     progress(f"state {nbytes / 1e6:.0f} MB in {len(tensors)} tensors on {device}; {saves} saves each")
     try:
-        def plain_copy() -> float:
-            t0 = time.perf_counter()
-            for k, t in tensors.items():
-                bufs[k].copy_(t, non_blocking=pin)
-            if pin:
-                torch.cuda.synchronize()
-            return time.perf_counter() - t0
+        def plain_copy() -> _Timer:
+            with _Timer() as tm:
+                for k, t in tensors.items():
+                    bufs[k].copy_(t, non_blocking=pin)
+                if pin:
+                    torch.cuda.synchronize()
+            return tm
 
-        def crucible_snapshot() -> tuple[float, dict]:
-            t0 = time.perf_counter()
-            header = snap.snapshot(ck.state_dict())
-            return time.perf_counter() - t0, header
+        def crucible_snapshot() -> tuple[_Timer, dict]:
+            with _Timer() as tm:
+                header = snap.snapshot(ck.state_dict())
+            return tm, header
 
         for i in range(saves + 1):
             # The floor (a plain copy into preallocated buffers) and Crucible's stall
@@ -134,11 +153,12 @@ def bench_saves(size_mb: float, saves: int, device: str) -> dict:
             # that the kernel's writeback does not compete with one of them only).
             os.sync()
             if i % 2:
-                floor = plain_copy()
-                stall, header = crucible_snapshot()
+                floor_t = plain_copy()
+                stall_t, header = crucible_snapshot()
             else:
-                stall, header = crucible_snapshot()
-                floor = plain_copy()
+                stall_t, header = crucible_snapshot()
+                floor_t = plain_copy()
+            floor, stall = floor_t.wall, stall_t.wall
             t0 = time.perf_counter()
             snap.persist(header, os.path.join(tmp, f"s{i}"), "r0s1.shard")
             persist = time.perf_counter() - t0
@@ -150,15 +170,17 @@ def bench_saves(size_mb: float, saves: int, device: str) -> dict:
             # torch.distributed.checkpoint.async_save of the same tensors
             os.sync()
             t0 = time.perf_counter()
-            fut = dcp.async_save(tensors, checkpoint_id=os.path.join(tmp, f"dcp{i}"))
-            dstall = time.perf_counter() - t0
+            with _Timer() as dcp_t:
+                fut = dcp.async_save(tensors, checkpoint_id=os.path.join(tmp, f"dcp{i}"))
+            dstall = dcp_t.wall
             fut.result()
             dtotal = time.perf_counter() - t0
             shutil.rmtree(os.path.join(tmp, f"dcp{i}"), ignore_errors=True)
             if i == 0:
                 continue   # warm-up: first-touch allocations everywhere
             for k, v in (("floor", floor), ("snapshot", stall), ("persist", persist), ("asyncsaver", aso),
-                         ("dcp_stall", dstall), ("dcp_total", dtotal)):
+                         ("dcp_stall", dstall), ("dcp_total", dtotal), ("floor_cpu", floor_t.cpu),
+                         ("snapshot_cpu", stall_t.cpu), ("dcp_stall_cpu", dcp_t.cpu)):
                 res[k].append(v)
             progress(f"save {i}: floor {floor * 1e3:.1f} ms, snapshot {stall * 1e3:.1f} ms, persist {persist:.3f} s, "
                      f"AsyncSaver {aso * 1e3:.1f} ms, DCP async_save {dstall * 1e3:.1f} ms (done {dtotal:.3f} s)")
@@ -167,16 +189,23 @@ def bench_saves(size_mb: float, saves: int, device: str) -> dict:
         saver.close()
         shutil.rmtree(tmp, ignore_errors=True)
     out = {"state_bytes": nbytes, "tensors": len(tensors), "saves": saves, "device": device,
-           "floor_copy_s": _stats(res["floor"]), "snapshot_stall_s": _stats(res["snapshot"]),
+           "floor_copy_s": _stats(res["floor"], res["floor_cpu"]),
+           "snapshot_stall_s": _stats(res["snapshot"], res["snapshot_cpu"]),
            "persist_s": _stats(res["persist"]), "asyncsaver_stall_s": _stats(res["asyncsaver"]),
-           "dcp_async_save_stall_s": _stats(res["dcp_stall"]), "dcp_async_save_total_s": _stats(res["dcp_total"])}
+           "dcp_async_save_stall_s": _stats(res["dcp_stall"], res["dcp_stall_cpu"]),
+           "dcp_async_save_total_s": _stats(res["dcp_total"])}
     med = {k: out[k]["median"] for k in ("floor_copy_s", "snapshot_stall_s", "dcp_async_save_stall_s", "persist_s")}
     out["stall_over_floor"] = med["snapshot_stall_s"] / med["floor_copy_s"]
     out["stall_over_dcp_stall"] = med["snapshot_stall_s"] / med["dcp_async_save_stall_s"]
     out["persist_GBps"] = nbytes / med["persist_s"] / 1e9
+    cpu = {k: out[k]["cpu_median"] for k in ("floor_copy_s", "snapshot_stall_s", "dcp_async_save_stall_s")}
+    out["cpu_stall_over_floor"] = cpu["snapshot_stall_s"] / cpu["floor_copy_s"]
+    out["cpu_stall_over_dcp_stall"] = cpu["snapshot_stall_s"] / cpu["dcp_async_save_stall_s"]
     out["targets"] = {"state_at_least_100MB": nbytes >= TARGET_MIN_MB * 1e6,
                       "stall_le_1.5x_floor": out["stall_over_floor"] <= 1.5,
-                      "stall_below_dcp_async_save": out["stall_over_dcp_stall"] < 1.0}
+                      "stall_below_dcp_async_save": out["stall_over_dcp_stall"] < 1.0,
+                      "cpu_stall_le_1.5x_floor": out["cpu_stall_over_floor"] <= 1.5,
+                      "cpu_stall_below_dcp_async_save": out["cpu_stall_over_dcp_stall"] < 1.0}
     return out
 
 
@@ -194,8 +223,8 @@ def bench_runs(quick: bool) -> dict:
     from crucible.config import CheckpointConfig
 
     default_interval = CheckpointConfig.minimum_interval_secs
-    samples: dict[str, dict] = {name: {"step_s": [], "wall": [], "commits": [], "aborts": 0, "ledger": []}
-                                 for name, _ in settings}
+    samples: dict[str, dict] = {name: {"step_s": [], "wall": [], "commits": [], "aborts": 0, "ledger": [],
+                                        "cpu": []} for name, _ in settings}
     root = tempfile.mkdtemp(prefix="crucible-bench-ckpt-runs-", dir=os.environ.get("CRUCIBLE_BENCH_DIR"))
     try:
         for rep in range(repeats):            # interleaved, so that drifting load hits every setting alike
@@ -209,12 +238,15 @@ def bench_runs(quick: bool) -> dict:
                     ov.append(f"checkpoint.minimum_interval_secs={default_interval if interval is None else interval}")
                 progress(f"run {name} #{rep + 1}: {replicas}x{stages}, {steps} steps")
                 run_dir = os.path.join(root, f"{name}-{rep}")
+                ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                 with Launch(run_dir, replicas, stages, steps, ov) as job:
                     code = job.wait(1200)
                     if code != 0:
                         raise RuntimeError(f"run {name} failed ({code}):\n{job.tail()}")
+                ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)   # every process of the job, reaped
                 events = read_events(os.path.join(run_dir, "metrics.jsonl"))
                 sm = samples[name]
+                sm["cpu"].append(ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime)
                 sm["step_s"] += [e["step_s"] for e in events if e["event"] == "step" and e["step"] >= warmup]
                 steps_ev = [e for e in events if e["event"] == "step"]
                 sm["wall"].append(max(e["time"] for e in steps_ev)
@@ -250,16 +282,20 @@ def bench_runs(quick: bool) -> dict:
             "bytes_per_checkpoint": commits[-1]["bytes"] if commits else None,
             "median_interval_s": statistics.median(gaps) if gaps else None,
             "checkpoint_stall_share": statistics.mean(sm["ledger"]) if sm["ledger"] else None,
+            "job_cpu_s": statistics.mean(sm["cpu"]),
+            "job_cpu_s_all": sm["cpu"],
         }
     base = runs["off"]["median_step_s"]
     for name, r in runs.items():
         r["slowdown_vs_off"] = r["median_step_s"] / base - 1.0
+        r["cpu_overhead_vs_off"] = r["job_cpu_s"] / runs["off"]["job_cpu_s"] - 1.0
         if r["median_stall_s"] is not None and r["median_interval_s"]:
             r["stall_fraction"] = r["median_stall_s"] / r["median_interval_s"]
     default_name = [n for n in runs if n.endswith("default")][0]
     return {"replicas": replicas, "stages": stages, "steps": steps, "warmup_steps": warmup, "runs": runs,
             "default_minimum_interval_secs": default_interval,
-            "target_default_slowdown_le_5pct": runs[default_name]["slowdown_vs_off"] <= 0.05}
+            "target_default_slowdown_le_5pct": runs[default_name]["slowdown_vs_off"] <= 0.05,
+            "target_default_cpu_overhead_le_5pct": runs[default_name]["cpu_overhead_vs_off"] <= 0.05}
 
 
 def main(args) -> int:

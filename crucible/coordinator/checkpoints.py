@@ -491,6 +491,11 @@ class CheckpointManager:
     def _commit(self, p: Save) -> None:
         c = self.c
         reports = list(p.reports.values())
+        for r, info in p.replicas.items():
+            # A paused replica whose frozen shards disagree (it came back in the middle of the
+            # save) cannot be restored as one: its slots are recorded vacant instead.
+            if info["state"] != "training" and len({rp["step"] for rp in reports if rp["replica"] == r}) > 1:
+                reports = [rp for rp in reports if rp["replica"] != r]
         rounds: dict[int, list] = {}
         shard_steps: dict[int, list] = {}
         for rp in reports:
@@ -504,8 +509,6 @@ class CheckpointManager:
                 step = min(shard_steps[r]) if r in shard_steps else info["step"]
                 rnd = min(rounds[r]) if r in rounds else None
             replicas[str(r)] = {"state": info["state"], "step": step, "round": rnd, "route": info["route"]}
-            if r in shard_steps and len(set(shard_steps[r])) > 1:
-                replicas[str(r)]["shard_steps"] = sorted(set(shard_steps[r]))
         present = {rp["name"] for rp in reports}
         vacant = sorted({f"r{r}s{s}" for r in range(c.cfg.job.replicas) for s in range(c.cfg.job.stages)}
                         - {n.removesuffix(".shard") for n in present})

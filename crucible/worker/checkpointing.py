@@ -45,6 +45,7 @@ manifest's checksum and loaded bit for bit.
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import os
@@ -154,6 +155,18 @@ class Snapshotter:
         self.data_bytes = 0
 
     def snapshot(self, state: dict) -> dict:
+        # No cyclic garbage collection inside the stall: the small objects the
+        # encoder makes could start a full collection here (hundreds of ms with
+        # torch loaded); it runs on the next allocation after the snapshot instead.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._snapshot(state)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _snapshot(self, state: dict) -> dict:
         enc = _LayoutEncoder()
         tree = enc.encode(state)
         sig = [(m["kind"], m.get("dtype"), tuple(m.get("shape") or ()), m["offset"], m["nbytes"]) for m in enc.blobs]
