@@ -75,6 +75,7 @@ TARGET_LOSS_GAP = 0.02          # SparseLoCo best within 2 % of DiLoCo best
 GRID = (0.5, 0.7, 1.0)
 LADDER = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)   # values beyond an edge of GRID come from here
 MAX_EXTENSIONS = 3
+QUICK_LRS = {"sparseloco": 1.0, "diloco": 0.7}
 REUSE_ENV = "CRUCIBLE_BENCH_OUTER_WORKDIR"
 CODEC_SIZES_FULL = {"repeats_stage": 7, "repeats_10M": 3}
 CODEC_SIZES_QUICK = {"repeats_stage": 2, "repeats_10M": 1}
@@ -446,7 +447,8 @@ def main(args) -> int:
             "base_overrides": base,
             "codec": {"chunk": 4096, "k": 64, "value_bits": 2, "zstd": True, "beta": 0.95, "clip": "median"},
             "diloco_momentum": 0.9,
-            "grid": [1.0] if quick else list(GRID),
+            "grid": None if quick else list(GRID),
+            "quick_lrs": QUICK_LRS if quick else None,
             "grid_extension": None if quick else (f"while the best is at an edge, the next value of {list(LADDER)} "
                                                   f"beyond it (at most {MAX_EXTENSIONS} per mode)"),
             "single_replica_overrides": ["outer.mode=none", "train.batch_size=32", "train.microbatches=8"],
@@ -465,8 +467,8 @@ def main(args) -> int:
         progress("codec throughput (one thread)")
         result["codec"] = run_codec(workdir, quick)
         if quick:
-            sl = _sweep(workdir, "sparseloco", [1.0], cfg, base, False, deadline, timeout)
-            dl = _sweep(workdir, "diloco", [0.7], cfg, base, False, deadline, timeout)
+            sl = _sweep(workdir, "sparseloco", [QUICK_LRS["sparseloco"]], cfg, base, False, deadline, timeout)
+            dl = _sweep(workdir, "diloco", [QUICK_LRS["diloco"]], cfg, base, False, deadline, timeout)
         else:
             sl = _sweep(workdir, "sparseloco", list(GRID), cfg, base, True, deadline, timeout)
             dl = _sweep(workdir, "diloco", list(GRID), cfg, base, True, deadline, timeout)
