@@ -21,10 +21,11 @@ steps in the budget; held-out evaluation every 20 steps (4 batches of the
 held-out tail); continuous checkpointing at most every 10 s in every run (the
 ``restart`` policy resumes from it). N = 30 s, budget 120 s.
 
-``--quick`` is a smoke test of the whole path (about a minute): a 2 x 3 job of
-a tiny model, 6 s of training per run, ``failure_free``, ``skip`` and ``wait``
-only, one SIGKILL of r1s1 each triggered by its step (``r1s1@step=60``; the
-start-up time varies too much on a loaded machine for a timer).
+``--quick`` is a smoke test of the whole path (about a minute on an idle
+machine): a 1 x 3 job of a tiny model without checkpointing, 6 s of training
+per run, ``failure_free``, ``skip`` and ``wait`` only, one SIGKILL of r0s1 each
+triggered by its step (``r0s1@step=60``; the start-up time varies too much on a
+loaded machine for a timer).
 
 Every run trains for the same wall-time budget, counted from the moment the
 job starts training (the first ``route_change`` with every replica
@@ -84,13 +85,13 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
 from crucible.bench import common
 from crucible.bench.common import progress
 
-REPLICAS = 2
 LOSS_WINDOW = 10
 
 # The default model (8 x 128, seq 128) runs a step every ~1-2 s with 8 workers
@@ -106,18 +107,21 @@ COMMON = [
           "checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=10",
           "checkpoint.preemption_timeout_secs=3"]
 
-FULL = {"budget_s": 120.0, "startup_timeout_s": 240.0, "tail_s": 3.0, "recover_cap_s": 45.0,
-        "stages": 4, "model": FULL_MODEL + ["train.eval_every=20", "train.eval_batches=4"], "kill_every_s": 30.0,
+FULL = {"budget_s": 120.0, "startup_timeout_s": 240.0, "tail_s": 3.0, "recover_cap_s": 45.0, "stop_grace_s": 5.0,
+        "replicas": 2, "stages": 4, "model": FULL_MODEL + ["train.eval_every=20", "train.eval_batches=4"], "kill_every_s": 30.0,
         "runs": [("failure_free", "skip", None), ("skip", "skip", "inner@every=30,seed=1"),
                  ("wait", "wait", "inner@every=30,seed=1"), ("restart", "restart", "inner@every=30,seed=1"),
                  ("skip_any", "skip", "any@every=30,seed=1")]}
-# --quick: a smoke test of the whole path in well under 2 minutes: a 2 x 3 job of a
-# tiny model, one kill each, triggered by the step (start-up time varies too much
-# on a loaded machine for a kill on a timer to land inside a short budget).
-QUICK = {"budget_s": 6.0, "startup_timeout_s": 60.0, "tail_s": 2.0, "recover_cap_s": 8.0,
-         "stages": 3, "model": QUICK_MODEL + ["train.eval_every=40", "train.eval_batches=2"], "kill_every_s": None,
-         "runs": [("failure_free", "skip", None), ("skip", "skip", "r1s1@step=60"),
-                  ("wait", "wait", "r1s1@step=60")]}
+# --quick: a smoke test of the whole path, about a minute: a 1 x 3 job of a tiny
+# model (start-up is most of the time: few processes), no checkpointing, one kill
+# each, triggered by the step (start-up time varies too much on a loaded machine
+# for a kill on a timer to land inside a short budget).
+QUICK = {"budget_s": 6.0, "startup_timeout_s": 60.0, "tail_s": 1.5, "recover_cap_s": 8.0, "stop_grace_s": 3.0,
+         "replicas": 1, "stages": 3, "kill_every_s": None,
+         "model": QUICK_MODEL + ["train.eval_every=40", "train.eval_batches=2"],
+         "extra": ["checkpoint.enable_checkpointing=false"],
+         "runs": [("failure_free", "skip", None), ("skip", "skip", "r0s1@step=60"),
+                  ("wait", "wait", "r0s1@step=60")]}
 
 TARGETS = {"skip_goodput_vs_failure_free_min": 0.90, "skip_loss_rel_diff_max": 0.03, "route_change_p50_max_s": 0.5,
            "next_step_p50_max": "0.5 s + 1.5 x failure-free step time"}
@@ -152,19 +156,20 @@ DEFINITIONS = {
 # ---- one run ---------------------------------------------------------------------
 
 
-def _launch_argv(run_dir: str, stages: int, policy: str, chaos: str | None, model: list[str]) -> list[str]:
-    argv = common.crucible_argv("launch", "--replicas", str(REPLICAS), "--stages", str(stages),
+def _launch_argv(run_dir: str, replicas: int, stages: int, policy: str, chaos: str | None,
+                 model: list[str], extra: list[str] = ()) -> list[str]:
+    argv = common.crucible_argv("launch", "--replicas", str(replicas), "--stages", str(stages),
                                 "--steps", "1000000", "--run-dir", run_dir, "--respawn-delay", "1")
     if chaos:
         argv += ["--chaos", chaos]
-    return argv + model + COMMON + [f"fault.on_stage_failure={policy}"]
+    return argv + model + COMMON + list(extra) + [f"fault.on_stage_failure={policy}"]
 
 
 def _training_start(events: list[dict]) -> float | None:
     for ev in events:
         if ev.get("event") == "route_change":
             states = ev.get("states") or {}
-            if len(states) == REPLICAS and all(v == "training" for v in states.values()):
+            if states and all(v == "training" for v in states.values()):
                 return float(ev["time"])
     return None
 
@@ -190,16 +195,33 @@ def _stop(proc: subprocess.Popen, grace: float) -> None:
         pass
 
 
+def _die_with_bench() -> None:
+    """In the launcher's child before exec: SIGKILL it when the bench dies (Linux
+    PR_SET_PDEATHSIG; kept across exec). The launch runs in its own session, so
+    killing the bench's group would not reach it; its own children die with it
+    (they set PR_SET_PDEATHSIG on the launcher)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_one(workdir: str, name: str, policy: str, chaos: str | None, settings: dict) -> dict:
     run_dir = os.path.join(workdir, name)
     os.makedirs(run_dir, exist_ok=True)
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    argv = _launch_argv(run_dir, settings["stages"], policy, chaos, settings["model"])
+    argv = _launch_argv(run_dir, settings["replicas"], settings["stages"], policy, chaos, settings["model"],
+                        settings.get("extra", []))
     out = {"name": name, "policy": policy, "chaos": chaos, "command": "crucible " + " ".join(argv[3:])}
     progress(f"{name}: launching ({chaos or 'no faults'}, on_stage_failure={policy})")
     with open(os.path.join(run_dir, "launch.out"), "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=common.child_env(), start_new_session=True, close_fds=True)
+                                env=common.child_env(), start_new_session=True, close_fds=True,
+                                preexec_fn=_die_with_bench)
     t_launch = time.time()
     out["loadavg_start"] = common.loadavg()
     try:
@@ -233,7 +255,7 @@ def run_one(workdir: str, name: str, policy: str, chaos: str | None, settings: d
         out["error"] = f"{name}: {e}"
         progress(f"{out['error']}; log in {run_dir}")
     finally:
-        _stop(proc, grace=5.0)
+        _stop(proc, grace=settings["stop_grace_s"])
     out["launch_exit_code"] = proc.returncode
     out["loadavg_end"] = common.loadavg()
     if "t0" in out:
@@ -290,7 +312,9 @@ def analyze(events: list[dict], t0: float, t_end: float) -> dict:
     budget = t_end - t0
     in_budget = [e for e in events if t0 <= float(e.get("time", 0)) <= t_end]
     replicas = []
-    for r in range(REPLICAS):
+    starts = [e for e in events if e.get("event") == "coordinator_start"]
+    n_replicas = int(starts[0].get("replicas", 1)) if starts else 1
+    for r in range(n_replicas):
         steps = [e for e in in_budget if e.get("event") == "step" and e.get("replica") == r]
         last = steps[-1] if steps else None
         losses = [float(e["loss"]) for e in steps[-LOSS_WINDOW:]]
@@ -315,7 +339,7 @@ def analyze(events: list[dict], t0: float, t_end: float) -> dict:
         "useful_steps_mean": sum(useful) / len(useful),
         "steps_per_s": sum(useful) / len(useful) / budget if budget > 0 else None,
         "loss_at_budget": sum(losses) / len(losses) if losses else None,
-        "heldout_loss_at_budget": sum(heldout) / len(heldout) if len(heldout) == REPLICAS else None,
+        "heldout_loss_at_budget": sum(heldout) / len(heldout) if len(heldout) == n_replicas else None,
         "ledger_goodput": sum(ledgers) / len(ledgers) if ledgers else None,
         "counts": {k: kinds.get(k, 0) for k in ("chaos", "fault", "route_change", "step_aborted", "worker_joined",
                                                  "replacement_ready", "job_restart", "ckpt_commit", "ckpt_abort")},
@@ -517,9 +541,9 @@ def main(args) -> int:
         "bench": "chaos",
         "quick": quick,
         "environment": common.environment(),
-        "settings": {"replicas": REPLICAS, "stages": settings["stages"], "budget_s": settings["budget_s"],
+        "settings": {"replicas": settings["replicas"], "stages": settings["stages"], "budget_s": settings["budget_s"],
                      "kill_every_s": settings["kill_every_s"], "respawn_delay_s": 1.0,
-                     "overrides": settings["model"] + COMMON,
+                     "overrides": settings["model"] + COMMON + settings.get("extra", []),
                      "runs": [{"name": n, "on_stage_failure": p, "chaos": c} for n, p, c in settings["runs"]]},
         "definitions": DEFINITIONS,
     }
