@@ -216,6 +216,11 @@ class Launcher:
                 print(f"crucible: coordinator exited with {self.coord.exit_code}; restarting it", flush=True)
                 self.addr = self._start_coordinator(False)
                 client = StatusClient(self.addr, self.token)
+            if not (delay is not None and delay >= 0) and not self._all_done() and all(
+                    w.poll() is not None for w in self.workers.values()):
+                print("crucible: every worker has exited and --respawn-delay is negative "
+                      "(no respawn): stopping", flush=True)
+                break
             if self._all_done():
                 try:
                     self.coord.popen.wait(timeout=10)

@@ -91,3 +91,15 @@ def test_kill_validates_its_target(tmp_path):
     out = subprocess.run(crucible_cmd("kill", "--run-dir", str(tmp_path), "bogus"), capture_output=True,
                          text=True, env=child_env(), cwd=ROOT, timeout=30)
     assert out.returncode == 2 and "not a worker name" in out.stderr
+
+
+def test_no_respawn_launch_exits_when_every_worker_is_dead(start_job):
+    job = start_job(["--replicas", "1", "--stages", "2", "--steps", "100000", "--respawn-delay", "-1"], TINY)
+    job.wait_for(lambda st: st["replicas"][0]["step"] >= 1, 90, "training")
+    workers = {n: p for n, p in _pids(job).items() if n.startswith("r")}
+    assert len(workers) == 2
+    for pid in workers.values():
+        os.kill(pid, signal.SIGKILL)
+    assert job.proc.wait(timeout=30) == 1, job.output()
+    assert "no respawn" in job.output()
+    assert _gone([p for n, p in _pids(job).items() if n != "launcher"]) == []
