@@ -161,7 +161,10 @@ class StageService:
                                f"stream from replica {hello.src_replica}; this is replica {rt.replica}")
         epoch = rt.route_epoch()
         if hello.epoch > epoch:
-            epoch = rt.wait_for_epoch(hello.epoch, timeout=2.0)
+            # The sender learned of the new route first; ours is on its way over
+            # WatchRoutes (late on a loaded machine): wait for it, bounded.
+            wait = 2.0 if rt.cfg is None else max(2.0, rt.cfg.fault.rpc_timeout / 2)
+            epoch = rt.wait_for_epoch(hello.epoch, timeout=wait)
         if hello.epoch < epoch:
             raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
                                f"stale epoch {hello.epoch:#x}; the route is at {epoch:#x}")
