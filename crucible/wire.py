@@ -80,3 +80,31 @@ def from_wire(msg: pb.Tensor, expect_dtype: torch.dtype, expect_shape: tuple[int
 
 def wire_nbytes(msg: pb.Tensor) -> int:
     return len(msg.data)
+
+
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """The narrowest dtype that holds token ids below vocab_size."""
+    if vocab_size <= 256:
+        return torch.uint8
+    if vocab_size <= 65536:
+        return torch.uint16
+    return torch.int32 if vocab_size <= 2**31 else torch.int64
+
+
+def tokens_to_wire(t: torch.Tensor, vocab_size: int) -> pb.Tensor:
+    """Token ids (targets) in the narrowest dtype for the vocabulary: 1 byte a
+    token for the built-in byte-level model instead of int64's 8."""
+    msg = to_wire(t.to(token_dtype(vocab_size)))
+    msg.raw_nbytes = t.numel() * 8   # "before" is int64, as the data loader makes them
+    return msg
+
+
+def tokens_from_wire(msg: pb.Tensor, shape: tuple[int, ...], vocab_size: int,
+                     what: str = "targets") -> torch.Tensor:
+    """Token ids as int64, refused unless they come in this vocabulary's dtype
+    and every id is in [0, vocab_size)."""
+    t = from_wire(msg, token_dtype(vocab_size), shape, what)
+    t = t.to(torch.int64)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+        raise WireError(f"{what}: token ids outside [0, {vocab_size})")
+    return t

@@ -67,7 +67,7 @@ class TestInt8ForwardInt4Backward:
         assert len(steps) >= 3 and len(stage1) >= 3, (steps, stage1)
         for e in steps:
             assert math.isfinite(e["loss"]) and 0 < e["loss"] < 10, e
-            # int8 activations (+ raw int64 targets) forward: fewer bytes than raw
+            # int8 activations (+ uint8 targets) forward: fewer bytes than raw
             assert 0 < e["bytes_out"] < e["raw_bytes_out"], e
             assert 0 < e["bytes_in"] < e["raw_bytes_in"], e       # int4 gradients back
         for e in stage1:
@@ -104,7 +104,7 @@ class TestInt8ForwardInt4Backward:
             tensor = to_wire(good, int8)
             tensor.data = tensor.data[:-3]
         frame = pb.Frame(kind=pb.Frame.FORWARD, step=0, micro=0, tensor=tensor,
-                         targets=to_wire(torch.zeros(MB_SHAPE[:2], dtype=torch.int64)))
+                         targets=to_wire(torch.zeros(MB_SHAPE[:2], dtype=torch.uint8)))
         addr = next(w["address"] for w in job.status()["workers"] if w["stage"] == 1)
         with rpc.make_channel(addr) as ch:
             with pytest.raises(grpc.RpcError) as e:
@@ -127,7 +127,7 @@ def test_subspace_job_trains(start_job):
         assert math.isfinite(e["loss"]) and 0 < e["loss"] < 10, e
     # rank 4 of d_model 32, bf16 coefficients: 4 x 2 bytes a row + a 48-byte header, against 32 x 4
     rows = MB_SHAPE[0] * MB_SHAPE[1]
-    targets = MB_SHAPE[0] * MB_SHAPE[1] * 8
+    targets = MB_SHAPE[0] * MB_SHAPE[1]   # token ids as uint8 (vocabulary 256)
     assert steps[-1]["bytes_out"] == 4 * (rows * 4 * 2 + 48 + targets)
     assert steps[-1]["bytes_in"] == 4 * (rows * 4 * 2 + 48)
     assert steps[-1]["raw_bytes_in"] == 4 * rows * D * 4

@@ -100,11 +100,11 @@ def _pipe(job, frames):
 
 
 def _forward(t: torch.Tensor, targets=None, **kw):
-    targets = targets if targets is not None else torch.zeros(2, 32, dtype=torch.int64)
+    targets = targets if targets is not None else torch.zeros(2, 32, dtype=torch.uint8)
     return pb.Frame(kind=pb.Frame.FORWARD, step=0, micro=0, tensor=to_wire(t), targets=to_wire(targets), **kw)
 
 
-@pytest.mark.parametrize("case", ["dtype", "shape", "bytes", "targets", "declared"])
+@pytest.mark.parametrize("case", ["dtype", "shape", "bytes", "targets", "targets_dtype", "declared"])
 def test_bad_tensors_are_invalid_argument(job, case):
     good = torch.zeros(2, 32, 32)  # microbatch 2 (= 8 / 4), seq 32, d 32
     if case == "dtype":
@@ -115,7 +115,9 @@ def test_bad_tensors_are_invalid_argument(job, case):
         frame = _forward(good)
         frame.tensor.data = frame.tensor.data[:-4]
     elif case == "targets":
-        frame = _forward(good, targets=torch.zeros(2, 33, dtype=torch.int64))
+        frame = _forward(good, targets=torch.zeros(2, 33, dtype=torch.uint8))
+    elif case == "targets_dtype":  # token ids travel as uint8 for a 256-token vocabulary
+        frame = _forward(good, targets=torch.zeros(2, 32, dtype=torch.int64))
     else:  # the declared shape does not match the byte count
         frame = _forward(good)
         frame.tensor.shape[:] = [2, 32, 64]
@@ -182,3 +184,18 @@ def test_bad_config_key_names_it(tmp_path):
     out = subprocess.run(crucible_cmd("launch", "--run-dir", str(tmp_path / "r"), "train.lr=fast"),
                          capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=60)
     assert out.returncode == 2 and "'train.lr'" in out.stderr
+
+
+def test_token_ids_travel_compact_and_are_range_checked():
+    from crucible.wire import WireError, token_dtype, tokens_from_wire, tokens_to_wire
+
+    t = torch.randint(0, 256, (2, 8))
+    msg = tokens_to_wire(t, 256)
+    assert msg.dtype == "uint8" and len(msg.data) == 16 and msg.raw_nbytes == 16 * 8
+    assert torch.equal(tokens_from_wire(msg, (2, 8), 256), t)
+    assert token_dtype(50257) == torch.uint16 and token_dtype(100_000) == torch.int32
+    big = torch.tensor([[0, 999]])
+    with pytest.raises(WireError, match="outside"):
+        tokens_from_wire(tokens_to_wire(big, 1000), (1, 2), 999)
+    with pytest.raises(WireError, match="dtype"):
+        tokens_from_wire(tokens_to_wire(big, 1000), (1, 2), 256)

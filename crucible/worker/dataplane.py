@@ -30,7 +30,7 @@ import torch
 from crucible import rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
-from crucible.wire import WireError, from_wire
+from crucible.wire import WireError, from_wire, tokens_from_wire
 
 log = logging.getLogger("crucible.dataplane")
 
@@ -188,7 +188,7 @@ class StageService:
                 raise WireError(f"step {f.step} < 0")
             t0 = time.perf_counter()
             ev.x = from_wire(f.tensor, torch.float32, rt.act_shape(), "activations", codec=rt.fwd_codec)
-            ev.targets = from_wire(f.targets, torch.int64, rt.act_shape()[:2], "targets")
+            ev.targets = tokens_from_wire(f.targets, rt.act_shape()[:2], rt.cfg.model.vocab_size)
             ev.decode_s = time.perf_counter() - t0
             ev.targets_msg = f.targets
             ev.nbytes = len(f.tensor.data) + len(f.targets.data)

@@ -49,7 +49,7 @@ from crucible.compress.activations import make_codec
 from crucible.config import Config
 from crucible.data import Corpus, eval_batches
 from crucible.model import build_stage
-from crucible.wire import from_wire, to_wire
+from crucible.wire import from_wire, to_wire, tokens_to_wire
 from crucible.worker import optim
 from crucible.worker.checkpointing import WorkerCheckpointer
 from crucible.worker.control import ControlClient
@@ -442,7 +442,7 @@ class Worker:
                   targets_msg=None, targets: torch.Tensor | None = None) -> None:
         t0 = time.perf_counter()
         if targets_msg is None:
-            targets_msg = to_wire(targets)
+            targets_msg = tokens_to_wire(targets, self.cfg.model.vocab_size)
         f = self._frame(kind, step, micro, self.down_epoch, tensor=to_wire(h, self.fwd_codec), targets=targets_msg)
         st.sent(f, time.perf_counter() - t0)
         self.down.send(f)
