@@ -47,6 +47,11 @@ class ModelConfig:
     # Keep the residual stream in a fixed rank-r subspace (for the subspace
     # activation codec); 0 = off.
     subspace_rank: int = 0
+    # With subspace_rank > 0: standard deviation of a fixed (untrained) token
+    # embedding kept outside the subspace, which every stage rebuilds from the
+    # token ids (the "token shift" of Protocol Models); 0 = everything in the
+    # subspace, embeddings included.
+    subspace_token_shift: float = 0.1
 
 
 @dataclass
@@ -222,6 +227,7 @@ class Config:
                  f"needs at least one block per stage ({self.job.stages} stages)")
         need(1 <= self.model.vocab_size <= 65536, "model.vocab_size", "must be in 1..65536")
         need(0 <= self.model.subspace_rank <= self.model.d_model, "model.subspace_rank", "must be in 0..d_model")
+        need(self.model.subspace_token_shift >= 0, "model.subspace_token_shift", "must be >= 0")
         need(0.0 < self.data.eval_fraction < 0.5, "data.eval_fraction", "must be in (0, 0.5)")
         need(self.train.steps >= 0, "train.steps", "must be >= 0")
         need(self.train.microbatches >= 1, "train.microbatches", "must be >= 1")

@@ -111,15 +111,38 @@ def split_layers(n_layer: int, n_stages: int) -> list[range]:
     return out
 
 
+def token_shift(vocab_size: int, subspace: torch.Tensor, std: float, seed: int) -> torch.Tensor:
+    """The fixed token embedding of a subspace model, outside the subspace.
+
+    ``F`` [vocab, d] is Gaussian with standard deviation ``std`` from a generator
+    seeded by ``seed`` (never trained, so every stage rebuilds the same table);
+    what is returned is its part orthogonal to ``span(P)``: ``F - (F P) P^T``.
+    """
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(b"token_shift")) & 0x7FFF_FFFF_FFFF)
+    f = torch.randn(vocab_size, subspace.shape[0], generator=g) * std
+    return f - (f @ subspace) @ subspace.T
+
+
 class Stage(nn.Module):
-    """Stage `stage` of `n_stages` of the GPT."""
+    """Stage `stage` of `n_stages` of the GPT.
+
+    With a subspace basis ``P`` the residual stream is ``shift[tokens] + s``:
+    ``s`` in ``span(P)`` (the projected embeddings and every block's writes) and,
+    when ``shift`` is given (``model.subspace_token_shift > 0``), a fixed
+    token embedding outside ``span(P)``, in the spirit of the "Protocol Models"
+    token shift. The subspace codec carries ``s`` (its coefficients); a stage
+    after the first rebuilds its input as ``(x P) P^T + shift[tokens]``, so it
+    needs the token ids (``needs_tokens``): ``forward(x, tokens=ids)``.
+    """
 
     def __init__(self, c: GPTConfig, stage: int, n_stages: int, seed: int = 0,
-                 subspace: torch.Tensor | None = None):
+                 subspace: torch.Tensor | None = None, shift: torch.Tensor | None = None):
         super().__init__()
         self.stage, self.n_stages = stage, n_stages
         self.first, self.last = stage == 0, stage == n_stages - 1
-        self.subspace = subspace
+        self.register_buffer("subspace", subspace, persistent=False)
+        self.register_buffer("shift", shift, persistent=False)
+        self.needs_tokens = shift is not None and not self.first
         if self.first:
             self.wte = nn.Embedding(c.vocab_size, c.d_model)
             self.wpe = nn.Embedding(c.block_size, c.d_model)
@@ -131,13 +154,20 @@ class Stage(nn.Module):
             self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         init_params(self, seed, n_layer=c.n_layer)
 
-    def forward(self, x):
+    def forward(self, x, tokens=None):
         if self.first:
+            tokens = x
             T = x.shape[1]
             pos = torch.arange(T, device=x.device)
             x = self.wte(x) + self.wpe(pos)
             if self.subspace is not None:
                 x = (x @ self.subspace) @ self.subspace.T
+            if self.shift is not None:
+                x = x + self.shift[tokens]
+        elif self.shift is not None:
+            if tokens is None:
+                raise ValueError("this stage needs the token ids (model.subspace_token_shift > 0)")
+            x = (x @ self.subspace) @ self.subspace.T + self.shift[tokens]
         for block in self.blocks.values():
             x = block(x)
         return x
@@ -174,7 +204,17 @@ def build_stage(cfg, stage: int, n_stages: int) -> nn.Module:
     gc = GPTConfig(vocab_size=m.vocab_size, block_size=cfg.train.seq_len, n_layer=m.n_layer,
                    n_head=m.n_head, d_model=m.d_model, subspace_rank=m.subspace_rank)
     basis = projection(m.d_model, m.subspace_rank, cfg.train.seed) if m.subspace_rank else None
-    return Stage(gc, stage, n_stages, seed=cfg.train.seed, subspace=basis)
+    shift = None
+    if basis is not None and m.subspace_token_shift > 0:
+        shift = token_shift(m.vocab_size, basis, m.subspace_token_shift, cfg.train.seed)
+    return Stage(gc, stage, n_stages, seed=cfg.train.seed, subspace=basis, shift=shift)
+
+
+def tokens_needed(cfg) -> bool:
+    """Whether stages after the first need the input token ids (the subspace
+    model's fixed token shift); stage 0 then sends them with every frame."""
+    m = cfg.model
+    return not m.builder and m.subspace_rank > 0 and m.subspace_token_shift > 0
 
 
 def count_params(cfg) -> int:

@@ -210,12 +210,53 @@ def test_model_uses_the_codec_basis():
     from crucible.model import build_stage
 
     cfg = Config.load(None, ["job.stages=2", "model.n_layer=2", "model.d_model=64", "model.n_head=2",
-                             "model.subspace_rank=8", "train.seq_len=16"])
+                             "model.subspace_rank=8", "model.subspace_token_shift=0", "train.seq_len=16"])
     stage = build_stage(cfg, 0, 2)
     assert torch.equal(stage.subspace, projection(64, 8, seed=cfg.train.seed))
+    assert stage.shift is None and not build_stage(cfg, 1, 2).needs_tokens
     h = stage(torch.randint(0, 256, (2, 16)))
     P = projection(64, 8, seed=cfg.train.seed)
     assert float((h - (h @ P) @ P.T).abs().max()) < 1e-4
+
+
+def test_token_shift_model_through_the_codec_matches_the_unsplit_model():
+    """With the fixed token shift (outside span(P)) the boundary carries only the
+    subspace part; the next stage rebuilds the rest from the token ids, so the
+    split model with the fp32 subspace codec computes what one stage computes."""
+    from crucible.config import Config
+    from crucible.model import build_stage, tokens_needed
+
+    ov = ["model.n_layer=4", "model.d_model=64", "model.n_head=2", "model.subspace_rank=8",
+          "model.subspace_token_shift=0.1", "train.seq_len=16"]
+    cfg2 = Config.load(None, ov + ["job.stages=2"])
+    cfg1 = Config.load(None, ov + ["job.stages=1"])
+    assert tokens_needed(cfg2)
+    s0, s1, whole = build_stage(cfg2, 0, 2), build_stage(cfg2, 1, 2), build_stage(cfg1, 0, 1)
+    assert s1.needs_tokens and not s0.needs_tokens
+    P = projection(64, 8, seed=cfg2.train.seed)
+    assert float((s0.shift @ P).abs().max()) < 1e-6          # the shift is outside span(P)
+    x = torch.randint(0, 256, (2, 16))
+    y = torch.randint(0, 256, (2, 16))
+    h = s0(x)
+    assert float((h - s0.shift[x] - ((h - s0.shift[x]) @ P) @ P.T).abs().max()) < 1e-5
+    assert c_out_of_span(h, P) > 0.5                        # so the boundary tensor is NOT in span(P) ...
+    codec = make_codec("subspace:rank=8,dtype=fp32", 64, seed=cfg2.train.seed)
+    xin = codec.decode(codec.encode(h), h.shape).requires_grad_()   # ... and the codec keeps only s
+    loss = s1.loss(s1(xin, tokens=x), y)
+    loss.backward()
+    h.backward(codec.decode(codec.encode(xin.grad), xin.shape))
+    ref = whole.loss(whole(x), y)
+    ref.backward()
+    assert abs(float(loss) - float(ref)) < 1e-5
+    named = dict(whole.named_parameters())
+    for name, p in list(s0.named_parameters()) + list(s1.named_parameters()):
+        assert torch.allclose(p.grad, named[name].grad, atol=1e-5 * float(named[name].grad.abs().max()) + 1e-9), name
+    with pytest.raises(ValueError, match="token ids"):
+        s1(xin.detach())
+
+
+def c_out_of_span(h, P):
+    return float(torch.linalg.vector_norm(h - (h @ P) @ P.T) / torch.linalg.vector_norm(h))
 
 
 @pytest.mark.parametrize("dtype,u", [("bf16", 2.0**-8), ("fp16", 2.0**-11), ("fp32", 2.0**-24)])

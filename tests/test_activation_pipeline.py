@@ -118,17 +118,27 @@ class TestInt8ForwardInt4Backward:
 
 
 def test_subspace_job_trains(start_job):
-    job = start_job(["--replicas", "1", "--stages", "2", "--steps", "4", "--respawn-delay", "-1"],
+    job = start_job(["--replicas", "1", "--stages", "2", "--steps", "100000", "--respawn-delay", "-1"],
                     TINY + ["model.subspace_rank=4", "compress.forward=subspace", "compress.backward=subspace"])
-    assert job.wait(90) == 0, job.output()
+    job.wait_for(lambda st: st["replicas"][0]["step"] >= 4, 90, "training")
+    # stage 1 rebuilds the fixed token shift from the token ids: a frame without them is refused
+    c = make_codec("subspace:rank=4", D, seed=1337)
+    frame = pb.Frame(kind=pb.Frame.FORWARD, step=0, micro=0, tensor=to_wire(torch.zeros(MB_SHAPE), c),
+                     targets=to_wire(torch.zeros(MB_SHAPE[:2], dtype=torch.uint8)))
+    addr = next(w["address"] for w in job.status()["workers"] if w["stage"] == 1)
+    with rpc.make_channel(addr) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pbg.StageStub(ch).Pipe(iter([frame]), metadata=rpc.metadata(job.token()), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token ids" in e.value.details()
     steps = _wait_events(job, "step", 4, timeout=10)
-    assert sorted(e["step"] for e in steps) == [0, 1, 2, 3]
+    assert [e["step"] for e in steps][:4] == [0, 1, 2, 3]
     for e in steps:
         assert math.isfinite(e["loss"]) and 0 < e["loss"] < 10, e
     # rank 4 of d_model 32, bf16 coefficients: 4 x 2 bytes a row + a 48-byte header, against 32 x 4
     rows = MB_SHAPE[0] * MB_SHAPE[1]
     targets = MB_SHAPE[0] * MB_SHAPE[1]   # token ids as uint8 (vocabulary 256)
-    assert steps[-1]["bytes_out"] == 4 * (rows * 4 * 2 + 48 + targets)
+    tokens = targets                        # the input ids too: stage 1 rebuilds the fixed token shift
+    assert steps[-1]["bytes_out"] == 4 * (rows * 4 * 2 + 48 + targets + tokens)
     assert steps[-1]["bytes_in"] == 4 * (rows * 4 * 2 + 48)
     assert steps[-1]["raw_bytes_in"] == 4 * rows * D * 4
 

@@ -49,6 +49,8 @@ class Event:
     x: torch.Tensor | None = None  # decoded activations or gradient
     targets: torch.Tensor | None = None
     targets_msg: Any = None        # the wire form, forwarded as is
+    tokens: torch.Tensor | None = None   # input token ids, when the model needs them on every stage
+    tokens_msg: Any = None
     loss: float = 0.0
     grad_sumsq: float = 0.0
     clip_coef: float = 1.0
@@ -193,6 +195,13 @@ class StageService:
             ev.targets_msg = f.targets
             ev.nbytes = len(f.tensor.data) + len(f.targets.data)
             ev.raw_nbytes = f.tensor.raw_nbytes + f.targets.raw_nbytes
+            if f.HasField("tokens"):
+                ev.tokens = tokens_from_wire(f.tokens, rt.act_shape()[:2], rt.cfg.model.vocab_size, "tokens")
+                ev.tokens_msg = f.tokens
+                ev.nbytes += len(f.tokens.data)
+                ev.raw_nbytes += f.tokens.raw_nbytes
+            elif rt.needs_tokens:
+                raise WireError("tokens: this stage's model needs the input token ids with every frame")
         elif f.kind == K.COMMIT:
             if f.step < 0 or not (0.0 <= f.clip_coef <= 1.0):
                 raise WireError(f"COMMIT step {f.step} coef {f.clip_coef} out of range")
@@ -244,7 +253,7 @@ class Downstream:
             if f is None:
                 return
             if f.kind in (K.FORWARD, K.EVAL):
-                self.throttle.wait(len(f.tensor.data) + len(f.targets.data))
+                self.throttle.wait(len(f.tensor.data) + len(f.targets.data) + len(f.tokens.data))
             f.sent_at = time.monotonic()
             yield f
 

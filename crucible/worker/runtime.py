@@ -48,7 +48,7 @@ from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.compress.activations import make_codec
 from crucible.config import Config
 from crucible.data import Corpus, eval_batches
-from crucible.model import build_stage
+from crucible.model import build_stage, tokens_needed
 from crucible.wire import from_wire, to_wire, tokens_to_wire
 from crucible.worker import optim
 from crucible.worker.checkpointing import WorkerCheckpointer
@@ -118,9 +118,9 @@ class StepStats:
 
     def sent(self, frame, seconds: float) -> None:
         self.serialize += seconds
-        n = len(frame.tensor.data) + len(frame.targets.data)
+        n = len(frame.tensor.data) + len(frame.targets.data) + len(frame.tokens.data)
         self.bytes_out += n
-        self.raw_out += frame.tensor.raw_nbytes + frame.targets.raw_nbytes
+        self.raw_out += frame.tensor.raw_nbytes + frame.targets.raw_nbytes + frame.tokens.raw_nbytes
 
     def as_dict(self) -> dict:
         total = time.perf_counter() - self.t0
@@ -157,6 +157,7 @@ class Worker:
         self.down: Downstream | None = None
         self.fwd_codec = None
         self.bwd_codec = None
+        self.needs_tokens = self.send_tokens = False   # set with the model
         self.cfg: Config | None = None
         self.all_routes: list = []
         self.down_epoch, self.down_stage = 0, None
@@ -261,6 +262,8 @@ class Worker:
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed * 1000 + self.replica * 100 + self.stage)
         self.model = build_stage(cfg, self.stage, self.S).to(self.device)
+        self.needs_tokens = bool(getattr(self.model, "needs_tokens", False))
+        self.send_tokens = tokens_needed(cfg)
         self.opt = optim.make_optimizer(self.model, cfg.train)
         self.outer = OuterState(self.model, cfg.outer, cfg.job.replicas)
         self.fwd_codec = boundary_codec(cfg.compress.forward, cfg)
@@ -439,11 +442,16 @@ class Worker:
                         src_replica=self.replica, src_stage=self.stage, **kw)
 
     def send_down(self, st: StepStats, kind: int, step: int, micro: int, h: torch.Tensor,
-                  targets_msg=None, targets: torch.Tensor | None = None) -> None:
+                  targets_msg=None, targets: torch.Tensor | None = None,
+                  tokens_msg=None, tokens: torch.Tensor | None = None) -> None:
         t0 = time.perf_counter()
         if targets_msg is None:
             targets_msg = tokens_to_wire(targets, self.cfg.model.vocab_size)
-        f = self._frame(kind, step, micro, self.down_epoch, tensor=to_wire(h, self.fwd_codec), targets=targets_msg)
+        if tokens_msg is None and tokens is not None and self.send_tokens:
+            tokens_msg = tokens_to_wire(tokens, self.cfg.model.vocab_size)
+        extra = {"tokens": tokens_msg} if tokens_msg is not None else {}
+        f = self._frame(kind, step, micro, self.down_epoch, tensor=to_wire(h, self.fwd_codec), targets=targets_msg,
+                        **extra)
         st.sent(f, time.perf_counter() - t0)
         self.down.send(f)
 
@@ -571,7 +579,7 @@ class Worker:
                     t0 = time.perf_counter()
                     saved[fwd] = self.model(xs[fwd].to(self.device))
                     st.compute += time.perf_counter() - t0
-                    self.send_down(st, K.FORWARD, step, fwd, saved[fwd], targets=ys[fwd])
+                    self.send_down(st, K.FORWARD, step, fwd, saved[fwd], targets=ys[fwd], tokens=xs[fwd])
                     fwd += 1
                     continue
                 ev = self.next_event(st, epoch, timeout=cfg.fault.rpc_timeout)
@@ -616,7 +624,7 @@ class Worker:
                 if self.down is None:
                     losses.append(float(self.model.loss(h, y.to(self.device))))
                 else:
-                    self.send_down(st, K.EVAL, self.step, i, h, targets=y)
+                    self.send_down(st, K.EVAL, self.step, i, h, targets=y, tokens=x)
             while len(losses) < len(self.evals):
                 ev = self.next_event(st, epoch, timeout=self.cfg.fault.rpc_timeout)
                 if ev.kind == K.EVAL_RESULT and ev.step == self.step:
@@ -661,7 +669,7 @@ class Worker:
                 t0 = time.perf_counter()
                 x = ev.x.to(self.device).requires_grad_(True)
                 if self.down is None:  # last in the route: loss and backward at once
-                    loss = self.model.loss(self.model(x), ev.targets.to(self.device)) / M
+                    loss = self.model.loss(self._forward(x, ev), ev.targets.to(self.device)) / M
                     loss.backward()
                     sumsq = 0.0
                     if ev.micro == M - 1:
@@ -671,10 +679,11 @@ class Worker:
                     self.send_up(st, K.BACKWARD, ev.step, ev.micro, ev.epoch, x.grad,
                                  loss=float(loss.detach()) * M, grad_sumsq=sumsq)
                 else:
-                    h = self.model(x)
+                    h = self._forward(x, ev)
                     saved[ev.micro] = (x, h)
                     st.compute += time.perf_counter() - t0
-                    self.send_down(st, K.FORWARD, ev.step, ev.micro, h, targets_msg=ev.targets_msg)
+                    self.send_down(st, K.FORWARD, ev.step, ev.micro, h, targets_msg=ev.targets_msg,
+                                   tokens_msg=ev.tokens_msg)
             elif ev.kind == K.BACKWARD:
                 if ev.micro not in saved or ev.step != self.step:
                     continue
@@ -708,14 +717,21 @@ class Worker:
                 st = StepStats()
             elif ev.kind == K.EVAL:
                 with torch.no_grad():
-                    h = self.model(ev.x.to(self.device))
+                    h = self._forward(ev.x.to(self.device), ev)
                     if self.down is None:
                         self.send_up(st, K.EVAL_RESULT, ev.step, ev.micro, ev.epoch,
                                      loss=float(self.model.loss(h, ev.targets.to(self.device))))
                     else:
-                        self.send_down(st, K.EVAL, ev.step, ev.micro, h, targets_msg=ev.targets_msg)
+                        self.send_down(st, K.EVAL, ev.step, ev.micro, h, targets_msg=ev.targets_msg,
+                                       tokens_msg=ev.tokens_msg)
             elif ev.kind == K.EVAL_RESULT:
                 self.send_up(st, K.EVAL_RESULT, ev.step, ev.micro, self.upstream_epoch(), loss=ev.loss)
+
+    def _forward(self, x: torch.Tensor, ev) -> torch.Tensor:
+        """This (non-first) stage's forward on a received frame."""
+        if self.needs_tokens:
+            return self.model(x, tokens=ev.tokens.to(self.device))
+        return self.model(x)
 
     def upstream_epoch(self) -> int:
         with self.cv:
