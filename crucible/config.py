@@ -51,7 +51,7 @@ class ModelConfig:
     # embedding kept outside the subspace, which every stage rebuilds from the
     # token ids (the "token shift" of Protocol Models); 0 = everything in the
     # subspace, embeddings included.
-    subspace_token_shift: float = 0.1
+    subspace_token_shift: float = 0.5
 
 
 @dataclass

@@ -63,7 +63,7 @@ from crucible.bench import common
 from crucible.bench.common import progress
 
 FAMILIES = ("none", "bf16", "int8", "int4", "subspace")
-SUBSPACE_RANKS = (8, 12, 15)
+SUBSPACE_RANKS = (12, 15)
 LOSS_TARGET = 2.5
 SEARCH_STEPS = 300          # Config default train.steps
 EVAL_EVERY = 10
