@@ -85,7 +85,7 @@ class TrainConfig:
 @dataclass
 class OuterConfig:
     mode: str = "sparseloco"    # sparseloco | diloco | none
-    H: int = 30                 # inner steps per outer round
+    H: int = 10                 # inner steps per outer round
     lr: float = 1.0             # outer learning rate alpha
     beta: float = 0.95          # error-feedback decay
     momentum: float = 0.9       # diloco Nesterov momentum

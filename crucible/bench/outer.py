@@ -81,7 +81,7 @@ CODEC_SIZES_FULL = {"repeats_stage": 7, "repeats_10M": 3}
 CODEC_SIZES_QUICK = {"repeats_stage": 2, "repeats_10M": 1}
 
 # time_budget_s: no grid extension is started past it (25 min on an idle 2-core machine is ~10 runs)
-FULL = {"steps": 240, "H": 30, "eval_batches": 16, "extra": [], "time_budget_s": 35 * 60}
+FULL = {"steps": 240, "H": 10, "eval_batches": 16, "extra": [], "time_budget_s": 35 * 60}
 QUICK = {"steps": 6, "H": 3, "eval_batches": 2, "extra": ["data.max_bytes=4000000"], "time_budget_s": 120}
 
 DEFINITIONS = {
