@@ -111,11 +111,13 @@ residual stream inside ``span(P)``:
 Then every boundary tensor is in ``span(P)`` and ``subspace`` is exact to
 coefficient rounding, forward and backward. ``crucible.model`` does this for
 ``model.subspace_rank > 0`` (it uses ``projection`` itself), and the codec's ``rank`` must equal
-``model.subspace_rank``. A variant (Ramasinghe et al., "Protocol Models",
-2025) leaves the token and position embeddings unconstrained and has every
-stage rebuild them from the token ids, sending only ``x - embed`` in the
-subspace; that needs the embedding table and the tokens on every stage and is
-not done here.
+``model.subspace_rank``. By default it adds the variant of Ramasinghe et al.
+("Protocol Models", 2025): a fixed, untrained token embedding ``S`` kept
+*outside* ``span(P)`` (``model.subspace_token_shift``), so the residual stream
+is ``S[tokens] + s`` with ``s`` in ``span(P)``. This codec then carries ``s``
+(``S[tokens] @ P`` is zero to float32 rounding) and the receiving stage adds
+``S[tokens]`` back from the token ids it gets with the frame; the gradient
+statement above holds unchanged, because ``S`` is a constant.
 
 Payload layout (version 1, all little-endian)
 ---------------------------------------------
