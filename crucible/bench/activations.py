@@ -15,11 +15,12 @@ both directions of every stage boundary (``compress.forward`` =
 2. **Wire bytes per step**, from the same K-step runs: each stage's
    ``bytes_out`` / ``raw_bytes_out`` (and ``_in``) in the ``step`` /
    ``stage_step`` events, turned into bytes per boundary and direction along
-   the chain (boundary b: stage b -> b+1). Forward frames also carry the raw
-   int64 targets (``batch_size * seq_len * 8`` bytes per boundary per step),
-   which no codec compresses; they are subtracted to give the codec's ratio on
-   activations + gradients (headers, steps and scales included), and reported
-   with the targets too.
+   the chain (boundary b: stage b -> b+1). Forward frames also carry token
+   ids: the targets and, for the subspace model with its token shift, the
+   input ids (uint8 on the wire, ``batch_size * seq_len`` bytes each per
+   boundary per step; counted raw as int64), which no codec compresses; they
+   are subtracted to give the codec's ratio on activations + gradients
+   (headers, steps and scales included), and reported with the ids too.
 3. **Step time at ``net.link_mbps = 100``**: short runs per codec, after all
    the loss runs and back to back, in two rounds (alternating order); the
    median commit-to-commit time after a warmup, the faster round kept. Other
@@ -95,9 +96,9 @@ DEFINITIONS = {
     "ratio": "raw float32 bytes / bytes on the wire of the boundary tensors (activations forward, their "
              "gradients backward), codec headers, steps and scales included, summed over the 3 boundaries "
              "and both directions, per step; from the workers' bytes_out/raw_bytes_out counters with the "
-             "uncompressed int64 targets subtracted",
-    "ratio_with_targets": "the same with the int64 targets that ride along every forward frame counted "
-                          "(they are never compressed)",
+             "token ids (targets; with the subspace model's token shift the input ids too) subtracted",
+    "ratio_with_targets": "the same with the token ids that ride along every forward frame counted: "
+                          "raw as int64, on the wire as sent (uint8 for the 256-token vocabulary)",
     "heldout_loss": f"mean cross-entropy (nats/byte) on {EVAL_BATCHES} fixed held-out batches at step K",
     "loss_rel_vs_none": "(loss - loss_none) / loss_none, loss_none from the unconstrained default model "
                         "with codec none, same K and schedule; negative = better than none",
@@ -158,11 +159,18 @@ def _overrides(row: dict) -> list[str]:
     return out + list(row.get("extra", ()))
 
 
+def _id_tensors(row: dict) -> int:
+    """Token-id tensors per forward frame: the targets, plus the input ids for
+    the subspace model (its default token shift needs them on every stage)."""
+    return 2 if row["model_subspace_rank"] else 1
+
+
 # ---------------------------------------------------------------------------
 # bytes per boundary from the stage events
 
 
-def wire_bytes(events: list[dict], stages: int, batch_size: int, seq_len: int, warmup: int = 1) -> dict:
+def wire_bytes(events: list[dict], stages: int, batch_size: int, seq_len: int, warmup: int = 1,
+               id_tensors: int = 1) -> dict:
     """Bytes per step per boundary and direction, recovered along the chain.
 
     Stage 0 sends only forward (F_0) and receives only backward (B_0); stage s
@@ -184,11 +192,15 @@ def wire_bytes(events: list[dict], stages: int, batch_size: int, seq_len: int, w
         last = per_stage[stages - 1]
         out[kind] = {"forward": F, "backward": B,
                      "chain_mismatch": abs(last[o] - B[-1]) + abs(last[i] - F[-1])}
-    targets = batch_size * seq_len * 8               # int64 targets per forward boundary per step
+    # Token ids ride along every forward frame: the targets, and with the
+    # subspace model's token shift the inputs too (id_tensors = 2). They travel
+    # as uint8 (vocabulary 256) and are counted raw as int64.
+    targets = batch_size * seq_len * id_tensors          # wire bytes per forward boundary per step
+    targets_raw = batch_size * seq_len * 8 * id_tensors  # their raw (int64) size
     nb = stages - 1
     w, r = out["wire"], out["raw"]
     fw = sum(w["forward"]) - nb * targets
-    fr = sum(r["forward"]) - nb * targets
+    fr = sum(r["forward"]) - nb * targets_raw
     bw, br = sum(w["backward"]), sum(r["backward"])
 
     def ratio(a, b):
@@ -205,9 +217,10 @@ def wire_bytes(events: list[dict], stages: int, batch_size: int, seq_len: int, w
         "forward_ratio": ratio(fr, fw),
         "backward_ratio": ratio(br, bw),
         "ratio": ratio(fr + br, fw + bw),
+        "token_id_tensors_per_frame": id_tensors,
         "bytes_per_step_with_targets": fw + bw + nb * targets,
-        "raw_bytes_per_step_with_targets": fr + br + nb * targets,
-        "ratio_with_targets": ratio(fr + br + nb * targets, fw + bw + nb * targets),
+        "raw_bytes_per_step_with_targets": fr + br + nb * targets_raw,
+        "ratio_with_targets": ratio(fr + br + nb * targets_raw, fw + bw + nb * targets),
         "per_boundary": [{"boundary": b, "forward_bytes": w["forward"][b] - targets,
                           "backward_bytes": w["backward"][b]} for b in range(nb)],
         "chain_mismatch_bytes": w["chain_mismatch"] + r["chain_mismatch"],
@@ -379,7 +392,7 @@ def loss_run(workdir: str, row: dict, stages: int, steps: int, base: list[str], 
            "train_loss_last": float(step_ev[-1]["loss"]) if step_ev else None,
            "train_loss_first": float(step_ev[0]["loss"]) if step_ev else None,
            "wall_s": info.get("wall_s_total")}
-    out["wire"] = wire_bytes(ev, stages, batch_size, seq_len)
+    out["wire"] = wire_bytes(ev, stages, batch_size, seq_len, id_tensors=_id_tensors(row))
     out["incidents"] = info["incidents"]
     if info.get("retried"):
         out["retried"] = info["retried"]
@@ -414,7 +427,7 @@ def link_run(workdir: str, row: dict, stages: int, base: list[str], steps: int, 
            "stage0_step_s": tp.get("mean_stage0_step_s"),
            "tokens_per_s": tp.get("tokens_per_s"), "loadavg_before": info["loadavg_before"],
            "loadavg_after": info["loadavg_after"],
-           "wire": wire_bytes(ev, stages, batch_size, seq_len, warmup)}
+           "wire": wire_bytes(ev, stages, batch_size, seq_len, warmup, id_tensors=_id_tensors(row))}
     if info.get("retried"):
         out["retried"] = info["retried"]
     if info.get("error"):
@@ -450,13 +463,16 @@ def codec_api_main(ranks: list[int], budget_s: float) -> int:
         for s in range(1, S):
             xin = outs[-1].detach().requires_grad_(True)
             ins.append(xin)
-            outs.append(stages[s](xin))
+            outs.append(stages[s](xin, tokens=x))
         stages[-1].loss(outs[-1], y).backward()
         for s in range(S - 2, 0, -1):         # as the pipeline does: each stage backward from the next's grad
             outs[s].backward(ins[s].grad)
         acts = [o.detach().contiguous() for o in outs[:-1]]
         grads = [i.grad.detach().contiguous() for i in ins]
-        return cfg, acts, grads
+        # what the receiving stage adds back from the token ids (the subspace
+        # model's token shift), so errors are of the input it rebuilds
+        shift = stages[0].shift[x] if getattr(stages[0], "shift", None) is not None else None
+        return cfg, acts, grads, shift
 
     def timed(fn, budget):
         """Seconds per call: the best of 5 rounds of ~budget/5 each (robust to other load)."""
@@ -473,7 +489,7 @@ def codec_api_main(ranks: list[int], budget_s: float) -> int:
             best = min(best, dt / n)
         return best
 
-    def measure(codec, acts, grads) -> dict:
+    def measure(codec, acts, grads, shift=None) -> dict:
         row = {"spec": codec.spec}
         for what, ts in (("activations", acts), ("gradients", grads)):
             ratios, errs = [], []
@@ -481,6 +497,8 @@ def codec_api_main(ranks: list[int], budget_s: float) -> int:
                 payload = codec.encode(t)
                 ratios.append(wire_stats(t, payload).ratio)
                 back = codec.decode(payload, tuple(t.shape))
+                if shift is not None and what == "activations":
+                    back = (back @ codec.basis()) @ codec.basis().T + shift   # the receiver's rebuilt input
                 errs.append(float(torch.linalg.vector_norm(back - t) / torch.linalg.vector_norm(t)))
             row[what] = {"ratio_per_boundary": ratios, "ratio": sum(ratios) / len(ratios),
                          "rel_error_per_boundary": errs}
@@ -500,13 +518,13 @@ def codec_api_main(ranks: list[int], budget_s: float) -> int:
 
     result = {"threads": torch.get_num_threads(), "model": "default model at initialisation, microbatch 0 of "
               "step 0 through 4 stages; boundary tensors [4, 128, 128]", "codecs": {}}
-    cfg, acts, grads = tensors(0)
+    cfg, acts, grads, _ = tensors(0)
     for spec in ("none", "bf16", "int8", "int4"):
         result["codecs"][spec] = measure(make_codec(spec, cfg.model.d_model, seed=cfg.train.seed), acts, grads)
     for r in ranks:
-        cfg, acts, grads = tensors(r)
+        cfg, acts, grads, shift = tensors(r)
         codec = make_codec(f"subspace:rank={r}", cfg.model.d_model, seed=cfg.train.seed)
-        result["codecs"][f"subspace_r{r}"] = measure(codec, acts, grads)
+        result["codecs"][f"subspace_r{r}"] = measure(codec, acts, grads, shift)
     print(json.dumps(_round(result)), flush=True)
     return 0
 
@@ -628,7 +646,7 @@ def main(args) -> int:
                 ev = info["events"]
                 evals = _evals(ev)
                 row["loss"] = {"heldout": evals[-1][1] if evals else None}
-                row["wire"] = wire_bytes(ev, stages, B, T)
+                row["wire"] = wire_bytes(ev, stages, B, T, id_tensors=_id_tensors(row))
                 row["step_s_100mbps"] = _median_step_s(ev, 1)
                 if info.get("error"):
                     row["error"] = info["error"]
