@@ -17,7 +17,7 @@ saves of each, after one warm-up save, reporting medians:
                 the same run: the time until it returns (its stall) and until its
                 future completes.
 
-Part 2: real jobs of the default model (2 replicas x 4 stages, 200 steps)
+Part 2: real jobs of the default model (2 replicas x 4 stages, 300 steps)
 with checkpointing off and continuous at ``minimum_interval_secs`` = 0, 5
 and 30 (the default), twice each, interleaved; the slowdown of the median
 step time against checkpointing off, and the share of stage 0's wall time
@@ -218,7 +218,7 @@ def bench_runs(quick: bool) -> dict:
         settings = [("off", None), ("continuous_0s", 0.0), ("continuous_default", None)]
     else:
         size = []
-        replicas, stages, steps, warmup, repeats = 2, 4, 200, 20, 2
+        replicas, stages, steps, warmup, repeats = 2, 4, 300, 20, 2
         settings = [("off", None), ("continuous_0s", 0.0), ("continuous_5s", 5.0), ("continuous_30s_default", None)]
     from crucible.config import CheckpointConfig
 
