@@ -443,6 +443,47 @@ class WorkerCheckpointer:
                  resume_dir, secs)
         return True
 
+    def restore_for_replacement(self) -> str | None:
+        """A replacement with no healthy peer to pull from: the stage's state from
+        the newest committed checkpoint that verifies. This slot's own shard gives
+        everything (weights, AdamW, θ_global, error feedback); failing that, the
+        same stage of another replica gives θ_global (θ_local ← θ_global, e ← 0,
+        fresh AdamW, as the replacement rule says). The replica's step stays the
+        one the coordinator gave. Returns where the state came from, or None."""
+        w = self.w
+        root = os.path.join(w.run_dir, "checkpoints")
+        try:
+            found = storage.list_checkpoints(root)
+        except OSError:
+            return None
+        own = storage.shard_name(w.replica, w.stage)
+        others = [storage.shard_name(r, w.stage) for r in range(w.cfg.job.replicas) if r != w.replica]
+        for ck in reversed(found):
+            for name in [own] + others:
+                try:
+                    sd = storage.load_shard(ck.path, name)
+                except KeyError:
+                    continue
+                except (storage.CheckpointCorrupt, OSError) as e:
+                    log.warning("%s: %s/%s does not load: %s", self.name, ck.path, name, e)
+                    continue
+                if sd.get("format") != STATE_FORMAT or sd.get("stage") != w.stage:
+                    continue
+                try:
+                    if name == own:
+                        w.model.load_state_dict(sd["model"])
+                        w.opt.load_state_dict(sd["optimizer"])
+                        w.outer.load_state_dict(sd["outer"])
+                    elif w.outer.mode == "none":    # independent replicas: no global weights to share
+                        w.model.load_state_dict(sd["model"])
+                    else:
+                        w.outer.load_global(sd["outer"]["theta_global"], int(sd["outer"]["round"]))
+                except (KeyError, TypeError, ValueError, RuntimeError) as e:   # another model's state
+                    log.warning("%s: %s/%s does not fit this stage: %s", self.name, ck.path, name, e)
+                    continue
+                return f"checkpoint step_{ck.step}/{name}"
+        return None
+
     # ---- end ---------------------------------------------------------------------------
 
     def close(self, timeout: float = 120.0) -> None:

@@ -367,7 +367,8 @@ class Worker:
 
     def join_as_replacement(self) -> None:
         """The replacement rule: θ_global from the same stage of a healthy replica
-        (bitwise), θ_local ← θ_global, e ← 0, fresh AdamW; then tell the
+        (bitwise), θ_local ← θ_global, e ← 0, fresh AdamW (with no healthy
+        replica: from the latest committed checkpoint); then tell the
         coordinator we are ready, and enter the route at its next step boundary."""
         t0 = time.perf_counter()
         source = "init"
@@ -375,7 +376,8 @@ class Worker:
         while time.monotonic() < deadline:
             self._check_stop()
             peer = self._healthy_peer()
-            if peer is None:
+            if peer is None:   # nobody holds this stage: the latest committed checkpoint, if any
+                source = self.ckpt.restore_for_replacement() or source
                 break
             try:
                 self.outer.load_global(*self._pull_weights(peer))
