@@ -292,3 +292,58 @@ def test_bench_ckpt_saves_small(monkeypatch, tmp_path):
     assert r["saves"] == 2 and r["state_bytes"] > 3e6
     for k in ("floor_copy_s", "snapshot_stall_s", "persist_s", "dcp_async_save_stall_s"):
         assert len(r[k]["all"]) == 2 and r[k]["median"] > 0
+
+
+def _stage_worker(tmp_path, n_layer: int, replica: int = 0, step: int = 100):
+    from crucible.model import build_stage
+    from crucible.worker import optim
+    from crucible.worker.outer import OuterState
+
+    cfg = Config.load(None, [f"model.n_layer={n_layer}", "model.d_model=32", "model.n_head=2", "train.seq_len=16",
+                             "job.stages=2", "job.replicas=2"])
+    model = build_stage(cfg, 1, 2)
+    opt = optim.make_optimizer(model, cfg.train)
+    return types.SimpleNamespace(cfg=cfg, model=model, opt=opt, outer=OuterState(model, cfg.outer, 2),
+                                 replica=replica, stage=1, step=step, device=torch.device("cpu"),
+                                 run_dir=str(tmp_path), ctl=None)
+
+
+def _commit_shard(w, step: int) -> None:
+    from crucible.worker.checkpointing import WorkerCheckpointer
+
+    root = os.path.join(w.run_dir, "checkpoints")
+    shard = storage.write_shard(storage.tmp_dir(root, step), storage.shard_name(w.replica, w.stage),
+                                WorkerCheckpointer(w).state_dict())
+    storage.commit(root, step, [shard])
+
+
+def test_replacement_fallback_loads_only_a_state_that_fits(tmp_path):
+    from crucible.worker.checkpointing import WorkerCheckpointer
+
+    src = _stage_worker(tmp_path, n_layer=4)
+    with torch.no_grad():
+        for p in src.model.parameters():
+            p.add_(1.0)
+        src.outer.theta_global.add_(2.0)
+    _commit_shard(src, 40)
+    other = _stage_worker(tmp_path, n_layer=6)          # another model: the stage has other blocks
+    _commit_shard(other, 60)
+    # a replacement of replica 0 (own shard at step 40; step 60's shard is of another model)
+    w = _stage_worker(tmp_path, n_layer=4)
+    before = {k: v.clone() for k, v in w.model.state_dict().items()}
+    assert WorkerCheckpointer(w).restore_for_replacement() == "checkpoint step_40/r0s1.shard"
+    for k, v in w.model.state_dict().items():
+        assert torch.equal(v, src.model.state_dict()[k]) and not torch.equal(v, before[k])
+    assert torch.equal(w.outer.theta_global, src.outer.theta_global)
+    # replica 1 has no shard of its own: it takes replica 0's θ_global, θ_local ← θ_global
+    w1 = _stage_worker(tmp_path, n_layer=4, replica=1)
+    assert WorkerCheckpointer(w1).restore_for_replacement() == "checkpoint step_40/r0s1.shard"
+    assert torch.equal(w1.outer.theta_global, src.outer.theta_global)
+    assert torch.equal(torch.nn.utils.parameters_to_vector(w1.model.parameters()), src.outer.theta_global)
+    # a checkpoint taken after the replica's present step is not used; nothing left: None, nothing touched
+    w2 = _stage_worker(tmp_path, n_layer=4, step=30)   # every checkpoint is newer: the newest that fits
+    assert WorkerCheckpointer(w2).restore_for_replacement() == "checkpoint step_40/r0s1.shard"
+    w6 = _stage_worker(tmp_path, n_layer=6, step=50)     # the 6-layer shard is at 60 > 50, the 4-layer one does not fit
+    before = {k: v.clone() for k, v in w6.model.state_dict().items()}
+    assert WorkerCheckpointer(w6).restore_for_replacement() is None
+    assert all(torch.equal(v, before[k]) for k, v in w6.model.state_dict().items())

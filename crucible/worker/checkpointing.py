@@ -458,7 +458,20 @@ class WorkerCheckpointer:
             return None
         own = storage.shard_name(w.replica, w.stage)
         others = [storage.shard_name(r, w.stage) for r in range(w.cfg.job.replicas) if r != w.replica]
-        for ck in reversed(found):
+        mine = {k: tuple(v.shape) for k, v in w.model.state_dict().items()}
+
+        def fits(sd: dict) -> bool:
+            """Checked before anything is loaded: load_state_dict copies what matches
+            before it raises, which would leave the stage half-loaded."""
+            model, outer = sd.get("model"), sd.get("outer") or {}
+            if not isinstance(model, dict) or {k: tuple(v.shape) for k, v in model.items()} != mine:
+                return False
+            theta = outer.get("theta_global")
+            return isinstance(theta, torch.Tensor) and theta.numel() == w.outer.numel
+
+        # newest first, but none taken after the replica's present step (a newer one
+        # can only be a checkpoint that a resume skipped as damaged)
+        for ck in reversed([c for c in found if c.step <= w.step] or found):
             for name in [own] + others:
                 try:
                     sd = storage.load_shard(ck.path, name)
@@ -467,8 +480,12 @@ class WorkerCheckpointer:
                 except (storage.CheckpointCorrupt, OSError) as e:
                     log.warning("%s: %s/%s does not load: %s", self.name, ck.path, name, e)
                     continue
-                if sd.get("format") != STATE_FORMAT or sd.get("stage") != w.stage:
+                if sd.get("format") != STATE_FORMAT or sd.get("stage") != w.stage or not fits(sd):
+                    log.warning("%s: %s/%s is not a state of this stage's model", self.name, ck.path, name)
                     continue
+                if sd.get("config_hash") != w.cfg.digest():
+                    log.warning("%s: %s/%s was taken under another configuration: loading it anyway",
+                                self.name, ck.path, name)
                 try:
                     if name == own:
                         w.model.load_state_dict(sd["model"])

@@ -371,13 +371,12 @@ class Worker:
         replica: from the latest committed checkpoint); then tell the
         coordinator we are ready, and enter the route at its next step boundary."""
         t0 = time.perf_counter()
-        source = "init"
+        source = None
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             self._check_stop()
             peer = self._healthy_peer()
-            if peer is None:   # nobody holds this stage: the latest committed checkpoint, if any
-                source = self.ckpt.restore_for_replacement() or source
+            if peer is None:
                 break
             try:
                 self.outer.load_global(*self._pull_weights(peer))
@@ -386,6 +385,8 @@ class Worker:
             except (grpc.RpcError, ValueError) as e:
                 log.warning("%s: pulling weights from r%d failed: %s", self.name, peer[0], e)
                 time.sleep(0.2)
+        if source is None:   # nobody could give this stage: the latest committed checkpoint, if any
+            source = self.ckpt.restore_for_replacement() or "init"
         self.ctl.state = "ready"
         self.ctl.heartbeat_now()
         self.ctl.report({"event": "replacement_ready", "replica": self.replica, "stage": self.stage,
