@@ -347,3 +347,19 @@ def test_replacement_fallback_loads_only_a_state_that_fits(tmp_path):
     before = {k: v.clone() for k, v in w6.model.state_dict().items()}
     assert WorkerCheckpointer(w6).restore_for_replacement() is None
     assert all(torch.equal(v, before[k]) for k, v in w6.model.state_dict().items())
+
+
+def test_retention_keeps_the_newest_checkpoint_holding_each_slot(tmp_path):
+    from crucible.checkpoint.policies import LatestN, select_for_deletion
+    from crucible.coordinator.checkpoints import last_holders
+
+    root = str(tmp_path / "checkpoints")
+    for step, names in ((10, ["r0s0.shard", "r0s1.shard"]), (20, ["r0s0.shard"]), (30, ["r0s0.shard"])):
+        shards = [storage.write_shard(storage.tmp_dir(root, step), n, {"step": step}) for n in names]
+        storage.commit(root, step, shards)
+    ckpts = storage.list_checkpoints(root)
+    slots = {"r0s0.shard", "r0s1.shard"}
+    assert last_holders(ckpts, slots) == {30, 10}      # r0s1 vacant since step 20: step 10 still holds it
+    doomed = [c.step for c in select_for_deletion(ckpts, LatestN(1), time.time())]
+    assert doomed == [10, 20]
+    assert [s for s in doomed if s not in last_holders(ckpts, slots)] == [20]

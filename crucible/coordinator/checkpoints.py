@@ -588,10 +588,16 @@ class CheckpointManager:
 
     def _retention(self) -> None:
         try:
-            doomed = select_for_deletion(storage.list_checkpoints(self.root), self.keep_policy, time.time())
+            ckpts = storage.list_checkpoints(self.root)
+            doomed = select_for_deletion(ckpts, self.keep_policy, time.time())
         except Exception as e:
             log.error("retention policy failed: %s", e)
             return
+        # A slot that stays vacant is missing from every new checkpoint: keep the
+        # newest one that still holds its shard, for its replacement to load.
+        cfg = self.c.cfg.job
+        keep = last_holders(ckpts, {storage.shard_name(r, s) for r in range(cfg.replicas) for s in range(cfg.stages)})
+        doomed = [d for d in doomed if d.step not in keep]
         for info in doomed:
             try:
                 storage.delete(info.path)
@@ -599,6 +605,23 @@ class CheckpointManager:
                 log.warning("could not delete %s: %s", info.path, e)
                 continue
             self.c.metrics.write({"event": "ckpt_delete", "step": info.step})
+
+
+def last_holders(ckpts, slots: set[str]) -> set[int]:
+    """Steps of the newest checkpoints that hold each slot's shard (one per slot,
+    usually just the newest checkpoint of all)."""
+    left, keep = set(slots), set()
+    for info in sorted(ckpts, key=lambda c: c.step, reverse=True):
+        if not left:
+            break
+        try:
+            names = {sh["name"] for sh in storage.read_manifest(info.path)["shards"]}
+        except (storage.CheckpointCorrupt, OSError, KeyError, TypeError):
+            continue
+        if left & names:
+            keep.add(info.step)
+            left -= names
+    return keep
 
 
 def preempt(coord_proc, worker_procs, ckpt_cfg, out=None) -> None:
