@@ -196,6 +196,7 @@ class Launcher:
         last_print, last_status, st = 0.0, 0.0, None
         tty = sys.stdout.isatty()
         delay = self.args.respawn_delay
+        respawn = delay is not None and delay >= 0
         stopped: dict[str, float] = {}
         while not self.stopping:
             time.sleep(0.1)
@@ -207,7 +208,7 @@ class Launcher:
                 code = w.poll()
                 if code is None or code == 0:
                     continue
-                if delay is not None and delay >= 0 and time.monotonic() - w.died_at >= delay:
+                if respawn and time.monotonic() - w.died_at >= delay:
                     print(f"crucible: {name} exited with {code}; starting a replacement", flush=True)
                     w.restarts += 1
                     self._start_worker(int(name[1:name.index("s")]), int(name[name.index("s") + 1:]))
@@ -216,8 +217,7 @@ class Launcher:
                 print(f"crucible: coordinator exited with {self.coord.exit_code}; restarting it", flush=True)
                 self.addr = self._start_coordinator(False)
                 client = StatusClient(self.addr, self.token)
-            if not (delay is not None and delay >= 0) and not self._all_done() and all(
-                    w.poll() is not None for w in self.workers.values()):
+            if not respawn and not self._all_done() and all(w.poll() is not None for w in self.workers.values()):
                 print("crucible: every worker has exited and --respawn-delay is negative "
                       "(no respawn): stopping", flush=True)
                 break

@@ -77,6 +77,11 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+def project(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+    """The orthogonal projection of x (last dim) onto span(P)."""
+    return (x @ P) @ P.T
+
+
 class Block(nn.Module):
     """Pre-LN residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
@@ -92,7 +97,7 @@ class Block(nn.Module):
         self.register_buffer("subspace", subspace, persistent=False)
 
     def _write(self, x):
-        return x if self.subspace is None else (x @ self.subspace) @ self.subspace.T
+        return x if self.subspace is None else project(x, self.subspace)
 
     def forward(self, x):
         x = x + self._write(self.attn(self.ln1(x)))
@@ -120,7 +125,7 @@ def token_shift(vocab_size: int, subspace: torch.Tensor, std: float, seed: int) 
     """
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(b"token_shift")) & 0x7FFF_FFFF_FFFF)
     f = torch.randn(vocab_size, subspace.shape[0], generator=g) * std
-    return f - (f @ subspace) @ subspace.T
+    return f - project(f, subspace)
 
 
 class Stage(nn.Module):
@@ -161,13 +166,13 @@ class Stage(nn.Module):
             pos = torch.arange(T, device=x.device)
             x = self.wte(x) + self.wpe(pos)
             if self.subspace is not None:
-                x = (x @ self.subspace) @ self.subspace.T
+                x = project(x, self.subspace)
             if self.shift is not None:
                 x = x + self.shift[tokens]
         elif self.shift is not None:
             if tokens is None:
                 raise ValueError("this stage needs the token ids (model.subspace_token_shift > 0)")
-            x = (x @ self.subspace) @ self.subspace.T + self.shift[tokens]
+            x = project(x, self.subspace) + self.shift[tokens]
         for block in self.blocks.values():
             x = block(x)
         return x

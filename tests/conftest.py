@@ -143,3 +143,39 @@ def start_job(tmp_path):
     yield start
     for job in jobs:
         job.kill()
+
+
+# A benchmark's smoke test starts whole jobs for minutes: opt-in, so the suite stays under 10 minutes.
+bench_smoke = pytest.mark.skipif(not os.environ.get("CRUCIBLE_BENCH_TESTS"),
+                                 reason="benchmark smoke test: set CRUCIBLE_BENCH_TESTS=1 to run it")
+
+
+def run_bench(name: str, out_path, timeout: float) -> dict:
+    """`crucible bench NAME --json --quick --out OUT` in its own process group,
+    with a bounded wait: on a timeout SIGTERM (a bench closes its jobs), then
+    SIGKILL; the group is killed at the end whatever happened. Returns its JSON,
+    checked to be exactly what it wrote to OUT."""
+    proc = subprocess.Popen(crucible_cmd("bench", name, "--json", "--quick", "--out", str(out_path)), cwd=ROOT,
+                            env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        pytest.fail(f"bench {name} did not finish in {timeout}s:\n{stderr.decode(errors='replace')[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the bench left behind
+        except ProcessLookupError:
+            pass
+    err = stderr.decode(errors="replace")
+    assert proc.returncode == 0, f"bench {name} exited with {proc.returncode}:\n{err[-4000:]}"
+    data = json.loads(stdout)  # with --json, stdout is exactly one JSON object
+    with open(out_path) as f:
+        assert json.load(f) == data
+    return data

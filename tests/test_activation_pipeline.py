@@ -8,19 +8,15 @@ group at the end (conftest.Job).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
 import subprocess
-import sys
 import time
 
 import grpc
 import pytest
 import torch
 
-from conftest import ROOT, TINY, Job
+from conftest import ROOT, TINY, Job, bench_smoke, run_bench
 from crucible import rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
@@ -153,30 +149,9 @@ def test_subspace_codec_refused_without_subspace_model(tmp_path):
     assert "model.subspace_rank" in out.stderr
 
 
-@pytest.mark.skipif(not os.environ.get("CRUCIBLE_BENCH_TESTS"),
-                    reason="benchmark smoke test: set CRUCIBLE_BENCH_TESTS=1 to run it")
+@bench_smoke
 def test_bench_activations_quick(tmp_path):
-    out_path = tmp_path / "activations.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("CRUCIBLE_TOKEN", None)
-    proc = subprocess.Popen([sys.executable, "-m", "crucible", "bench", "activations", "--json", "--quick",
-                             "--out", str(out_path)], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"bench did not finish:\n{stderr.decode(errors='replace')[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)   # anything it left behind
-        except ProcessLookupError:
-            pass
-    err = stderr.decode(errors="replace")
-    assert proc.returncode == 0, err[-4000:]
-    data = json.loads(stdout)   # with --json, stdout is exactly one JSON object
-    assert json.loads(out_path.read_text()) == data
+    data = run_bench("activations", tmp_path / "activations.json", 150)
     assert data["bench"] == "activations" and data["quick"] is True and data["errors"] == []
     rows = {r["name"]: r for r in data["codecs"]}
     assert {r["codec"] for r in data["codecs"]} == {"none", "bf16", "int8", "int4", "subspace"}

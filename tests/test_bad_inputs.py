@@ -6,7 +6,6 @@ One job (1 replica x 2 stages) serves every test in this module.
 from __future__ import annotations
 
 import subprocess
-import time
 
 import grpc
 import pytest

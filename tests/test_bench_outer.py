@@ -10,19 +10,12 @@ group with a bounded wait and is killed as a group.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-# A benchmark's smoke test starts whole jobs for minutes: opt-in, so the suite stays under 10 minutes.
-pytestmark = pytest.mark.skipif(not os.environ.get("CRUCIBLE_BENCH_TESTS"),
-                                reason="benchmark smoke test: set CRUCIBLE_BENCH_TESTS=1 to run it")
+from conftest import bench_smoke, run_bench
 
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = bench_smoke
 TIMEOUT_S = 240  # ~35 s on an idle machine; generous for a loaded one
 
 
@@ -33,32 +26,7 @@ def _positive(x) -> bool:
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "outer.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("CRUCIBLE_TOKEN", None)
-    proc = subprocess.Popen([sys.executable, "-m", "crucible", "bench", "outer", "--json", "--quick",
-                             "--out", str(out)], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the bench closes its jobs (their own groups) on SIGTERM
-        try:
-            stdout, stderr = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        pytest.fail(f"bench did not finish in {TIMEOUT_S}s:\n{stderr.decode(errors='replace')[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # anything the bench left behind
-        except ProcessLookupError:
-            pass
-    err = stderr.decode(errors="replace")
-    assert proc.returncode == 0, f"bench exited with {proc.returncode}:\n{err[-4000:]}"
-    data = json.loads(stdout)  # with --json, stdout is exactly one JSON object
-    with open(out) as f:
-        assert json.load(f) == data
-    return data
+    return run_bench("outer", out, TIMEOUT_S)
 
 
 def test_environment_and_settings(result):

@@ -20,8 +20,6 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-
 from conftest import TINY, Job
 from crucible.checkpoint import storage
 

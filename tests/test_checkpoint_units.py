@@ -118,7 +118,6 @@ class _Metrics:
 
 def _coordinator(tmp_path, **overrides):
     from crucible.coordinator.checkpoints import CheckpointManager
-    from crucible.coordinator.outer import OuterRelay  # noqa: F401  (the real coordinator has one)
 
     cfg = Config.load(None, {"job.replicas": 2, "job.stages": 2, "train.steps": 1000,
                              "checkpoint.minimum_interval_secs": 0, "checkpoint.max_num_checkpoints_to_keep": 2,

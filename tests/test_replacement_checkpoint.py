@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import torch
-from torch.nn.utils import parameters_to_vector
 
 from conftest import TINY
 from crucible.checkpoint import storage

@@ -124,16 +124,6 @@ DEFINITIONS = {
 }
 
 
-def _round(x, nd=6):
-    if isinstance(x, float):
-        return round(x, nd) if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _round(v, nd) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_round(v, nd) for v in x]
-    return x
-
-
 # ---------------------------------------------------------------------------
 # the rows: one (model, codec) pair each
 
@@ -525,7 +515,7 @@ def codec_api_main(ranks: list[int], budget_s: float) -> int:
         cfg, acts, grads, shift = tensors(r)
         codec = make_codec(f"subspace:rank={r}", cfg.model.d_model, seed=cfg.train.seed)
         result["codecs"][f"subspace_r{r}"] = measure(codec, acts, grads, shift)
-    print(json.dumps(_round(result)), flush=True)
+    print(json.dumps(common.round_floats(result)), flush=True)
     return 0
 
 
@@ -732,14 +722,8 @@ def main(args) -> int:
                         "loss_rel_vs_none": r["loss"].get("rel_vs_none")} for r in rows]
     result["targets"] = _targets(rows, quick)
     result["recommendation"] = _recommend(rows)
-    result["environment"]["loadavg_end"] = common.loadavg()
     result["wall_s"] = time.monotonic() - t_start
-    result["errors"] = errors
-    result = _round(result)
-    if not getattr(args, "json", False):
-        _print_table(result, sys.stderr)
-    common.emit(result, args)
-    return 1 if errors else 0
+    return common.finish(result, errors, args, _print_table, round_nd=6)
 
 
 def _fmt(x, spec):

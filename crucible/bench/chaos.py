@@ -439,16 +439,6 @@ def kill_recoveries(events: list[dict]) -> list[dict]:
 # ---- the bench -----------------------------------------------------------------------
 
 
-def _round(x, nd: int = 4):
-    if isinstance(x, float):
-        return round(x, nd)
-    if isinstance(x, dict):
-        return {k: _round(v, nd) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_round(v, nd) for v in x]
-    return x
-
-
 def summarize(runs: dict) -> dict:
     ff = runs.get("failure_free", {})
     ff_useful = ff.get("useful_steps_mean") or 0
@@ -564,16 +554,12 @@ def main(args) -> int:
     result["summary"] = summarize(runs)
     result["errors"] = errors
     result["environment"]["loadavg_end"] = common.loadavg()
-    result = _round(result)
+    result = common.round_floats(result, 4)
     if not getattr(args, "json", False):
         print(format_table(result["summary"]))
         print("checks:", json.dumps(result["summary"]["checks"]))
         if getattr(args, "out", None):
-            tmp = args.out + ".tmp"
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(tmp, "w") as f:
-                f.write(json.dumps(result, indent=2) + "\n")
-            os.replace(tmp, args.out)
+            common.write_out(result, args.out)
         return 0 if not errors else 1
     common.emit(result, args)
     return 0 if not errors else 1

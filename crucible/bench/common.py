@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import signal
@@ -410,14 +411,44 @@ def environment() -> dict:
     }
 
 
+def round_floats(x, nd: int = 6):
+    """``x`` with every float rounded to ``nd`` digits (non-finite ones as
+    None, which JSON can hold), through dicts, lists and tuples."""
+    if isinstance(x, float):
+        return round(x, nd) if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: round_floats(v, nd) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [round_floats(v, nd) for v in x]
+    return x
+
+
+def write_out(result: dict, out: str) -> None:
+    """The result as JSON in the file ``out`` (atomically: write, then rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+
+
 def emit(result: dict, args) -> None:
     """Print the result: with --json only the JSON on stdout; --out also writes it."""
-    text = json.dumps(result, indent=2, sort_keys=False)
-    out = getattr(args, "out", None)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        tmp = out + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, out)
-    print(text, flush=True)
+    if getattr(args, "out", None):
+        write_out(result, args.out)
+    print(json.dumps(result, indent=2), flush=True)
+
+
+def finish(result: dict, errors: list[str], args, print_table: Callable | None = None,
+           round_nd: int | None = None) -> int:
+    """The end of a benchmark: the load at the end, the errors, the floats
+    rounded (``round_nd``), a table on stderr unless ``--json``, the JSON on
+    stdout (and ``--out``); the exit status (1 when anything failed)."""
+    result["environment"]["loadavg_end"] = loadavg()
+    result["errors"] = errors
+    if round_nd is not None:
+        result = round_floats(result, round_nd)
+    if print_table is not None and not getattr(args, "json", False):
+        print_table(result, sys.stderr)
+    emit(result, args)
+    return 1 if errors else 0

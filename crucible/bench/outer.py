@@ -492,12 +492,7 @@ def main(args) -> int:
     result["bytes"] = _bytes_summary(result)
     result["summary"] = _summary(result)
     result["elapsed_s"] = time.monotonic() - t_start
-    result["environment"]["loadavg_end"] = common.loadavg()
-    result["errors"] = errors
-    if not getattr(args, "json", False):
-        _print_table(result, sys.stderr)
-    common.emit(result, args)
-    return 1 if errors else 0
+    return common.finish(result, errors, args, _print_table)
 
 
 def _bytes_summary(result: dict) -> dict:

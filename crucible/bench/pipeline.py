@@ -57,14 +57,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import select
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import queue
 
@@ -157,16 +155,6 @@ def boundaries(stages: list[dict]) -> list[dict]:
     return out
 
 
-def _round(x, nd=6):
-    if isinstance(x, float):
-        return round(x, nd) if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _round(v, nd) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_round(v, nd) for v in x]
-    return x
-
-
 def analyse(events: list[dict], stages: int, warmup: int) -> dict:
     tp = common.throughput([e for e in events if e.get("event") == "step"], 0, warmup)
     per_stage = common.stage_breakdown(events, 0, stages, warmup)
@@ -247,7 +235,7 @@ def run_pipeline(workdir: str, stages: int, steps: int, warmup: int, extra: list
     info["loadavg_after"] = common.loadavg()
     progress(f"{name}: {info['tokens_per_s']:.0f} tokens/s, ser+transport "
              f"max {info['ser_transport_fraction']['max']:.1%}")
-    return _round(info)
+    return common.round_floats(info)
 
 
 # ---------------------------------------------------------------------------
@@ -326,7 +314,7 @@ def run_plain(steps: int, warmup: int, extra: list[str]) -> dict:
         info["contended"] = others > 0.25
     info["loadavg_after"] = common.loadavg()
     progress(f"plain: {info['tokens_per_s']:.0f} tokens/s")
-    return _round(info)
+    return common.round_floats(info)
 
 
 # ---------------------------------------------------------------------------
@@ -466,7 +454,7 @@ def run_loopback(total_mb: float, repeats: int, pings: int) -> dict:
         child.close(grace=2.0)
     if "MBps" in info:
         progress(f"loopback: {info['MBps']:.0f} MB/s one way, ping-pong {info['pingpong_ms_median']:.2f} ms")
-    return _round(info)
+    return common.round_floats(info)
 
 
 # ---------------------------------------------------------------------------
@@ -521,7 +509,7 @@ def main(args) -> int:
         result["baseline"]["last_loss_matches_S1"] = abs(base["losses"][-1] - s1["throughput"]["last_loss"]) < 1e-4
     pinned = runs["S2_pinned"]
     plain_tps = base.get("tokens_per_s") or 0.0
-    result["summary"] = _round({
+    result["summary"] = common.round_floats({
         "tokens_per_s": {**{k: v["tokens_per_s"] for k, v in runs.items()}, "plain": plain_tps},
         "relative_to_plain": {k: (v["tokens_per_s"] / plain_tps if plain_tps else None) for k, v in runs.items()},
         "oversubscribed": {k: v["oversubscribed"] for k, v in runs.items()},
@@ -536,12 +524,7 @@ def main(args) -> int:
         "params": result["model"]["params"],
         "activation_bytes_per_microbatch": result["model"]["activation_bytes_per_microbatch"],
     })
-    result["environment"]["loadavg_end"] = common.loadavg()
-    result["errors"] = errors
-    if not getattr(args, "json", False):
-        _print_table(result, sys.stderr)
-    common.emit(result, args)
-    return 1 if errors else 0
+    return common.finish(result, errors, args, _print_table)
 
 
 def _print_table(result: dict, f) -> None:

@@ -819,18 +819,19 @@ def latest_valid(ckpt_root: str | os.PathLike) -> CkptInfo | None:
     return None
 
 
-def clean_tmp(ckpt_root: str | os.PathLike) -> list[str]:
+def clean_tmp(ckpt_root: str | os.PathLike, keep_step: int | None = None) -> list[str]:
     """Remove leftovers of interrupted saves (``.tmp-step_*``) and deletions
-    (``.deleting-*``).  Call at start, when no save is in progress.  Returns
-    the names removed."""
+    (``.deleting-*``), but the temporary directory of ``keep_step`` (a save in
+    progress).  Returns the names removed."""
     root = Path(ckpt_root)
     removed = []
     try:
         entries = list(os.scandir(root))
     except FileNotFoundError:
         return []
+    keep = None if keep_step is None else tmp_dir(root, keep_step, create=False).name
     for entry in entries:
-        if entry.name.startswith((_TMP_PREFIX, _DELETING_PREFIX)):
+        if entry.name.startswith((_TMP_PREFIX, _DELETING_PREFIX)) and entry.name != keep:
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
             else:

@@ -60,7 +60,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import statistics
 import threading
 import time
@@ -569,22 +568,7 @@ class CheckpointManager:
         log.info("checkpoint of step %d committed (%d shards, %.1f MB)", p.step, len(reports),
                  sum(rp["bytes"] for rp in reports) / 1e6)
         self._retention()
-        self._remove_stale_tmp(keep=pending)
-
-    def _remove_stale_tmp(self, keep: int | None) -> None:
-        """Leftovers of aborted saves (every temporary directory but the pending save's)."""
-        try:
-            entries = list(os.scandir(self.root))
-        except FileNotFoundError:
-            return
-        for e in entries:
-            if e.name.startswith(".tmp-step_"):
-                try:
-                    step = int(e.name[len(".tmp-step_"):])
-                except ValueError:
-                    continue
-                if step != keep:
-                    shutil.rmtree(e.path, ignore_errors=True)
+        storage.clean_tmp(self.root, keep_step=pending)   # leftovers of aborted saves, not the pending one
 
     def _retention(self) -> None:
         try:

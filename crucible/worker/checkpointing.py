@@ -60,7 +60,7 @@ import torch
 
 from crucible._pb import crucible_pb2 as pb
 from crucible.checkpoint import storage
-from crucible.checkpoint.persister import PersistError, ProcessPersister, ThreadPersister, shard_prefix
+from crucible.checkpoint.persister import ProcessPersister, ThreadPersister, shard_prefix
 from crucible.worker import optim
 
 log = logging.getLogger("crucible.ckpt")
@@ -421,12 +421,8 @@ class WorkerCheckpointer:
         sd = storage.load_shard(resume_dir, self.name)
         if sd.get("format") != STATE_FORMAT or sd.get("replica") != w.replica or sd.get("stage") != w.stage:
             raise storage.CheckpointCorrupt(f"{resume_dir}/{self.name}: not the state of r{w.replica}s{w.stage}")
-        if sd.get("config_hash") != w.cfg.digest():
-            log.warning("%s: the configuration differs from the checkpoint's (%s vs %s): resuming anyway",
-                        self.name, w.cfg.digest(), sd.get("config_hash"))
-        w.model.load_state_dict(sd["model"])
-        w.opt.load_state_dict(sd["optimizer"])
-        w.outer.load_state_dict(sd["outer"])
+        self._warn_other_config(sd, f"{resume_dir}/{self.name}")
+        self._load_stage(sd)
         w.step = w.ctl.step = int(sd["step"])
         rng = sd.get("rng") or {}
         if isinstance(rng.get("torch"), torch.Tensor):
@@ -442,6 +438,17 @@ class WorkerCheckpointer:
         log.info("%s: restored step %d (outer round %d) from %s in %.2fs", self.name, w.step, w.outer.round,
                  resume_dir, secs)
         return True
+
+    def _load_stage(self, sd: dict) -> None:
+        """Weights, AdamW and outer state (θ_global, error feedback, round) of a shard."""
+        self.w.model.load_state_dict(sd["model"])
+        self.w.opt.load_state_dict(sd["optimizer"])
+        self.w.outer.load_state_dict(sd["outer"])
+
+    def _warn_other_config(self, sd: dict, where: str) -> None:
+        if sd.get("config_hash") != self.w.cfg.digest():
+            log.warning("%s: %s was taken under another configuration (%s, this run %s): loading it anyway",
+                        self.name, where, sd.get("config_hash"), self.w.cfg.digest())
 
     def restore_for_replacement(self) -> str | None:
         """A replacement with no healthy peer to pull from: the stage's state from
@@ -483,14 +490,10 @@ class WorkerCheckpointer:
                 if sd.get("format") != STATE_FORMAT or sd.get("stage") != w.stage or not fits(sd):
                     log.warning("%s: %s/%s is not a state of this stage's model", self.name, ck.path, name)
                     continue
-                if sd.get("config_hash") != w.cfg.digest():
-                    log.warning("%s: %s/%s was taken under another configuration: loading it anyway",
-                                self.name, ck.path, name)
+                self._warn_other_config(sd, f"{ck.path}/{name}")
                 try:
                     if name == own:
-                        w.model.load_state_dict(sd["model"])
-                        w.opt.load_state_dict(sd["optimizer"])
-                        w.outer.load_state_dict(sd["outer"])
+                        self._load_stage(sd)
                     elif w.outer.mode == "none":    # independent replicas: no global weights to share
                         w.model.load_state_dict(sd["model"])
                     else:

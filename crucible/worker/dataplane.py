@@ -64,6 +64,13 @@ class Event:
     peer: int = -1                 # for up_closed: the stage that fed the stream
 
 
+def frame_nbytes(f) -> tuple[int, int]:
+    """A data frame's tensor bytes (activations or gradient, targets, token ids;
+    the unset ones are empty): (on the wire, raw before compression)."""
+    parts = (f.tensor, f.targets, f.tokens)
+    return sum(len(t.data) for t in parts), sum(t.raw_nbytes for t in parts)
+
+
 class Throttle:
     """Token bucket that holds a stream to `mbps` megabits per second (0 = off)."""
 
@@ -165,8 +172,7 @@ class StageService:
         if hello.epoch > epoch:
             # The sender learned of the new route first; ours is on its way over
             # WatchRoutes (late on a loaded machine): wait for it, bounded.
-            wait = 2.0 if rt.cfg is None else max(2.0, rt.cfg.fault.rpc_timeout / 2)
-            epoch = rt.wait_for_epoch(hello.epoch, timeout=wait)
+            epoch = rt.wait_for_epoch(hello.epoch, timeout=max(2.0, rt.cfg.fault.rpc_timeout / 2))
         if hello.epoch < epoch:
             raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
                                f"stale epoch {hello.epoch:#x}; the route is at {epoch:#x}")
@@ -193,13 +199,10 @@ class StageService:
             ev.targets = tokens_from_wire(f.targets, rt.act_shape()[:2], rt.cfg.model.vocab_size)
             ev.decode_s = time.perf_counter() - t0
             ev.targets_msg = f.targets
-            ev.nbytes = len(f.tensor.data) + len(f.targets.data)
-            ev.raw_nbytes = f.tensor.raw_nbytes + f.targets.raw_nbytes
+            ev.nbytes, ev.raw_nbytes = frame_nbytes(f)
             if f.HasField("tokens"):
                 ev.tokens = tokens_from_wire(f.tokens, rt.act_shape()[:2], rt.cfg.model.vocab_size, "tokens")
                 ev.tokens_msg = f.tokens
-                ev.nbytes += len(f.tokens.data)
-                ev.raw_nbytes += f.tokens.raw_nbytes
             elif rt.needs_tokens:
                 raise WireError("tokens: this stage's model needs the input token ids with every frame")
         elif f.kind == K.COMMIT:
@@ -253,7 +256,7 @@ class Downstream:
             if f is None:
                 return
             if f.kind in (K.FORWARD, K.EVAL):
-                self.throttle.wait(len(f.tensor.data) + len(f.targets.data) + len(f.tokens.data))
+                self.throttle.wait(frame_nbytes(f)[0])
             f.sent_at = time.monotonic()
             yield f
 

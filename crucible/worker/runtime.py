@@ -54,7 +54,7 @@ from crucible.worker import optim
 from crucible.worker.checkpointing import WorkerCheckpointer
 from crucible.worker.control import ControlClient
 from crucible.worker.outer import OuterState
-from crucible.worker.dataplane import SERVICE, Downstream, Event, StageService, K
+from crucible.worker.dataplane import SERVICE, Downstream, Event, StageService, K, frame_nbytes
 
 log = logging.getLogger("crucible.worker")
 
@@ -118,9 +118,9 @@ class StepStats:
 
     def sent(self, frame, seconds: float) -> None:
         self.serialize += seconds
-        n = len(frame.tensor.data) + len(frame.targets.data) + len(frame.tokens.data)
+        n, raw = frame_nbytes(frame)
         self.bytes_out += n
-        self.raw_out += frame.tensor.raw_nbytes + frame.targets.raw_nbytes + frame.tokens.raw_nbytes
+        self.raw_out += raw
 
     def as_dict(self) -> dict:
         total = time.perf_counter() - self.t0
@@ -208,7 +208,7 @@ class Worker:
             t0 = time.perf_counter()
             ev.x = from_wire(f.tensor, torch.float32, self.act_shape(), "gradient", codec=self.bwd_codec)
             ev.decode_s = time.perf_counter() - t0
-            ev.nbytes, ev.raw_nbytes = len(f.tensor.data), f.tensor.raw_nbytes
+            ev.nbytes, ev.raw_nbytes = frame_nbytes(f)
         elif f.kind != K.EVAL_RESULT:
             raise ValueError(f"frame kind {f.kind} does not travel upstream")
         return ev
@@ -262,8 +262,8 @@ class Worker:
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed * 1000 + self.replica * 100 + self.stage)
         self.model = build_stage(cfg, self.stage, self.S).to(self.device)
-        self.needs_tokens = bool(getattr(self.model, "needs_tokens", False))
-        self.send_tokens = tokens_needed(cfg)
+        self.send_tokens = tokens_needed(cfg)              # stage 0 ships the input ids ...
+        self.needs_tokens = self.send_tokens and not self.first   # ... every other stage rebuilds from them
         self.opt = optim.make_optimizer(self.model, cfg.train)
         self.outer = OuterState(self.model, cfg.outer, cfg.job.replicas)
         self.fwd_codec = boundary_codec(cfg.compress.forward, cfg)
