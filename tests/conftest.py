@@ -150,6 +150,11 @@ bench_smoke = pytest.mark.skipif(not os.environ.get("CRUCIBLE_BENCH_TESTS"),
                                  reason="benchmark smoke test: set CRUCIBLE_BENCH_TESTS=1 to run it")
 
 
+def positive(x) -> bool:
+    """A number (not a bool) above zero: what a benchmark's timings and counts must be."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
 def run_bench(name: str, out_path, timeout: float) -> dict:
     """`crucible bench NAME --json --quick --out OUT` in its own process group,
     with a bounded wait: on a timeout SIGTERM (a bench closes its jobs), then

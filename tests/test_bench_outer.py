@@ -13,14 +13,10 @@ import json
 
 import pytest
 
-from conftest import bench_smoke, run_bench
+from conftest import bench_smoke, positive, run_bench
 
 pytestmark = bench_smoke
 TIMEOUT_S = 240  # ~35 s on an idle machine; generous for a loaded one
-
-
-def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +28,15 @@ def result(tmp_path_factory):
 def test_environment_and_settings(result):
     assert result["bench"] == "outer" and result["quick"] is True and result["errors"] == []
     env = result["environment"]
-    assert _positive(env["cores"]) and env["torch"] and env["date"]
+    assert positive(env["cores"]) and env["torch"] and env["date"]
     st = result["settings"]
-    assert st["replicas"] == 2 and st["stages"] == 2 and _positive(st["steps"]) and _positive(st["outer_H"])
+    assert st["replicas"] == 2 and st["stages"] == 2 and positive(st["steps"]) and positive(st["outer_H"])
 
 
 def test_bytes_per_outer_step(result):
     b = result["bytes"]
     sl = b["sparseloco"]
-    assert _positive(sl["bytes_sent_per_replica_step"]) and _positive(sl["bytes_received_per_replica_step"])
+    assert positive(sl["bytes_sent_per_replica_step"]) and positive(sl["bytes_received_per_replica_step"])
     assert set(sl["bytes_sent_per_stage_mean"]) == {"0", "1"}
     assert sl["bytes_received_per_replica_step"] >= sl["bytes_sent_per_replica_step"]
     # the default model: 1,668,352 parameters over the two stages, dense = 4 bytes each
@@ -57,8 +53,8 @@ def test_codec_throughput(result):
     assert c["threads"] == 1
     for name in ("stage", "10M"):
         s = c["sizes"][name]
-        assert _positive(s["encode_MBps"]) and _positive(s["decode_MBps"]) and _positive(s["payload_bytes"])
-        assert _positive(s["ratio"])
+        assert positive(s["encode_MBps"]) and positive(s["decode_MBps"]) and positive(s["payload_bytes"])
+        assert positive(s["ratio"])
     assert c["sizes"]["10M"]["numel"] == 10_000_000
     assert c["sizes"]["stage"]["numel"] == c["stage_numels"][0]
 
@@ -68,12 +64,12 @@ def test_losses(result):
     for mode in ("sparseloco", "diloco"):
         part = loss[mode]
         assert part["runs"] and all("error" not in r for r in part["runs"])
-        assert all(_positive(v) for v in part["loss_by_lr"].values())
-        assert _positive(part["best_lr"]) and _positive(part["best_loss"])
+        assert all(positive(v) for v in part["loss_by_lr"].values())
+        assert positive(part["best_lr"]) and positive(part["best_loss"])
         for r in part["runs"]:
             assert r["replicas_agree"], r["eval_loss_per_replica"]  # synced: every replica holds θ_global
             assert r["outer_rounds"] == result["settings"]["outer_rounds"]
-    assert _positive(loss["single_replica"]["final_loss"])
+    assert positive(loss["single_replica"]["final_loss"])
     assert loss["single_replica"]["replicas"] == 1
     assert len(loss["independent_replicas"]["eval_loss_per_replica"]) == 2
     s = result["summary"]

@@ -11,14 +11,10 @@ import os
 
 import pytest
 
-from conftest import bench_smoke, run_bench
+from conftest import bench_smoke, positive, run_bench
 
 pytestmark = bench_smoke
 TIMEOUT_S = 240
-
-
-def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +25,7 @@ def result(tmp_path_factory):
 
 def test_environment_and_model(result):
     env = result["environment"]
-    assert _positive(env["cores"]) and env["torch"] and env["date"]
+    assert positive(env["cores"]) and env["torch"] and env["date"]
     m = result["model"]
     assert m["n_layer"] == 8 and m["d_model"] == 128 and m["seq_len"] == 128
     assert m["batch_size"] == 16 and m["microbatches"] == 4
@@ -43,12 +39,12 @@ def test_pipeline_runs(result):
     for name, S in (("S1", 1), ("S2", 2), ("S2_pinned", 2)):
         r = runs[name]
         assert r["stages"] == S and r["launch_exit_code"] == 0
-        assert _positive(r["tokens_per_s"]), name
+        assert positive(r["tokens_per_s"]), name
         assert r["throughput"]["measured_steps"] >= 2
         assert len(r["per_stage"]) == S
         for st in r["per_stage"]:
             assert st["steps"] >= 2
-            assert _positive(st["step_s"]) and _positive(st["compute_s"])
+            assert positive(st["step_s"]) and positive(st["compute_s"])
             for k in ("serialize_s", "transport_s", "idle_s"):
                 assert st[k] >= 0
             # the split never adds up to more than the step
@@ -76,12 +72,12 @@ def test_pinned_run(result):
 
 def test_baseline_and_loopback(result):
     base = result["baseline"]
-    assert _positive(base["tokens_per_s"]) and base["threads"] == 1
+    assert positive(base["tokens_per_s"]) and base["threads"] == 1
     assert base["params"] == result["model"]["params"]
     # the plain loop trains exactly what a one-stage launch trains
     assert base["last_loss_matches_S1"] is True
     lb = result["loopback"]
-    assert _positive(lb["MBps"]) and _positive(lb["pingpong_ms_median"])
+    assert positive(lb["MBps"]) and positive(lb["pingpong_ms_median"])
     s = result["summary"]
     assert set(s["tokens_per_s"]) >= {"S1", "S2", "S2_pinned", "plain"}
-    assert all(_positive(v) for v in s["tokens_per_s"].values())
+    assert all(positive(v) for v in s["tokens_per_s"].values())
