@@ -7,9 +7,10 @@ then the stage split.
     inner stages     blocks
     last stage       blocks, final LayerNorm, head, loss
 
-Every boundary carries the residual stream ``[B, T, d]`` and nothing else, so
-an inner stage can be skipped (the residual stream passes through unchanged:
-a skipped stage is the identity). With one stage, stage 0 is also the last.
+Every boundary carries the residual stream ``[B, T, d]`` (with the token ids:
+the targets, and the inputs for the subspace model's token shift), so an
+inner stage can be skipped (the residual stream passes through unchanged: a
+skipped stage is the identity). With one stage, stage 0 is also the last.
 
 Initialisation does not depend on the split: each parameter is drawn from its
 own generator seeded by (seed, parameter name), and names carry the global
