@@ -113,6 +113,7 @@ class Coordinator:
         self.workers: dict[str, WorkerInfo] = {}
         self.replicas = [ReplicaInfo(r) for r in range(R)]
         self.routes: dict[int, list[int]] = {r: [] for r in range(R)}
+        self.last_errors: dict[tuple[int, int], dict] = {}   # slot -> its last worker_error
         self.route_epoch: dict[int, int] = {r: 0 for r in range(R)}
         self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"))
         self.started = time.time()
@@ -312,6 +313,10 @@ class Coordinator:
                 rep.eval_loss = ev.get("loss")
             elif kind == "goodput" and w.stage == 0:
                 rep.goodput = {k: v for k, v in ev.items() if k.endswith("_s") or k == "goodput"}
+            elif kind == "worker_error":
+                self.last_errors[(w.replica, w.stage)] = {"error": str(ev.get("error", ""))[:500],
+                                                         "time": time.time(), "worker": w.worker_id}
+                log.error("worker r%ds%d (%s) failed: %s", w.replica, w.stage, w.worker_id, ev.get("error"))
             elif kind == "suspect":
                 threading.Thread(target=self._probe, args=(ev.get("replica"), ev.get("stage"), ev.get("reason", "")),
                                  daemon=True, name="probe").start()
@@ -462,7 +467,8 @@ class Coordinator:
                 workers.append({"replica": r, "stage": s, "state": w.state if w else "vacant",
                                 "pid": w.pid if w else None, "address": w.address if w else None,
                                 "worker_id": wid, "step": w.step if w else None,
-                                "last_seen_s": round(now - w.last_seen, 3) if w else None})
+                                "last_seen_s": round(now - w.last_seen, 3) if w else None,
+                                "last_error": self.last_errors.get((r, s))})
             return {
                 "run_dir": self.run_dir,
                 "incarnation": self.incarnation,

@@ -241,12 +241,12 @@ class Worker:
         self.ckpt = WorkerCheckpointer(self)
         threading.Thread(target=self.ctl.heartbeat_loop, args=(cfg.fault.heartbeat_interval, self.on_command),
                          kwargs={"on_reply": self.ckpt.on_heartbeat}, daemon=True, name="heartbeat").start()
-        self._build()
-        self.ckpt.restore(reply.resume_dir)
-        self.on_routes(reply.routes)
-        threading.Thread(target=self.ctl.watch_loop, args=(self.on_routes,), daemon=True, name="routes").start()
-        signal.signal(signal.SIGTERM, lambda *_: self.stop_requested.set())
         try:
+            self._build()
+            self.ckpt.restore(reply.resume_dir)
+            self.on_routes(reply.routes)
+            threading.Thread(target=self.ctl.watch_loop, args=(self.on_routes,), daemon=True, name="routes").start()
+            signal.signal(signal.SIGTERM, lambda *_: self.stop_requested.set())
             if reply.replacement:
                 self.step = self.ctl.step = int(reply.replica_step)
                 self.join_as_replacement()
@@ -255,8 +255,21 @@ class Worker:
             else:
                 self.serve()
             return self.exit_code
+        except Exception as e:
+            self.report_error(e)
+            raise
         finally:
             self.shutdown()
+
+    def report_error(self, exc: BaseException) -> None:
+        """Tell the coordinator why this worker is about to die (its status shows
+        each slot's last error), before the process exits."""
+        from crucible.exits import last_line
+
+        self.exit_code = 1
+        self.ctl.report({"event": "worker_error", "replica": self.replica, "stage": self.stage,
+                         "error": last_line(exc)})
+        self.ctl.flush()
 
     def _build(self) -> None:
         cfg = self.cfg
@@ -453,6 +466,9 @@ class Worker:
         if tokens_msg is None and tokens is not None and self.send_tokens:
             tokens_msg = tokens_to_wire(tokens, self.cfg.model.vocab_size)
         extra = {"tokens": tokens_msg} if tokens_msg is not None else {}
+        if tuple(h.shape) != self.act_shape() or h.dtype != torch.float32:
+            raise ValueError(f"stage {self.stage}'s model returned {tuple(h.shape)} {h.dtype}; a stage boundary "
+                             f"must be {self.act_shape()} torch.float32 [microbatch, train.seq_len, model.d_model]")
         f = self._frame(kind, step, micro, self.down_epoch, tensor=to_wire(h, self.fwd_codec), targets=targets_msg,
                         **extra)
         st.sent(f, time.perf_counter() - t0)
