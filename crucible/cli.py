@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coordinator", help="run the coordinator")
     _common_job_args(p)
     p.add_argument("--run-dir", required=True)
+    p.add_argument("--fresh", action="store_true",
+                   help="a new job: ignore the saved state of a previous coordinator of this run directory")
     p.add_argument("--bind", default="127.0.0.1:0", help="host:port (port 0 = any free port)")
 
     p = sub.add_parser("worker", help="run one stage worker")
@@ -189,7 +191,7 @@ def _run(args) -> int:
             path = rpc.write_token(args.run_dir, token)
             print(f"crucible: no CRUCIBLE_TOKEN given; generated one in {path}", file=sys.stderr)
         try:
-            return serve(cfg, args.run_dir, args.bind, token, resume=args.resume)
+            return serve(cfg, args.run_dir, args.bind, token, resume=args.resume, fresh=args.fresh)
         except Exception as e:  # noqa: BLE001
             return _fatal("coordinator", e)
 

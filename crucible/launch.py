@@ -134,26 +134,29 @@ class Launcher:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _coordinator_argv(self, resume: bool) -> list[str]:
+    def _coordinator_argv(self, start: str) -> list[str]:
+        """start: "fresh" (a new job), "resume" (the whole job from its latest
+        checkpoint) or "restart" (a crashed coordinator, continuing from its
+        predecessor's saved state)."""
         # A restarted coordinator binds the port of the one it replaces: workers
         # only know that address.
-        bind = self.addr if getattr(self, "addr", None) else "127.0.0.1:0"
+        bind = self.addr if getattr(self, "addr", None) else f"{self.cfg.net.bind}:0"
         argv = [sys.executable, "-m", "crucible", "coordinator", "--run-dir", self.run_dir, "--bind", bind]
         if self.args.config:
             argv += ["--config", self.args.config]
-        if resume:
-            argv.append("--resume")
+        if start != "restart":
+            argv.append(f"--{start}")
         return argv + self.overrides
 
-    def _start_coordinator(self, resume: bool) -> str:
+    def _start_coordinator(self, start: str) -> str:
         addr_file = os.path.join(self.run_dir, "coordinator.addr")
         if os.path.exists(addr_file):
             os.unlink(addr_file)
         if self.coord is None:
-            self.coord = Proc("coordinator", self._coordinator_argv(resume),
+            self.coord = Proc("coordinator", self._coordinator_argv(start),
                               os.path.join(self.run_dir, "logs", "coordinator.log"), self._env())
         else:
-            self.coord.argv = self._coordinator_argv(resume)
+            self.coord.argv = self._coordinator_argv(start)
             self.coord.restarts += 1
         t_end = time.monotonic() + 30
         self.coord.start()
@@ -179,7 +182,7 @@ class Launcher:
         name = slot_name(r, s)
         if name not in self.workers:
             argv = [sys.executable, "-m", "crucible", "worker", "--coordinator", self.addr,
-                    "--replica", str(r), "--stage", str(s)]
+                    "--replica", str(r), "--stage", str(s), "--bind", f"{self.cfg.net.bind}:0"]
             self.workers[name] = Proc(name, argv, os.path.join(self.run_dir, "logs", f"{name}.log"), self._env())
         w = self.workers[name]
         w.argv[w.argv.index("--coordinator") + 1] = self.addr
@@ -261,7 +264,7 @@ class Launcher:
         R, S = self.cfg.job.replicas, self.cfg.job.stages
         print(f"crucible: run directory {self.run_dir}", flush=True)
         try:
-            self.addr = self._start_coordinator(self.args.resume)
+            self.addr = self._start_coordinator("resume" if self.args.resume else "fresh")
             for r in range(R):
                 for s in range(S):
                     self._start_worker(r, s)
@@ -290,10 +293,8 @@ class Launcher:
             code = p.poll()
             if code is None or p.restart_at is not None:
                 continue
-            if code == 0 and p is not self.coord:
-                continue          # a worker whose replica is done
-            if p is self.coord and code == 0 and self._finishing():
-                continue
+            if code == 0:
+                continue          # a worker whose replica is done; a coordinator that finished the job
             err, repeated, delay = p.on_death(self.args.respawn_delay if p is not self.coord else 0.5)
             cause = exits.describe(code) + (f": {err}" if err else "")
             if repeated:
@@ -306,9 +307,6 @@ class Launcher:
             what = "restarting it" if p is self.coord else "starting a replacement"
             print(f"crucible: {p.name} {cause}; {what} in {delay:.1f}s", flush=True)
             p.restart_at = p.died_at + delay
-
-    def _finishing(self) -> bool:
-        return self._all_done() or bool((self.last_status or {}).get("finished"))
 
     def _supervise(self) -> int:
         from crucible.chaos import Chaos
@@ -334,7 +332,7 @@ class Launcher:
                     w.restarts += 1
                     self._start_worker(*slot_of(name))
             if self.coord.restart_at is not None and now >= self.coord.restart_at:
-                self.addr = self._start_coordinator(False)
+                self.addr = self._start_coordinator("restart")
                 client = StatusClient(self.addr, self.token)
             if not respawn and not self._all_done() and all(w.poll() is not None for w in self.workers.values()):
                 raise LaunchFailed("every worker has exited and --respawn-delay is negative (no respawn)")
@@ -401,7 +399,7 @@ class Launcher:
         self._stop_all(grace=2.0)
         self._log_event({"event": "job_restart", "reason": "on_stage_failure=restart"})
         self.addr = None
-        self.addr = self._start_coordinator(True)
+        self.addr = self._start_coordinator("resume")
         for name in list(self.workers):
             self._start_worker(*slot_of(name))
         self._log_event({"event": "job_restarted", "seconds": time.monotonic() - t0})
