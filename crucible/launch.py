@@ -394,10 +394,13 @@ class Launcher:
     def _restart_all(self) -> None:
         """on_stage_failure = restart: the classic way. Every process goes; all come
         back and resume from the latest committed checkpoint."""
-        print("crucible: a worker asked for a full restart (on_stage_failure = restart)", flush=True)
+        why = "; ".join(sorted({e for e in (w.error() for w in self.workers.values()) if e})) or \
+            "on_stage_failure = restart, or a stage lost every copy"
+        print(f"crucible: the coordinator asked every worker to restart from the latest checkpoint ({why})",
+              flush=True)
         t0 = time.monotonic()
         self._stop_all(grace=2.0)
-        self._log_event({"event": "job_restart", "reason": "on_stage_failure=restart"})
+        self._log_event({"event": "job_restart", "reason": why})
         self.addr = None
         self.addr = self._start_coordinator("resume")
         for name in list(self.workers):

@@ -153,20 +153,30 @@ class CheckpointManager:
         chosen = None
         for info in reversed(done):
             problems = storage.verify(info.path)
-            if not problems:
-                chosen = info
-                break
-            log.error("checkpoint step %d is damaged, falling back to the previous one: %s", info.step,
-                      "; ".join(problems))
-            c.metrics.write({"event": "ckpt_damaged", "step": info.step, "path": info.path, "problems": problems})
+            if problems:
+                log.error("checkpoint step %d is damaged, falling back to the previous one: %s", info.step,
+                          "; ".join(problems))
+                c.metrics.write({"event": "ckpt_damaged", "step": info.step, "path": info.path,
+                                 "problems": problems})
+                continue
+            missing = self._stages_missing(info.path)
+            if missing:
+                # Every copy of these stages was lost before this save: resuming from it
+                # would start them from scratch. An older checkpoint that has them wins.
+                log.warning("checkpoint step %d holds no shard of stage(s) %s: falling back to an older one",
+                            info.step, missing)
+                c.metrics.write({"event": "ckpt_incomplete", "step": info.step, "stages_missing": missing})
+                continue
+            chosen = info
+            break
         for info in done:
             if chosen is None or info.step > chosen.step:
                 # Its timeline is abandoned: moved out of the way (kept for a post-mortem), so
                 # that a new save of the same step can commit.
-                aside = os.path.join(self.root, f"damaged-{os.path.basename(info.path)}-{int(time.time())}")
+                aside = os.path.join(self.root, f"abandoned-{os.path.basename(info.path)}-{int(time.time())}")
                 os.rename(info.path, aside)
                 c.metrics.write({"event": "ckpt_set_aside", "step": info.step, "path": aside})
-                log.warning("damaged checkpoint step %d moved to %s", info.step, aside)
+                log.warning("checkpoint step %d (after the one resumed) moved to %s", info.step, aside)
         if chosen is None:
             self.latest_committed_step = None
             log.warning("--resume: no committed checkpoint in %s; starting from scratch", self.root)
@@ -192,6 +202,13 @@ class CheckpointManager:
                          "replicas": m.get("replicas"), "vacant": m.get("vacant", [])})
         log.info("resuming from %s (step %d)", chosen.path, chosen.step)
 
+    def _stages_missing(self, path: str) -> list[int]:
+        """Stages with no shard in any replica in the checkpoint at ``path``."""
+        names = {sh["name"] for sh in storage.read_manifest(path)["shards"]}
+        cfg = self.c.cfg.job
+        return [s for s in range(cfg.stages)
+                if not any(storage.shard_name(r, s) in names for r in range(cfg.replicas))]
+
     def start(self) -> None:
         if self._thread is None and self.enabled:
             self._thread = threading.Thread(target=self._loop, name="checkpoints", daemon=True)
@@ -207,11 +224,12 @@ class CheckpointManager:
     def resume_dir_for(self, slot: tuple[int, int], not_fresh: bool = False) -> str:
         """The checkpoint a worker registering into ``slot`` restores from: the
         resumed checkpoint, for a worker of the job's start (not a replacement,
-        not a live worker re-registering), when it has the slot's shard."""
+        not a live worker re-registering). A slot that was vacant in it takes its
+        stage's global weights from another replica's shard (the replacement
+        rule, applied at the resume)."""
         if not_fresh or not self.resume_dir or self.resume_manifest is None:
             return ""
-        name = storage.shard_name(*slot)
-        return self.resume_dir if any(s["name"] == name for s in self.resume_manifest["shards"]) else ""
+        return self.resume_dir
 
     def status(self) -> dict:
         p = self.pending

@@ -69,6 +69,7 @@ class WorkerInfo:
     registered_at: float = 0.0
     numel: int = 0
     died_at: float = 0.0
+    slot_step: int = 0            # steps the slot's previous holder had applied when this one came
 
 
 @dataclass
@@ -140,9 +141,10 @@ class Membership:
         # stage's weights from a peer and enters the route when it says "ready".
         # A live worker re-registering after a coordinator restart is not.
         replacement = self.job_started and not rejoin
+        prev = self.workers.get(self.slots[slot] or "")
         w = WorkerInfo(f"{slot_name(*slot)}-{uuid.uuid4().hex[:8]}", slot[0], slot[1], address, pid, host,
                        state="joining" if replacement else "alive", last_seen=now, registered_at=now,
-                       numel=numel)
+                       numel=numel, slot_step=prev.step if prev is not None else 0)
         self.workers[w.worker_id] = w
         self.slots[slot] = w.worker_id
         self._prune(slot)

@@ -253,6 +253,7 @@ class Coordinator:
                                     config_json=self.cfg.to_json(), routes=self._route_update(),
                                     run_dir=self.run_dir, incarnation=self.incarnation,
                                     replacement=replacement, replica_step=self.m.replica_step(w.replica),
+                                    slot_step=w.slot_step,
                                     resume_dir=self.ckpt.resume_dir_for((w.replica, w.stage),
                                                                         req.rejoin or replacement))
 
@@ -346,6 +347,15 @@ class Coordinator:
             self._record_error((w.replica, w.stage), ev, w.worker_id)
         elif kind == "suspect":
             self._start_probe(ev.get("replica"), ev.get("stage"), str(ev.get("reason", "")))
+        elif kind == "stage_lost" and not self.restart_requested:
+            # No live copy of a stage, and its newest checkpoint is older than its last
+            # weights: the whole job goes back to the latest checkpoint (every worker is
+            # told to restart with --resume) rather than silently training on older weights.
+            self.restart_requested = True
+            self.metrics.write({"event": "job_rollback", "reason": ev.get("reason"), "replica": w.replica,
+                                "stage": w.stage, "to_step": self.ckpt.latest_committed_step})
+            log.error("rolling the job back to checkpoint step %s: %s", self.ckpt.latest_committed_step,
+                      ev.get("reason"))
         elif kind == "replica_done" and w.stage == 0:
             self.m.replica_done(w.replica)
             self._changed(f"replica {w.replica} done")

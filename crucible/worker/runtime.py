@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from crucible import rpc
+from crucible import exits, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.compress.activations import make_codec
@@ -60,8 +60,8 @@ from crucible.worker.dataplane import SERVICE, Downstream, Event, Inbox, StageSe
 log = logging.getLogger("crucible.worker")
 
 
-RESTART_EXIT = 75    # on_stage_failure = restart: the supervisor relaunches everyone with --resume
-EVICTED_EXIT = 3     # declared dead while alive (e.g. SIGSTOP): come back as a replacement
+
+
 
 
 class RouteChanged(Exception):
@@ -224,13 +224,13 @@ class Worker:
         self.ctl.on_reregister = self._reregister
         try:
             reply = self._join()
-            self.ckpt.restore(reply.resume_dir)
+            self.ckpt.restore(reply.resume_dir, int(reply.replica_step))
             self.on_routes(reply.routes)
             threading.Thread(target=self.ctl.watch_loop, args=(self.on_routes,), daemon=True, name="routes").start()
             signal.signal(signal.SIGTERM, lambda *_: self.stop_requested.set())
             if reply.replacement:
                 self.step = self.ctl.step = int(reply.replica_step)
-                self.join_as_replacement()
+                self.join_as_replacement(int(reply.slot_step))
             if self.first:
                 self.drive()
             else:
@@ -329,12 +329,12 @@ class Worker:
     def on_command(self, command: str) -> None:
         if command == "restart":
             log.warning("%s: coordinator asks every worker to restart (on_stage_failure = restart)", self.name)
-            self.exit_code = RESTART_EXIT
+            self.exit_code = exits.RESTART
             self.stop_requested.set()
         elif command == "stop" or command.startswith("evicted"):
             log.warning("%s: coordinator says %s", self.name, command)
             if command.startswith("evicted"):
-                self.exit_code = EVICTED_EXIT
+                self.exit_code = exits.EVICTED
             else:  # "stop": also end calls that wait on the coordinator (an outer round whose peer stopped)
                 self.ctl.stop.set()
             self.stop_requested.set()
@@ -388,8 +388,10 @@ class Worker:
             self.down.send(self._frame(K.COMMIT, step, 0, self.down_epoch, clip_coef=coef))
 
     def shutdown(self) -> None:
+        t0 = time.perf_counter()
         if getattr(self, "ckpt", None) is not None:
             self.ckpt.close()    # finish (and report) the save in flight
+        t1 = time.perf_counter()
         if self.down is not None:
             self.down.close(wait=5.0 if self.exit_code == 0 else 0.0)
         done = self.cfg is not None and self.step >= self.cfg.train.steps and self.exit_code == 0
@@ -397,14 +399,23 @@ class Worker:
         pulse.stop(self.pulse)
         if self.server is not None:
             self.server.stop(0.5)
+        log.info("%s: exiting with %d (save in flight %.2fs, shutdown %.2fs)", getattr(self, "name", "worker"),
+                 self.exit_code, t1 - t0, time.perf_counter() - t0)
 
     # ---- joining a running job ------------------------------------------------
 
-    def join_as_replacement(self) -> None:
+    def join_as_replacement(self, slot_step: int) -> None:
         """The replacement rule: θ_global from the same stage of a healthy replica
-        (bitwise), θ_local ← θ_global, e ← 0, fresh AdamW (with no healthy
-        replica: from the latest committed checkpoint); then tell the
-        coordinator we are ready, and enter the route at its next step boundary."""
+        (bitwise), θ_local ← θ_global, e ← 0, fresh AdamW; then tell the
+        coordinator we are ready, and enter the route at its next step boundary.
+
+        With no healthy replica, the stage's state comes from the newest committed
+        checkpoint that is at least as new as the weights the slot's previous
+        holder had (``slot_step``): nothing committed is lost. When every such
+        checkpoint is older, loading one would silently discard committed
+        training: the job rolls back to its latest checkpoint instead
+        (``stage_lost``; the coordinator restarts every worker with --resume),
+        and with no checkpoint at all the worker stops with that error."""
         t0 = time.perf_counter()
         source = None
         deadline = time.monotonic() + 30
@@ -420,8 +431,11 @@ class Worker:
             except (grpc.RpcError, ValueError) as e:
                 log.warning("%s: pulling weights from r%d failed: %s", self.name, peer[0], e)
                 time.sleep(0.2)
-        if source is None:   # nobody could give this stage: the latest committed checkpoint, if any
-            source = self.ckpt.restore_for_replacement() or "init"
+        if source is None:   # nobody could give this stage: a committed checkpoint, if one is new enough
+            source = self.ckpt.restore_for_replacement(min_step=slot_step)
+        if source is None and slot_step > 0:
+            self._stage_lost(slot_step)
+        source = source or "init"
         self.ctl.state = "ready"
         self.ctl.heartbeat_now()
         self.ctl.report({"event": "replacement_ready", "replica": self.replica, "stage": self.stage,
@@ -431,6 +445,22 @@ class Worker:
             self._dump("outer", "join", {
                 "theta_global": self.outer.theta_global.clone(), "round": self.outer.round, "source": source,
                 "theta_local": torch.nn.utils.parameters_to_vector(self.model.parameters()).detach().clone()})
+
+    def _stage_lost(self, slot_step: int) -> None:
+        """Every copy of this stage is gone, and no checkpoint holds it at step
+        >= slot_step: roll the job back to its latest checkpoint (the coordinator
+        tells every worker to restart with --resume), or stop with the reason."""
+        why = (f"stage {self.stage} has no live copy in any replica and no committed checkpoint holds it at "
+               f"step {slot_step} or later")
+        if not self.ckpt.committed_steps():
+            raise RuntimeError(f"{why}, and there is no checkpoint to go back to: its training is lost "
+                               f"(enable checkpointing to survive this)")
+        log.error("%s: %s: asking for a roll-back of the job to its latest checkpoint", self.name, why)
+        self.ctl.report_now({"event": "stage_lost", "replica": self.replica, "stage": self.stage,
+                             "slot_step": slot_step, "reason": why})
+        while True:          # the coordinator answers every heartbeat with "restart" now
+            self._check_stop()
+            time.sleep(0.1)
 
     def _resync_global(self, why: str) -> None:
         """This stage fell too far behind the outer rounds to replay them: take
