@@ -38,7 +38,7 @@ from crucible.config import Config
 from crucible.slots import slot_name, slot_of
 
 CRASH_LOOP_WINDOW_S = 120.0   # the same error twice within this: the job stops
-STABLE_S = 30.0               # a process that lived this long resets its back-off
+STABLE_S = 10.0               # a process that lived this long resets its back-off
 MAX_BACKOFF_S = 30.0
 CHECK_TIMEOUT_S = 300.0
 
