@@ -68,11 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos"])
+    p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "slurm"])
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--quick", action="store_true", help="a short run (for smoke tests)")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--size-mb", type=float, help="bench ckpt: state size in MB (default: the job's)")
+
+    from crucible.cluster import add_parsers   # crucible slurm ..., crucible k8s render
+
+    add_parsers(sub)
     return ap
 
 
@@ -174,6 +178,11 @@ def _run(args) -> int:
         from crucible.ckpt_cli import interval_main
 
         return interval_main(args)
+
+    if args.cmd in ("slurm", "k8s"):
+        from crucible.cluster import main as cluster_main
+
+        return cluster_main(args)
 
     if args.cmd == "bench":
         import importlib
