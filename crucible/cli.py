@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common_job_args(p)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--bind", default="127.0.0.1:0", help="host:port (port 0 = any free port)")
+    p.add_argument("--on-sigterm", choices=["stop", "leave"], default="stop",
+                   help="stop: final checkpoint, then every worker stops; leave: exit, workers wait for the next")
 
     p = sub.add_parser("worker", help="run one stage worker")
     p.add_argument("--coordinator", required=True, help="coordinator host:port")
@@ -138,7 +140,7 @@ def _run(args) -> int:
             token = rpc.new_token()
             path = rpc.write_token(args.run_dir, token)
             print(f"crucible: no CRUCIBLE_TOKEN given; generated one in {path}", file=sys.stderr)
-        return serve(cfg, args.run_dir, args.bind, token, resume=args.resume)
+        return serve(cfg, args.run_dir, args.bind, token, resume=args.resume, on_sigterm=args.on_sigterm)
 
     if args.cmd == "worker":
         os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -51,10 +51,15 @@ and a committed checkpoint exists (the whole job was lost), else without
 (``job_done`` in ``metrics.jsonl``) nothing is resubmitted and the
 supervisor exits when the last job has ended.
 
-``down``: the stop file, then ``scancel --batch --signal=TERM`` to the
-coordinator's job: the coordinator takes a final checkpoint and tells every
-worker to stop (their jobs end by themselves); then every job of the run
-still in the queue is cancelled, and ``down`` waits until none is left.
+Signals. The coordinator runs with ``--on-sigterm leave``: SIGTERM, what
+Slurm sends on ``scancel``, preemption or a time limit, ends that one job
+only; the workers keep training and re-register with the next coordinator
+(a worker's own SIGTERM ends that worker only: a replacement). Stopping the
+whole job is ``down``'s alone: the stop file, then ``scancel --batch
+--signal=INT`` to the coordinator's job: the coordinator takes a final
+checkpoint and tells every worker to stop (their jobs end by themselves);
+then every job of the run still in the queue is cancelled, and ``down``
+waits until none is left.
 
 Events appended to ``metrics.jsonl``: ``slurm_submit`` (slot, job_id,
 resume), ``slurm_job_end`` (slot, job_id, state, exit_code, run_s,
@@ -142,7 +147,10 @@ def _exit_code(v) -> int | None:
             return 128 + int(sig)
         return None if rc is None else int(rc)
     n = _number(v)
-    return None if n is None else int(n)
+    if n is None:
+        return None
+    n = int(n)   # Slurm <= 22.05: the raw wait status
+    return 128 + (n & 0x7F) if n & 0x7F else n >> 8
 
 
 def parse_squeue_json(text: str) -> dict[int, JobInfo]:
@@ -731,7 +739,7 @@ def _wait(pred, timeout: float, interval: float = 0.5) -> bool:
 
 
 def down(run: SlurmRun, final_checkpoint: bool = True, timeout: float | None = None, say=print) -> dict:
-    """Stop the supervisor, take a final checkpoint (SIGTERM to the coordinator's
+    """Stop the supervisor, take a final checkpoint (SIGINT to the coordinator's
     job), cancel every job of the run; returns what happened."""
     t0 = time.time()
     with open(run.stop_path, "w") as f:
@@ -748,7 +756,7 @@ def down(run: SlurmRun, final_checkpoint: bool = True, timeout: float | None = N
     coord = [j for j in jobs.values() if j.name == run.job_name(COORD) and j.state == "RUNNING"]
     if final_checkpoint and coord:
         say(f"crucible slurm: asking the coordinator (job {coord[0].job_id}) for a final checkpoint")
-        scancel([coord[0].job_id], signal_name="TERM", batch=True)
+        scancel([coord[0].job_id], signal_name="INT", batch=True)
         limit = timeout if timeout is not None else run.preemption_timeout + 30.0
 
         def coord_gone() -> bool:

@@ -9,7 +9,10 @@ it) one of:
   of the run's previous coordinator (from ``coordinator.addr``), else the
   run's ``--port`` (0 = any free one). Before binding an old port it waits up
   to 30 s for the port and ``coordinator.lock`` to be free. ``--resume`` when
-  the supervisor submitted it so (the whole job was lost).
+  the supervisor submitted it so (the whole job was lost). ``--on-sigterm
+  leave``: Slurm's SIGTERM (scancel, preemption, time limit) ends this
+  coordinator only, the workers go on and re-register with the next one;
+  ``crucible slurm down`` sends SIGINT (final checkpoint, every worker stops).
 * ``r{R}s{S}``: ``crucible worker --coordinator ADDR --replica R --stage S
   --bind HOST:0`` with ADDR read from ``coordinator.addr`` (waiting for it
   for up to 10 minutes while the coordinator's job is pending).
@@ -78,7 +81,8 @@ def coordinator_argv(run: SlurmRun, host: str) -> list[str]:
         t_end = time.monotonic() + 30
         while not (_port_free(host, port) and _lock_free(run.run_dir)) and time.monotonic() < t_end:
             time.sleep(0.2)
-    argv = [run.python, "-m", "crucible", "coordinator", "--run-dir", run.run_dir, "--bind", f"{host}:{port}"]
+    argv = [run.python, "-m", "crucible", "coordinator", "--run-dir", run.run_dir, "--bind", f"{host}:{port}",
+            "--on-sigterm", "leave"]
     if run.config:
         argv += ["--config", run.config]
     if run.slots[COORD].resume:
