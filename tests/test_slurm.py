@@ -299,11 +299,15 @@ def test_resume_then_scancel_coordinator_every_worker_reregisters(job):
     t_up = time.time()
     p = job.cli("up", "--run-dir", job.run_dir, "--resume", *UP_ARGS)
     assert p.returncode == 0, p.stderr + p.stdout
-    st = job.wait_for(lambda s: s if healthy(s) else None, 240, "the resumed job healthy")
-    first = {}
-    for e in _events(job.run_dir, "step"):
-        if e["time"] >= t_up:
-            first.setdefault(e["replica"], e["step"])
+    job.wait_for(lambda s: s if healthy(s) else None, 240, "the resumed job healthy")
+
+    def first_steps(_st):
+        first = {}
+        for e in _events(job.run_dir, "step"):
+            if e["time"] >= t_up:
+                first.setdefault(e["replica"], e["step"])
+        return first if len(first) == 2 else None
+    first = job.wait_for(first_steps, 60, "steps of the resumed job")
     assert first == {0: final, 1: final}, f"resumed at {first}, final checkpoint {final}"
     # ... then Slurm's SIGTERM to the coordinator's job ends that job only.
     coord = slot_of(st, "coordinator")

@@ -488,8 +488,9 @@ def _atomic_write(path: str, text: str) -> None:
 def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False, on_sigterm: str = "stop") -> int:
     """Run a coordinator until the job finishes or SIGTERM/SIGINT. With
     ``on_sigterm = "leave"`` (under a scheduler that starts a new coordinator,
-    `crucible slurm`), SIGTERM ends this one at once and the workers go on and
-    re-register with the next; SIGINT still means final checkpoint + stop."""
+    `crucible slurm`, Kubernetes), SIGTERM ends this one at once with exit
+    status 143 and the workers go on and re-register with the next; SIGINT
+    still means final checkpoint + stop."""
     import signal
 
     coord = Coordinator(cfg, run_dir, token)
@@ -506,6 +507,8 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
         time.sleep(0.5)  # let workers see the final state before the server goes
     elif on_sigterm == "leave" and got[:1] == [signal.SIGTERM]:
         log.warning("SIGTERM: leaving the workers running for the next coordinator")
+        coord.stop()
+        return 128 + signal.SIGTERM    # not done: a scheduler starts the next one
     else:  # SIGTERM/SIGINT (a preemption notice): a final checkpoint, then every worker stops
         coord.ckpt.final_checkpoint(cfg.checkpoint.preemption_timeout_secs)
         coord.ckpt.stop_workers()

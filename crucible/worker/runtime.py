@@ -61,6 +61,7 @@ log = logging.getLogger("crucible.worker")
 
 RESTART_EXIT = 75    # on_stage_failure = restart: the supervisor relaunches everyone with --resume
 EVICTED_EXIT = 3     # declared dead while alive (e.g. SIGSTOP): come back as a replacement
+SIGTERM_EXIT = 143   # 128 + SIGTERM: stopped by a signal, so a scheduler starts the slot again
 
 
 class RouteChanged(Exception):
@@ -245,7 +246,9 @@ class Worker:
         self.ckpt.restore(reply.resume_dir)
         self.on_routes(reply.routes)
         threading.Thread(target=self.ctl.watch_loop, args=(self.on_routes,), daemon=True, name="routes").start()
-        signal.signal(signal.SIGTERM, lambda *_: self.stop_requested.set())
+        # SIGTERM (our own node preempted, a pod evicted): stop at once, exit 143 = lost, not done.
+        signal.signal(signal.SIGTERM, lambda *_: (setattr(self, "exit_code", self.exit_code or SIGTERM_EXIT),
+                                                  self.stop_requested.set()))
         try:
             if reply.replacement:
                 self.step = self.ctl.step = int(reply.replica_step)
