@@ -27,9 +27,11 @@ CPUS=${CRUCIBLE_SLURM_DEV_CPUS:-16}
 
 die() { echo "slurm-dev: $*" >&2; exit 1; }
 
-running() {   # running NAME: the daemon this script started is alive
-    local f="$STATE/$1.pid"
-    [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null
+running() {   # running NAME: the daemon this script started is alive (its pid, still that program)
+    local f="$STATE/$1.pid" pid
+    [ -f "$f" ] || return 1
+    pid=$(cat "$f")
+    kill -0 "$pid" 2>/dev/null && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ]
 }
 
 install_packages() {
@@ -122,7 +124,8 @@ up() {
     write_config
     start_munge
     if ! running slurmctld; then
-        setsid slurmctld -D -i >"$STATE/slurmctld.out" 2>&1 < /dev/null &
+        # -c: a fresh controller forgets the jobs of an earlier (dev) session
+        setsid slurmctld -D -c >"$STATE/slurmctld.out" 2>&1 < /dev/null &
         echo $! > "$STATE/slurmctld.pid"
     fi
     if ! running slurmd; then
@@ -145,7 +148,7 @@ stop_one() {   # stop_one NAME: SIGTERM the daemon this script started, SIGKILL 
     local f="$STATE/$1.pid" pid
     [ -f "$f" ] || return 0
     pid=$(cat "$f")
-    if kill -0 "$pid" 2>/dev/null; then
+    if running "$1"; then
         kill -TERM "$pid" 2>/dev/null || true
         for _ in $(seq 100); do
             kill -0 "$pid" 2>/dev/null || break
