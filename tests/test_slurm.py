@@ -98,6 +98,54 @@ def test_backoff_doubles_then_caps(tmp_path):
     assert [e["state"] for e in ends] == ["FAILED"] * 3 + ["NODE_FAIL"]
 
 
+def test_supervisor_decisions(tmp_path, monkeypatch):
+    """The supervisor's rules on scheduler facts given to it (the live tests run the real ones)."""
+    run = slurm.SlurmRun(run_dir=str(tmp_path), run_id="ab", python="python3", replicas=1, stages=2,
+                         resubmit_delay=1.0, slots={s: slurm.Slot(s) for s in slurm.slot_names(1, 2)})
+    os.makedirs(run.dir)
+    for i, slot in enumerate(run.slots.values()):
+        slot.job_id = 10 + i
+    queue = {10: slurm.JobInfo(10, run.job_name("coordinator"), "RUNNING", node="n1", start_time=100.0),
+             11: slurm.JobInfo(11, run.job_name("r0s0"), "RUNNING", node="n1", start_time=100.0),
+             12: slurm.JobInfo(12, run.job_name("r0s1"), "PENDING", reason="BeginTime", restarts=1)}
+    calls, submitted = [], []
+    monkeypatch.setattr(slurm, "query_jobs", lambda names: {k: v for k, v in queue.items() if v.name in names})
+    monkeypatch.setattr(slurm, "run_cmd", lambda argv, timeout=30.0: calls.append(argv) or "")
+    monkeypatch.setattr(slurm, "sbatch", lambda argv: submitted.append(argv) or 100 + len(submitted))
+    sup = slurm.Supervisor(run, say=lambda msg: None)
+    sup.tick(now=200.0)
+    assert calls == [["scontrol", "update", "jobid=12", "StartTime=now"]]   # a requeued job is released
+    assert run.slots["r0s0"].node == "n1" and run.slots["r0s0"].started == 100.0 and not submitted
+    # r0s0's job fails: resubmitted once its delay has passed, not before.
+    queue[11] = slurm.JobInfo(11, run.job_name("r0s0"), "FAILED", exit_code=1, start_time=100.0, end_time=205.0)
+    sup.tick(now=206.0)
+    assert run.slots["r0s0"].job_id is None and run.slots["r0s0"].failures == 0   # it ran 105 s: healthy
+    sup.tick(now=206.5)
+    assert not submitted
+    sup.tick(now=207.1)
+    assert run.slots["r0s0"].job_id == 101 and any(a.startswith("--job-name=crucible-ab-r0s0") for a in submitted[0])
+    assert "--requeue" in submitted[0] and submitted[0][-1] == run.script("r0s0")
+    # The coordinator's job is lost while no worker job runs and a checkpoint exists: --resume.
+    ck = tmp_path / "checkpoints" / "step_00000010"
+    ck.mkdir(parents=True)
+    (ck / "manifest.json").write_text("{}")
+    queue[10] = slurm.JobInfo(10, run.job_name("coordinator"), "NODE_FAIL", start_time=100.0, end_time=300.0)
+    queue[12] = slurm.JobInfo(12, run.job_name("r0s1"), "PENDING", reason="Priority")
+    queue[101] = slurm.JobInfo(101, run.job_name("r0s0"), "PENDING", reason="Resources")
+    sup.tick(now=300.0)
+    sup.tick(now=301.5)
+    assert run.slots["coordinator"].job_id == 102 and run.slots["coordinator"].resume is True
+    assert slurm.SlurmRun.load(str(tmp_path)).slots["coordinator"].resume is True   # what the job reads
+    # The job finished (job_done): a slot whose job ends is not resubmitted.
+    slurm.append_event(str(tmp_path), {"event": "job_done"})
+    queue[101] = slurm.JobInfo(101, run.job_name("r0s0"), "COMPLETED", exit_code=0, start_time=310.0, end_time=400.0)
+    sup.tick(now=400.0)
+    sup.tick(now=500.0)
+    assert sup.finished and run.slots["r0s0"].job_id is None and len(submitted) == 2
+    ends = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if "slurm_job_end" in x]
+    assert ends[-1]["slot"] == "r0s0" and ends[-1]["resubmit_in_s"] is None
+
+
 def test_job_scripts_keep_the_token_off_command_lines(tmp_path):
     run = slurm.SlurmRun(run_dir=str(tmp_path / "run dir"), run_id="ab", python="/opt/py thon", replicas=1,
                          stages=2, slots={s: slurm.Slot(s) for s in slurm.slot_names(1, 2)})
