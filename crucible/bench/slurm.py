@@ -26,8 +26,14 @@ Measures (per scancel, then summarised):
   highest committed before it (a regression), plus every decrease of a
   replica's step between two looks at the coordinator's status (every
   0.5 s). Target: 0.
-* ``jobs_left_after_down`` (target 0) and whether down's final checkpoint
-  verifies (``crucible ckpt verify``).
+* ``jobs_left_after_down`` (target 0), down's final checkpoint and whether
+  it verifies (``crucible ckpt verify``). Every replica is cut at the same
+  step, so the final save waits until a replica that lags (it paused while
+  its stage 0 was replaced) reaches it: ``checkpoint.preemption_timeout_secs``
+  is 240 s here.
+* ``submissions`` per scancel: the slot's ``slurm_submit`` events until the
+  next scancel; more than 1 when the replacement itself was lost (on a loaded
+  machine, evicted for late heartbeats) and resubmitted again.
 """
 
 from __future__ import annotations
@@ -48,7 +54,10 @@ from crucible.cluster import slurm
 
 MODEL = ["model.n_layer=3", "model.d_model=64", "model.n_head=2", "train.seq_len=64", "train.batch_size=8",
          "train.microbatches=4", "train.eval_every=0", "data.max_bytes=2000000"]
-COMMON = ["checkpoint.minimum_interval_secs=5", "outer.H=10"]
+# A save cuts every replica at the same step: after a replica paused for its stage 0's
+# replacement, it lags the other by many steps, and down's final checkpoint waits until
+# it catches up, so the preemption timeout is longer than the default 60 s.
+COMMON = ["checkpoint.minimum_interval_secs=5", "outer.H=10", "checkpoint.preemption_timeout_secs=240"]
 FULL = {"replicas": 2, "stages": 3, "scancels": 10, "seed": 1}
 QUICK = {"replicas": 2, "stages": 3, "scancels": 2, "seed": 1}
 HEALTHY_TIMEOUT = 300.0
@@ -108,11 +117,12 @@ def _events(run_dir: str) -> list[dict]:
     return common.read_events(os.path.join(run_dir, "metrics.jsonl"))
 
 
-def _measure(events: list[dict], slot: str, job_id: int, t_cancel: float, stages: int) -> dict:
+def _measure(events: list[dict], slot: str, job_id: int, t_cancel: float, t_next: float, stages: int) -> dict:
+    """One scancel, from the events between it and the next one."""
     r, s = slurm.parse_slot(slot)
     inner = 0 < s < stages - 1
     out: dict = {"slot": slot, "inner": inner, "job_id": job_id}
-    after = [e for e in events if e.get("time", 0) >= t_cancel]
+    after = [e for e in events if t_cancel <= e.get("time", 0) < t_next]
     for e in after:
         if e.get("event") == "route_change":
             route, state = e["routes"].get(str(r), []), e["states"].get(str(r))
@@ -131,8 +141,8 @@ def _measure(events: list[dict], slot: str, job_id: int, t_cancel: float, stages
                         and s in e["routes"].get(str(r), []) and e["states"].get(str(r)) == "training":
                     out["job_start_to_route_s"] = e["time"] - t_start
                     break
-    resub = [e for e in after if e.get("event") == "slurm_submit" and e.get("slot") == slot]
-    out["submissions"] = len(resub)
+    # More than one: the replacement itself failed (e.g. evicted under load) and was resubmitted.
+    out["submissions"] = len(sub)
     return out
 
 
@@ -190,7 +200,7 @@ def run_bench(workdir: str, settings: dict, result: dict) -> list[str]:
         errors.append(str(e))
     finally:
         t_down = time.time()
-        dn = _run(common.crucible_argv("slurm", "down", "--run-dir", run_dir), timeout=300)
+        dn = _run(common.crucible_argv("slurm", "down", "--run-dir", run_dir), timeout=400)
         result["down"] = {"exit": dn.returncode, "seconds": time.time() - t_down, "output": dn.stdout.strip()}
         try:
             run = slurm.SlurmRun.load(run_dir)
@@ -201,7 +211,8 @@ def run_bench(workdir: str, settings: dict, result: dict) -> list[str]:
             errors.append(f"could not list the run's jobs after down: {e}")
         result["down"]["jobs_left"] = None if left is None else len(left)
     events = _events(run_dir)
-    per = [_measure(events, slot, jid, t, S) for slot, jid, t in cancels]
+    ends = [t for _, _, t in cancels[1:]] + [t_down]
+    per = [_measure(events, slot, jid, t, t_next, S) for (slot, jid, t), t_next in zip(cancels, ends)]
     downs = [e for e in events if e.get("event") == "slurm_down"]
     result["down"]["final_checkpoint"] = downs[-1].get("final_checkpoint") if downs else None
     v = _run(common.crucible_argv("ckpt", "verify", run_dir), timeout=300)
@@ -237,6 +248,8 @@ def run_bench(workdir: str, settings: dict, result: dict) -> list[str]:
         "no_job_left": sm["jobs_left_after_down"] == 0,
         "no_lost_commit": sm["lost_commits"] == 0,
     }
+    if result["down"]["final_checkpoint"] is None:
+        errors.append("crucible slurm down took no final checkpoint")
     if len(per) < settings["scancels"]:
         errors.append(f"only {len(per)} of {settings['scancels']} scancels completed")
     return errors
