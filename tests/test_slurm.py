@@ -33,6 +33,7 @@ FULL = [0, 1, 2]
 UP_ARGS = ["--replicas", "2", "--stages", "3", "--steps", "1000000", "--resubmit-delay", "0.5", "--partition=debug",
            *TINY, "model.n_layer=3", "checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=3",
            "fault.heartbeat_timeout=5",   # 2 s evicts workers of a machine loaded far past its 2 cores
+           "checkpoint.preemption_timeout_secs=150",   # down's final save on a loaded machine
            # No outer rounds: a worker in an OuterExchange across a coordinator restart
            # crashes (NOT_FOUND: the request keeps its old worker id), a known bug of the
            # coordinator-restart path, not of the scheduler integration.

@@ -20,7 +20,8 @@ Measures (per scancel, then summarised):
   ``job_start_to_route_s``: the new job's ``slurm_job_start`` (written by the
   job's first process) to the ``route_change`` that has the slot's stage back
   in a training route. Target: ``<= 15 s``. The job's start-up (Python,
-  torch import) is most of it.
+  torch import) is most of it: ``job_start_to_registered_s`` is the part up
+  to the worker's registration.
 * ``lost_commits``: committed steps that a replica later committed again or
   lost: for each replica, every ``step`` event whose step is not above the
   highest committed before it (a regression), plus every decrease of a
@@ -136,6 +137,10 @@ def _measure(events: list[dict], slot: str, job_id: int, t_cancel: float, t_next
         start = [e for e in after if e.get("event") == "slurm_job_start" and e.get("job_id") == sub[0]["job_id"]]
         if start:
             t_start = start[0]["time"]
+            reg = [e for e in after if e.get("event") == "worker_registered" and e["time"] >= t_start
+                   and e.get("replica") == r and e.get("stage") == s]
+            if reg:   # the job's start-up (Python, torch) up to its registration
+                out["job_start_to_registered_s"] = reg[0]["time"] - t_start
             for e in after:
                 if e.get("event") == "route_change" and e["time"] >= t_start \
                         and s in e["routes"].get(str(r), []) and e["states"].get(str(r)) == "training":
@@ -231,6 +236,8 @@ def run_bench(workdir: str, settings: dict, result: dict) -> list[str]:
         "route_change_any_s": {"p50": _pct(rc_all, 0.5), "max": max(rc_all, default=None)},
         "resubmit_s": {"p50": _pct(resub, 0.5), "max": max(resub, default=None)},
         "job_start_to_route_s": {"p50": _pct(back, 0.5), "max": max(back, default=None)},
+        "job_start_to_registered_s": {"p50": _pct([p["job_start_to_registered_s"] for p in per
+                                                   if "job_start_to_registered_s" in p], 0.5)},
         "extra_submissions": sum(max(0, p["submissions"] - 1) for p in per),
         "lost_commits": regress + watch.decreases,
         "step_regressions_in_events": regress,

@@ -16,8 +16,9 @@ What it writes (one resource a file, ``kubectl apply -f DIR``):
   --on-sigterm leave``: a SIGTERM (pod deleted, node drained) ends that pod
   with exit 143 and the Job starts another (``restartPolicy: OnFailure``);
   the workers keep training. It exits 0 only when the training is done or
-  after SIGINT (``kubectl exec ... -- kill -INT 1``: final checkpoint, every
-  worker stops), which completes the Job.
+  after SIGINT to its PID 1 (``kubectl exec``: final checkpoint, every worker
+  stops), which completes the Job. (A Job, not a Deployment or StatefulSet:
+  those would restart a finished run.)
 * ``worker-rRsS.yaml``: one Job per worker slot (the unit of failure is the
   unit of scheduling), ``restartPolicy: OnFailure``: a worker that exits
   non-zero (killed, OOM, evicted: SIGTERM exits 143, declared dead: 3) is
