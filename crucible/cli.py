@@ -28,10 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--respawn-delay", type=float, default=1.0,
                    help="seconds before a dead worker is started again; negative = never")
     p.add_argument("--chaos", help="fault-injection spec (see README)")
+    p.add_argument("--no-check", action="store_true", help="skip the pre-flight checks (crucible check)")
+
+    p = sub.add_parser("check", help="pre-flight: check the configuration, data and model without training")
+    _common_job_args(p)
+    p.add_argument("--run-dir", help="also check the run directory (refused if it holds checkpoints "
+                                     "and --resume is not given)")
+    p.add_argument("--device", default="cpu", help="where to run the test microbatch (cpu or cuda:N)")
+    p.add_argument("--quiet", action="store_true", help="print nothing when every check passes")
 
     p = sub.add_parser("coordinator", help="run the coordinator")
     _common_job_args(p)
     p.add_argument("--run-dir", required=True)
+    p.add_argument("--fresh", action="store_true",
+                   help="a new job: ignore the saved state of a previous coordinator of this run directory")
     p.add_argument("--bind", default="127.0.0.1:0", help="host:port (port 0 = any free port)")
     p.add_argument("--on-sigterm", choices=["stop", "leave"], default="stop",
                    help="stop: final checkpoint, then every worker stops; leave: exit, workers wait for the next")
@@ -107,13 +117,61 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     if extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
+    from crucible import exits
     from crucible.config import ConfigError
 
     try:
         return _run(args)
     except ConfigError as e:
         print(f"crucible: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
+    except KeyboardInterrupt:
+        print("crucible: interrupted", file=sys.stderr)
+        return exits.interrupted(signal.SIGINT)
+
+
+def _job_config(args):
+    """The job's Config from --config, the --replicas/--stages/--steps flags and key=value overrides."""
+    from crucible.config import Config
+
+    overrides = list(args.overrides)
+    for key, val in (("job.replicas", args.replicas), ("job.stages", args.stages), ("train.steps", args.steps)):
+        if val is not None:
+            overrides.append(f"{key}={val}")
+    return Config.load(args.config, overrides)
+
+
+def _fatal(what: str, exc: BaseException) -> int:
+    """A process dying of an exception: the traceback to its log, the one-line
+    cause to stderr and to the supervisor's error file; exit status 1."""
+    import traceback
+
+    from crucible import exits
+
+    traceback.print_exception(type(exc), exc, exc.__traceback__)
+    line = exits.last_line(exc)
+    exits.write_error(line)
+    print(f"crucible {what}: {line}", file=sys.stderr, flush=True)
+    return exits.ERROR
+
+
+def _check(args) -> int:
+    from crucible import exits, preflight
+
+    cfg = _job_config(args)
+    try:
+        lines = preflight.run(cfg, run_dir=args.run_dir, resume=args.resume, device=args.device)
+    except preflight.CheckFailed as e:
+        print(f"crucible: {e}", file=sys.stderr, flush=True)
+        return exits.ERROR
+    except Exception as e:  # noqa: BLE001 - a check must end in one line, never a traceback
+        print(f"crucible: the pre-flight check itself failed: {exits.last_line(e)}", file=sys.stderr, flush=True)
+        return exits.ERROR
+    if not args.quiet:
+        for line in lines:
+            print(f"  {line}")
+        print("crucible: check passed")
+    return exits.OK
 
 
 def _run(args) -> int:
@@ -122,25 +180,27 @@ def _run(args) -> int:
 
         return Launcher(args, args.overrides).run()
 
+    if args.cmd == "check":
+        return _check(args)
+
     if args.cmd == "coordinator":
         _setup_logging("coordinator")
         _die_with_parent()
         from crucible import rpc
-        from crucible.config import Config
         from crucible.coordinator.server import serve
 
-        overrides = list(args.overrides)
-        for key, val in (("job.replicas", args.replicas), ("job.stages", args.stages), ("train.steps", args.steps)):
-            if val is not None:
-                overrides.append(f"{key}={val}")
-        cfg = Config.load(args.config, overrides)
+        cfg = _job_config(args)
         os.makedirs(args.run_dir, exist_ok=True)
         token = rpc.read_token(args.run_dir)
         if not token:
             token = rpc.new_token()
             path = rpc.write_token(args.run_dir, token)
             print(f"crucible: no CRUCIBLE_TOKEN given; generated one in {path}", file=sys.stderr)
-        return serve(cfg, args.run_dir, args.bind, token, resume=args.resume, on_sigterm=args.on_sigterm)
+        try:
+            return serve(cfg, args.run_dir, args.bind, token, resume=args.resume, fresh=args.fresh,
+                         on_sigterm=args.on_sigterm)
+        except Exception as e:  # noqa: BLE001
+            return _fatal("coordinator", e)
 
     if args.cmd == "worker":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -156,10 +216,13 @@ def _run(args) -> int:
         if not token:
             print("crucible worker: set CRUCIBLE_TOKEN to the job's token", file=sys.stderr)
             return 2
-        from crucible.worker.runtime import Worker
+        try:
+            from crucible.worker.runtime import Worker
 
-        return Worker(args.coordinator, token, args.replica, args.stage, args.bind, args.advertise,
-                      args.device).run()
+            return Worker(args.coordinator, token, args.replica, args.stage, args.bind, args.advertise,
+                          args.device).run()
+        except Exception as e:  # noqa: BLE001
+            return _fatal("worker", e)
 
     if args.cmd == "status":
         from crucible.status import main as status_main

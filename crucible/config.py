@@ -126,11 +126,15 @@ class FaultConfig:
 
 @dataclass
 class NetConfig:
+    # The interface `crucible launch` binds its coordinator and workers to; a
+    # coordinator or worker started alone takes --bind instead.
     bind: str = "127.0.0.1"
-    advertise: str = ""
-    token: str = ""                  # normally from CRUCIBLE_TOKEN
-    max_message_mb: int = 64
+    advertise: str = ""              # the coordinator's address as workers dial it ("" = the bound one)
+    max_message_mb: int = 64         # largest gRPC message, control and data plane alike
     link_mbps: float = 0.0           # simulated link rate for the data plane; 0 = off
+    # The shared token is never configuration (it would be written into
+    # metrics.jsonl and every manifest): it comes from $CRUCIBLE_TOKEN or
+    # <run_dir>/token (0600), see crucible.rpc.
 
 
 @dataclass

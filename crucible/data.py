@@ -43,14 +43,16 @@ def _text_files(folder: str) -> list[str]:
     return sorted(out)
 
 
-def _read_files(paths: list[str], max_bytes: int) -> np.ndarray:
+def _read_files(paths: list[str], max_bytes: int, skip_unreadable: bool = False) -> np.ndarray:
     parts, total = [], 0
     for p in paths:
         try:
             with open(p, "rb") as f:
-                b = f.read()
-        except OSError:
-            continue
+                b = f.read(max(0, max_bytes - total))
+        except OSError as e:
+            if skip_unreadable:
+                continue
+            raise ValueError(f"data.path: cannot read {p!r}: {e.strerror or e}") from None
         parts.append(b)
         total += len(b)
         if total >= max_bytes:
@@ -59,22 +61,43 @@ def _read_files(paths: list[str], max_bytes: int) -> np.ndarray:
 
 
 def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
-    """All tokens of the corpus, as uint8 (bytes) or uint16 (.bin)."""
+    """All tokens of the corpus, as uint8 (bytes) or uint16 (.bin). Raises
+    ValueError naming ``data.path`` (and the file) for a source that does not
+    exist, cannot be read, or holds token ids beyond ``model.vocab_size``."""
     if not path:
-        toks = _read_files(_stdlib_files(), max_bytes)
-    elif os.path.isdir(path):
-        toks = _read_files(_text_files(path), max_bytes)
-    elif path.endswith(".bin"):
-        toks = np.fromfile(path, dtype="<u2")
-        if toks.size and int(toks.max()) >= vocab_size:
-            raise ValueError(f"data.path {path}: token {int(toks.max())} >= model.vocab_size {vocab_size}")
-    elif os.path.isfile(path):
-        toks = _read_files([path], max_bytes)
-    else:
+        toks = _read_files(_stdlib_files(), max_bytes, skip_unreadable=True)
+    elif not os.path.exists(path):
         raise ValueError(f"data.path {path!r}: no such file or folder")
+    elif os.path.isdir(path):
+        files = _text_files(path)
+        if not files:
+            raise ValueError(f"data.path {path!r}: the folder holds no files (empty corpus)")
+        toks = _read_files(files, max_bytes)
+    elif path.endswith(".bin"):
+        try:
+            raw = np.fromfile(path, dtype=np.uint8)
+        except OSError as e:
+            raise ValueError(f"data.path {path!r}: cannot read: {e.strerror or e}") from None
+        if raw.size % 2:
+            raise ValueError(f"data.path {path!r}: a .bin file holds uint16 tokens, but its size "
+                             f"({raw.size} bytes) is odd")
+        toks = raw.view("<u2")
+        if toks.size and int(toks.max()) >= vocab_size:
+            at = int(np.argmax(toks >= vocab_size))
+            raise ValueError(f"data.path {path!r}: token id {int(toks[at])} (at token {at}) is beyond "
+                             f"model.vocab_size {vocab_size}")
+    else:
+        toks = _read_files([path], max_bytes)
     if toks.dtype == np.uint8 and vocab_size < 256 and toks.size and int(toks.max()) >= vocab_size:
-        raise ValueError(f"data.path: byte tokens need model.vocab_size >= 256 (is {vocab_size})")
+        raise ValueError(f"data.path {path!r}: byte tokens need model.vocab_size >= 256 (is {vocab_size})")
     return toks
+
+
+def tokens_needed_for(cfg) -> int:
+    """The fewest tokens a corpus needs: a held-out split of at least one
+    sequence (and data.eval_fraction), and one training sequence per replica."""
+    w, r = cfg.train.seq_len + 1, cfg.job.replicas
+    return max((r + 1) * w, int(np.ceil(r * w / (1.0 - cfg.data.eval_fraction))) + 1)
 
 
 class ShardReader:
@@ -87,7 +110,8 @@ class ShardReader:
         self.window = seq_len + 1
         self.n_windows = len(self.tokens) // self.window
         if self.n_windows < 1:
-            raise ValueError(f"replica {replica}'s shard has {len(self.tokens)} tokens, fewer than seq_len+1")
+            raise ValueError(f"replica {replica}'s shard of the corpus has {len(self.tokens)} tokens, fewer than "
+                             f"train.seq_len + 1 = {self.window}")
         self.replica, self.seed, self.seq_len = replica, seed, seq_len
         self.cursor = 0
         self._perm_pass, self._perm = -1, None
@@ -140,9 +164,15 @@ class Corpus:
 
     def __init__(self, cfg):
         toks = load_tokens(cfg.data.path, cfg.data.max_bytes, cfg.model.vocab_size)
+        where = f"data.path {cfg.data.path!r}" if cfg.data.path else "the built-in corpus"
+        if len(toks) == 0:
+            raise ValueError(f"{where}: empty corpus (0 tokens)")
+        need = tokens_needed_for(cfg)
+        if len(toks) < need:
+            raise ValueError(f"{where}: {len(toks)} tokens, too few for train.seq_len {cfg.train.seq_len} with "
+                             f"{cfg.job.replicas} replica(s) and data.eval_fraction {cfg.data.eval_fraction:g} "
+                             f"(needs at least {need})")
         n_eval = max(int(len(toks) * cfg.data.eval_fraction), cfg.train.seq_len + 1)
-        if len(toks) < 2 * n_eval:
-            raise ValueError(f"corpus has {len(toks)} tokens: too small for seq_len {cfg.train.seq_len}")
         self.train, self.eval = toks[:-n_eval], toks[-n_eval:]
 
     def reader(self, cfg, replica: int) -> ShardReader:

@@ -8,7 +8,20 @@ or SIGTERM stops everything it started: SIGTERM, then SIGKILL after a grace
 period. Workers also ask the kernel to kill them if the launcher dies
 (PR_SET_PDEATHSIG), so no orphan outlives a SIGKILLed launcher.
 
-It never imports torch.
+Before it starts or writes anything it runs the pre-flight checks
+(``crucible check``, in a child process: the launcher never imports torch).
+
+No crash loops. A process that dies of an exception leaves its one-line cause
+in ``logs/<name>.error`` (``crucible.exits``); the launcher prints it with the
+exit. A slot that fails with the same error twice within
+``CRASH_LOOP_WINDOW_S`` stops the job (a final checkpoint first) with that
+error and exit status 1. Restarts of a slot that keeps dying, for any reason,
+back off: ``--respawn-delay`` doubles with each death that follows a short
+life (under ``STABLE_S``), up to ``MAX_BACKOFF_S``.
+
+Endings (``crucible.exits``): 0 when every replica finished, 1 when the job
+failed (the cause is printed), 128 + N when stopped by signal N (130 Ctrl-C,
+143 SIGTERM).
 """
 
 from __future__ import annotations
@@ -20,10 +33,18 @@ import subprocess
 import sys
 import time
 
-from crucible import rpc
+from crucible import exits, rpc
 from crucible.config import Config
+from crucible.slots import slot_name, slot_of
 
-RESTART_EXIT = 75   # a worker's exit code under on_stage_failure = restart
+CRASH_LOOP_WINDOW_S = 120.0   # the same error twice within this: the job stops
+STABLE_S = 30.0               # a process that lived this long resets its back-off
+MAX_BACKOFF_S = 30.0
+CHECK_TIMEOUT_S = 300.0
+
+
+class LaunchFailed(Exception):
+    """The job cannot go on; the message is the cause to show."""
 
 
 def default_run_dir() -> str:
@@ -32,18 +53,47 @@ def default_run_dir() -> str:
 
 class Proc:
     def __init__(self, name: str, argv: list[str], log_path: str, env: dict):
-        self.name, self.argv, self.log_path, self.env = name, argv, log_path, env
+        self.name, self.argv, self.log_path = name, argv, log_path
+        self.error_path = log_path[:-len(".log")] + ".error" if log_path.endswith(".log") else log_path + ".error"
+        self.env = dict(env, **{exits.ERROR_FILE_ENV: self.error_path})
         self.popen: subprocess.Popen | None = None
         self.exit_code: int | None = None
         self.died_at: float | None = None
+        self.started_at = 0.0
         self.restarts = 0
+        self.short_lives = 0               # deaths in a row after a short life: the back-off exponent
+        self.last_error: tuple[float, str] | None = None   # (when, the one-line cause)
+        self.restart_at: float | None = None   # a death was handled: start again at this time
 
     def start(self) -> None:
+        try:
+            os.unlink(self.error_path)
+        except OSError:
+            pass
         log = open(self.log_path, "ab")
         self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       env=self.env, close_fds=True)
         log.close()
-        self.exit_code, self.died_at = None, None
+        self.exit_code, self.died_at, self.restart_at = None, None, None
+        self.started_at = time.monotonic()
+
+    def error(self) -> str | None:
+        """The one-line cause of an exit by exception, if the process left one."""
+        return exits.read_error(self.error_path)
+
+    def on_death(self, base_delay: float) -> tuple[str | None, bool, float]:
+        """Book a death: (its cause, whether it repeats the last one within the
+        crash-loop window, the back-off delay before a restart)."""
+        err = self.error() if self.exit_code and self.exit_code > 0 else None
+        repeated = False
+        if err is not None:
+            repeated = self.last_error is not None and self.last_error[1] == err \
+                and self.died_at - self.last_error[0] <= CRASH_LOOP_WINDOW_S
+            self.last_error = (self.died_at, err)
+        lived = self.died_at - self.started_at
+        self.short_lives = self.short_lives + 1 if lived < STABLE_S else 1
+        delay = min(MAX_BACKOFF_S, max(base_delay, 0.0) * 2 ** (self.short_lives - 1))
+        return err, repeated, delay
 
     def poll(self) -> int | None:
         if self.popen is None:
@@ -67,7 +117,9 @@ class Launcher:
             if val is not None:
                 self.overrides.append(f"{key}={val}")
         self.cfg = Config.load(args.config, self.overrides)   # fail early, naming the bad key
-        self.stopping = False
+        self.stopping = 0                 # the signal that asked us to stop
+        self.failure = ""                 # why the job failed (the launcher stops it)
+        self.last_status: dict | None = None
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}
 
@@ -82,26 +134,29 @@ class Launcher:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _coordinator_argv(self, resume: bool) -> list[str]:
+    def _coordinator_argv(self, start: str) -> list[str]:
+        """start: "fresh" (a new job), "resume" (the whole job from its latest
+        checkpoint) or "restart" (a crashed coordinator, continuing from its
+        predecessor's saved state)."""
         # A restarted coordinator binds the port of the one it replaces: workers
         # only know that address.
-        bind = self.addr if getattr(self, "addr", None) else "127.0.0.1:0"
+        bind = self.addr if getattr(self, "addr", None) else f"{self.cfg.net.bind}:0"
         argv = [sys.executable, "-m", "crucible", "coordinator", "--run-dir", self.run_dir, "--bind", bind]
         if self.args.config:
             argv += ["--config", self.args.config]
-        if resume:
-            argv.append("--resume")
+        if start != "restart":
+            argv.append(f"--{start}")
         return argv + self.overrides
 
-    def _start_coordinator(self, resume: bool) -> str:
+    def _start_coordinator(self, start: str) -> str:
         addr_file = os.path.join(self.run_dir, "coordinator.addr")
         if os.path.exists(addr_file):
             os.unlink(addr_file)
         if self.coord is None:
-            self.coord = Proc("coordinator", self._coordinator_argv(resume),
+            self.coord = Proc("coordinator", self._coordinator_argv(start),
                               os.path.join(self.run_dir, "logs", "coordinator.log"), self._env())
         else:
-            self.coord.argv = self._coordinator_argv(resume)
+            self.coord.argv = self._coordinator_argv(start)
             self.coord.restarts += 1
         t_end = time.monotonic() + 30
         self.coord.start()
@@ -113,19 +168,21 @@ class Launcher:
                     self._write_pids()
                     return addr
             if self.coord.poll() is not None:
-                if self.coord.restarts and time.monotonic() < t_end - 20:
+                err = self.coord.error()
+                if self.coord.restarts and err is None and time.monotonic() < t_end - 20:
                     time.sleep(0.5)    # its port may still be held for a moment: try again
                     self.coord.start()
                     continue
-                raise SystemExit(f"coordinator exited with {self.coord.exit_code}; see {self.coord.log_path}")
+                raise LaunchFailed(f"the coordinator {exits.describe(self.coord.exit_code)}"
+                                   f"{': ' + err if err else ''} (log: {self.coord.log_path})")
             time.sleep(0.05)
-        raise SystemExit(f"coordinator did not come up in 30s; see {self.coord.log_path}")
+        raise LaunchFailed(f"the coordinator did not come up in 30s (log: {self.coord.log_path})")
 
     def _start_worker(self, r: int, s: int) -> None:
-        name = f"r{r}s{s}"
+        name = slot_name(r, s)
         if name not in self.workers:
             argv = [sys.executable, "-m", "crucible", "worker", "--coordinator", self.addr,
-                    "--replica", str(r), "--stage", str(s)]
+                    "--replica", str(r), "--stage", str(s), "--bind", f"{self.cfg.net.bind}:0"]
             self.workers[name] = Proc(name, argv, os.path.join(self.run_dir, "logs", f"{name}.log"), self._env())
         w = self.workers[name]
         w.argv[w.argv.index("--coordinator") + 1] = self.addr
@@ -160,7 +217,43 @@ class Launcher:
 
     # ---- main loop --------------------------------------------------------
 
+    def preflight(self) -> int:
+        """The pre-flight checks, before anything is started or written: the
+        run directory (torch-free, here), then `crucible check` in a child."""
+        from crucible.preflight import CheckFailed, check_run_dir
+
+        try:
+            check_run_dir(self.run_dir, self.args.resume)
+        except CheckFailed as e:
+            print(f"crucible: {e}", file=sys.stderr, flush=True)
+            return exits.ERROR
+        if self.args.no_check:
+            return exits.OK
+        argv = [sys.executable, "-m", "crucible", "check", "--quiet", "--run-dir", self.run_dir]
+        if self.args.config:
+            argv += ["--config", self.args.config]
+        if self.args.resume:
+            argv.append("--resume")
+        argv += self.overrides
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env=env, timeout=CHECK_TIMEOUT_S, text=True)
+        except subprocess.TimeoutExpired:
+            print(f"crucible: the pre-flight check did not finish in {CHECK_TIMEOUT_S:.0f}s "
+                  f"(--no-check skips it)", file=sys.stderr, flush=True)
+            return exits.ERROR
+        if done.returncode != 0:
+            lines = [x for x in done.stderr.splitlines() if x.strip()]
+            print(lines[-1] if lines else f"crucible: the pre-flight check {exits.describe(done.returncode)}",
+                  file=sys.stderr, flush=True)
+            return exits.ERROR if done.returncode > 0 else exits.interrupted(-done.returncode)
+        return exits.OK
+
     def run(self) -> int:
+        code = self.preflight()
+        if code != exits.OK:
+            return code
         os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
         self.token = rpc.read_token(self.run_dir) if self.args.resume else ""
         if not self.token:
@@ -171,20 +264,49 @@ class Launcher:
         R, S = self.cfg.job.replicas, self.cfg.job.stages
         print(f"crucible: run directory {self.run_dir}", flush=True)
         try:
-            self.addr = self._start_coordinator(self.args.resume)
+            self.addr = self._start_coordinator("resume" if self.args.resume else "fresh")
             for r in range(R):
                 for s in range(S):
                     self._start_worker(r, s)
             return self._supervise()
+        except LaunchFailed as e:
+            self.failure = str(e)
+            print(f"\ncrucible: failed: {e}", file=sys.stderr, flush=True)
+            return exits.ERROR
         finally:
-            if self.stopping:   # SIGTERM/SIGINT: a final checkpoint before everything stops
+            if self.stopping or self.failure:   # a final checkpoint before everything stops
                 from crucible.coordinator.checkpoints import preempt
 
                 preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint)
             self._stop_all()
+            if self.failure:
+                print(self._summary("failed (see above)"), flush=True)
 
     def _on_signal(self, signum, frame) -> None:
-        self.stopping = True
+        self.stopping = signum
+
+    def _handle_deaths(self, respawn: bool) -> None:
+        """Book every process that died since the last look: print its cause, stop
+        the job on a crash loop (LaunchFailed), schedule a backed-off restart."""
+        procs = list(self.workers.values()) + [self.coord]
+        for p in procs:
+            code = p.poll()
+            if code is None or p.restart_at is not None:
+                continue
+            if code == 0:
+                continue          # a worker whose replica is done; a coordinator that finished the job
+            err, repeated, delay = p.on_death(self.args.respawn_delay if p is not self.coord else 0.5)
+            cause = exits.describe(code) + (f": {err}" if err else "")
+            if repeated:
+                raise LaunchFailed(f"{p.name} failed twice within {CRASH_LOOP_WINDOW_S:.0f}s with the same "
+                                   f"error: {err} (log: {p.log_path})")
+            if p is not self.coord and not respawn:
+                print(f"crucible: {p.name} {cause}; not restarted (--respawn-delay < 0)", flush=True)
+                p.restart_at = float("inf")
+                continue
+            what = "restarting it" if p is self.coord else "starting a replacement"
+            print(f"crucible: {p.name} {cause}; {what} in {delay:.1f}s", flush=True)
+            p.restart_at = p.died_at + delay
 
     def _supervise(self) -> int:
         from crucible.chaos import Chaos
@@ -193,44 +315,37 @@ class Launcher:
         client = StatusClient(self.addr, self.token)
         chaos = Chaos.parse(self.args.chaos) if self.args.chaos else None
         t_start = time.monotonic()
-        last_print, last_status, st = 0.0, 0.0, None
+        last_print, last_status = 0.0, 0.0
         tty = sys.stdout.isatty()
-        delay = self.args.respawn_delay
-        respawn = delay is not None and delay >= 0
+        respawn = self.args.respawn_delay is not None and self.args.respawn_delay >= 0
         stopped: dict[str, float] = {}
         while not self.stopping:
             time.sleep(0.1)
-            if any(w.poll() == RESTART_EXIT for w in self.workers.values()):
+            if any(w.poll() == exits.RESTART for w in self.workers.values()):
                 self._restart_all()
                 client = StatusClient(self.addr, self.token)
                 continue
+            self._handle_deaths(respawn)
+            now = time.monotonic()
             for name, w in self.workers.items():
-                code = w.poll()
-                if code is None or code == 0:
-                    continue
-                if respawn and time.monotonic() - w.died_at >= delay:
-                    print(f"crucible: {name} exited with {code}; starting a replacement", flush=True)
+                if w.restart_at is not None and now >= w.restart_at:
                     w.restarts += 1
-                    self._start_worker(int(name[1:name.index("s")]), int(name[name.index("s") + 1:]))
-            if self.coord.poll() is not None and not (self.coord.exit_code == 0 and (
-                    self._all_done() or (st or {}).get("finished"))):   # finished: the workers are exiting
-                print(f"crucible: coordinator exited with {self.coord.exit_code}; restarting it", flush=True)
-                self.addr = self._start_coordinator(False)
+                    self._start_worker(*slot_of(name))
+            if self.coord.restart_at is not None and now >= self.coord.restart_at:
+                self.addr = self._start_coordinator("restart")
                 client = StatusClient(self.addr, self.token)
             if not respawn and not self._all_done() and all(w.poll() is not None for w in self.workers.values()):
-                print("crucible: every worker has exited and --respawn-delay is negative "
-                      "(no respawn): stopping", flush=True)
-                break
+                raise LaunchFailed("every worker has exited and --respawn-delay is negative (no respawn)")
             if self._all_done():
                 try:
                     self.coord.popen.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
                 break
-            now = time.monotonic()
             if now - last_status >= 0.5:
                 last_status = now
-                st = client.get(timeout=1.0) or st
+                self.last_status = client.get(timeout=1.0) or self.last_status
+            st = self.last_status
             for name, t in list(stopped.items()):
                 if now >= t:
                     self._signal(name, signal.SIGCONT, "CONT")
@@ -250,10 +365,11 @@ class Launcher:
                 print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
         if tty:
             print()
-        print(self._summary(), flush=True)
         if self.stopping:
-            return 130
-        return 0 if self._all_done() else 1
+            print(self._summary(f"interrupted by {signal.Signals(self.stopping).name}"), flush=True)
+            return exits.interrupted(self.stopping)
+        print(self._summary("finished"), flush=True)
+        return exits.OK
 
     def _all_done(self) -> bool:
         return all(w.poll() == 0 for w in self.workers.values())
@@ -278,19 +394,21 @@ class Launcher:
     def _restart_all(self) -> None:
         """on_stage_failure = restart: the classic way. Every process goes; all come
         back and resume from the latest committed checkpoint."""
-        print("crucible: a worker asked for a full restart (on_stage_failure = restart)", flush=True)
+        why = "; ".join(sorted({e for e in (w.error() for w in self.workers.values()) if e})) or \
+            "on_stage_failure = restart, or a stage lost every copy"
+        print(f"crucible: the coordinator asked every worker to restart from the latest checkpoint ({why})",
+              flush=True)
         t0 = time.monotonic()
         self._stop_all(grace=2.0)
-        self._log_event({"event": "job_restart", "reason": "on_stage_failure=restart"})
+        self._log_event({"event": "job_restart", "reason": why})
         self.addr = None
-        self.addr = self._start_coordinator(True)
+        self.addr = self._start_coordinator("resume")
         for name in list(self.workers):
-            r, s = int(name[1:name.index("s")]), int(name[name.index("s") + 1:])
-            self._start_worker(r, s)
+            self._start_worker(*slot_of(name))
         self._log_event({"event": "job_restarted", "seconds": time.monotonic() - t0})
 
-    def _summary(self) -> str:
-        """Final loss per replica, its time ledger, and the faults seen."""
+    def _summary(self, ending: str) -> str:
+        """How the job ended, then final loss per replica, its time ledger, and the faults seen."""
         steps, losses, ledger, faults = {}, {}, {}, 0
         path = os.path.join(self.run_dir, "metrics.jsonl")
         try:
@@ -324,7 +442,7 @@ class Launcher:
                                   if g.get(k + "_s"))
                 line += f"; goodput {100 * (g.get('goodput') or 0):.0f}% of {g['wall_s']:.0f}s ({parts})"
             lines.append(line)
-        out = "crucible: finished.\n" + "\n".join(f"  {x}" for x in lines)
+        out = f"crucible: {ending}.\n" + "\n".join(f"  {x}" for x in lines)
         if faults:
-            out += f"\n  {faults} worker faults handled"
+            out += f"\n  {faults} worker faults"
         return out + f"\ncrucible: metrics in {path}"

@@ -80,6 +80,12 @@ def channel_options(max_mb: int) -> list[tuple[str, Any]]:
         ("grpc.max_send_message_length", n),
         ("grpc.max_receive_message_length", n),
         ("grpc.enable_retries", 0),
+        # A peer that went away (a restarted coordinator, a replaced worker) is
+        # dialled again within a second, not after gRPC's default back-off of
+        # up to two minutes.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.keepalive_time_ms", 10_000),
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -201,7 +207,11 @@ def make_server(service: str, handlers: dict, token: str, bind: str, max_workers
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service.rpartition(".")[2]),
         interceptors=[_TokenInterceptor(token)],
-        options=channel_options(max_mb) + [("grpc.so_reuseport", 0)],
+        # Clients ping every 10 s to find dead connections (keepalive): allow it
+        # instead of answering with GOAWAY "too_many_pings".
+        options=channel_options(max_mb) + [("grpc.so_reuseport", 0),
+                                           ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                                           ("grpc.http2.max_ping_strikes", 0)],
         maximum_concurrent_rpcs=max_workers * 4,
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

@@ -39,13 +39,13 @@ def child_env() -> dict:
 class Job:
     """A `crucible launch` in its own process group."""
 
-    def __init__(self, run_dir: str, args: list[str], overrides: list[str]):
+    def __init__(self, run_dir: str, args: list[str], overrides: list[str], env: dict | None = None):
         self.run_dir = str(run_dir)
         self.log_path = os.path.join(self.run_dir + ".launch.log")
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(crucible_cmd("launch", "--run-dir", self.run_dir, *args, *overrides),
                                      stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=child_env(), cwd=ROOT, start_new_session=True)
+                                     env=env or child_env(), cwd=ROOT, start_new_session=True)
         self.pgid = self.proc.pid
 
     def wait(self, timeout: float) -> int:
@@ -135,8 +135,8 @@ class Job:
 def start_job(tmp_path):
     jobs: list[Job] = []
 
-    def start(args: list[str], overrides: list[str] = (), name: str = "run") -> Job:
-        job = Job(tmp_path / name, list(args), list(overrides))
+    def start(args: list[str], overrides: list[str] = (), name: str = "run", env: dict | None = None) -> Job:
+        job = Job(tmp_path / name, list(args), list(overrides), env=env)
         jobs.append(job)
         return job
 

@@ -117,22 +117,25 @@ class _Metrics:
 
 
 def _coordinator(tmp_path, **overrides):
+    """The checkpoint manager against a real Membership of a 2 x 2 job at step 10."""
     from crucible.coordinator.checkpoints import CheckpointManager
+    from crucible.coordinator.membership import Membership, WorkerInfo
 
     cfg = Config.load(None, {"job.replicas": 2, "job.stages": 2, "train.steps": 1000,
                              "checkpoint.minimum_interval_secs": 0, "checkpoint.max_num_checkpoints_to_keep": 2,
                              **overrides})
-    c = types.SimpleNamespace(cfg=cfg, run_dir=str(tmp_path), cv=threading.Condition(), metrics=_Metrics(),
-                              stopping=threading.Event(), finished=threading.Event(), job_started=True,
-                              incarnation=1, latest_committed_step=None)
-    c.replicas = [types.SimpleNamespace(id=r, state="training", step=10, loss=2.0, eval_loss=None) for r in range(2)]
-    c.routes = {0: [0, 1], 1: [0, 1]}
-    c.workers, c.slots = {}, {}
+    m = Membership(2, 2)
     for r in range(2):
         for s in range(2):
             wid = f"r{r}s{s}-x"
-            c.workers[wid] = types.SimpleNamespace(worker_id=wid, replica=r, stage=s, state="alive", step=10)
-            c.slots[(r, s)] = wid
+            m.workers[wid] = WorkerInfo(wid, r, s, f"127.0.0.1:{1000 + 2 * r + s}", 1, "h", step=10)
+            m.slots[(r, s)] = wid
+    m.recompute_routes()
+    for rep in m.replicas:
+        rep.step, rep.loss = 10, 2.0
+    c = types.SimpleNamespace(cfg=cfg, run_dir=str(tmp_path), cv=threading.Condition(), metrics=_Metrics(),
+                              stopping=threading.Event(), finished=threading.Event(), job_started=True,
+                              incarnation=1, m=m, workers=m.workers, replicas=m.replicas)
     c.ckpt = CheckpointManager(c)
     return c
 
@@ -161,7 +164,7 @@ def test_manager_names_a_target_collects_shards_commits_and_keeps_the_newest(tmp
         for wid in sorted(c.workers):
             assert _report(c, wid, t).accepted
         m._tick()          # all shards in: commit
-        assert m.target() == 0 and c.latest_committed_step == t
+        assert m.target() == 0 and m.latest_committed_step == t
         committed.append(t)
         for rep in c.replicas:
             rep.step = t + 1

@@ -58,22 +58,40 @@ def test_worker_killed_inside_a_round_does_not_hang_the_others(start_job):
     assert all(e["contributors"] == [0] for e in rounds)
 
 
-def test_malformed_contribution_is_refused(start_job):
-    job = start_job(["--replicas", "2", "--stages", "2", "--steps", "100000", "--respawn-delay", "-1"],
+def test_malformed_contribution_right_after_a_coordinator_restart(start_job):
+    """The first contribution a restarted coordinator sees for a round is of the
+    wrong size: only its sender is left out of that round; every other round
+    has both replicas (the stage sizes come from registration and survive the
+    restart)."""
+    import json
+
+    from crucible.compress import sparseloco as slc
+
+    job = start_job(["--replicas", "2", "--stages", "2", "--steps", "40", "--respawn-delay", "-1"],
                     TINY + ["outer.H=2"])
-    job.wait_for(lambda st: all(r["step"] >= 1 for r in st["replicas"]), 90, "training")
-    wid = next(w["worker_id"] for w in job.status()["workers"] if w["replica"] == 1 and w["stage"] == 0)
+    job.wait_for(lambda st: all(r["step"] >= 3 for r in st["replicas"]), 90, "training")
+    with open(os.path.join(job.run_dir, "pids.json")) as f:
+        os.kill(json.load(f)["coordinator"], signal.SIGKILL)
+    st = job.wait_for(lambda st: st if st["incarnation"] == 2 else None, 60, "the restarted coordinator")
+    wid = next(w["worker_id"] for w in st["workers"] if w["replica"] == 1 and w["stage"] == 0)
+    target = max(r["step"] for r in st["replicas"]) // 2 + 3
+    wrong, _ = slc.ef_compress(torch.zeros(1000), torch.ones(1000), 0.95, chunk=64, k=4, value_bits=2)
     md = rpc.metadata(job.token())
     with rpc.make_channel(job.address()) as ch:
         stub = pbg.CoordinatorStub(ch)
-        for payload in (b"garbage", b"SLC0" + b"\x01\x02\x00\x00" + (10).to_bytes(8, "little") + b"\0" * 8):
+        for payload in (wrong, b"garbage"):
             with pytest.raises(grpc.RpcError) as e:
-                stub.OuterExchange(pb.OuterRequest(worker_id=wid, stage=0, round=10**6, payload=payload,
-                                                   mode="sparseloco", numel=10), metadata=md, timeout=10)
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                stub.OuterExchange(pb.OuterRequest(worker_id=wid, stage=0, round=target, payload=payload,
+                                                   mode="sparseloco", numel=1000), metadata=md, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
         with pytest.raises(grpc.RpcError) as e:  # a worker may only contribute to its own stage
             stub.OuterExchange(pb.OuterRequest(worker_id=wid, stage=1, round=0, payload=b"x", mode="sparseloco"),
                                metadata=md, timeout=10)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    before = job.status()["replicas"][0]["step"]
-    job.wait_for(lambda st: min(r["step"] for r in st["replicas"]) >= before + 4, 60, "training after bad payloads")
+    assert job.wait(180) == 0, job.output()
+    rounds = {(e["stage"], e["round"]): e["contributors"] for e in job.events("outer_round")}
+    assert rounds[(0, target)] == [0]
+    assert all(c == [0, 1] for k, c in rounds.items() if k != (0, target)), rounds
+    assert len(rounds) == 2 * 20
+    rejected = job.events("outer_rejected")       # ours, and replica 1's own payload for that round
+    assert {e["round"] for e in rejected} == {target} and len(rejected) in (2, 3), rejected

@@ -1,5 +1,12 @@
-"""A replacement with no healthy peer takes its stage from the latest committed
-checkpoint (issues 5 and 6): one replica, so nobody else holds the stage."""
+"""A stage with no live copy anywhere never goes back in time silently.
+
+One replica, so nobody else holds the stage. Its inner worker dies after the
+only checkpoint; the replica skips the stage; the replacement finds no peer
+and no checkpoint as new as the weights that died, so it does not load the
+old shard into a replica that is steps ahead: the job rolls back to that
+checkpoint (every worker restarts with --resume), resumes exactly at its step
+with the stage's weights bitwise from the shard, and trains on.
+"""
 
 from __future__ import annotations
 
@@ -12,28 +19,65 @@ from conftest import TINY
 from crucible.checkpoint import storage
 
 
-def test_inner_stage_of_a_lone_replica_comes_back_from_the_checkpoint(start_job):
+def test_lost_stage_of_a_lone_replica_rolls_the_job_back_to_the_checkpoint(start_job):
     job = start_job(["--replicas", "1", "--stages", "3", "--steps", "1000000", "--respawn-delay", "0.5"],
-                    TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=1",
-                            "debug.dump_outer=true"])
-    job.wait_for(lambda st: st["replicas"][0]["step"] >= 6 and job.events("ckpt_commit"), 120,
-                 "training with a committed checkpoint")
-    st = job.status()
-    victim = next(w for w in st["workers"] if w["stage"] == 1)
+                    TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=100000"])
+    job.wait_for(lambda st: st["replicas"][0]["step"] >= 8 and job.events("ckpt_commit"), 120,
+                 "training past a committed checkpoint")
+    ck_step = job.events("ckpt_commit")[0]["step"]
+    victim = next(w for w in job.status()["workers"] if w["stage"] == 1)
     os.kill(victim["pid"], signal.SIGKILL)
-    job.wait_for(lambda s: s["replicas"][0]["route"] == [0, 2], 10, "route skipping stage 1")
-    ready = job.wait_for(lambda s: [e for e in job.events("replacement_ready") if e["stage"] == 1], 90,
-                         "the replacement of stage 1")[0]
-    assert ready["source"].startswith("checkpoint step_") and ready["source"].endswith("/r0s1.shard"), ready
-    ck_step = int(ready["source"].split("step_")[1].split("/")[0])
-    shard = storage.load_shard(storage.step_dir(os.path.join(job.run_dir, "checkpoints"), ck_step), "r0s1.shard")
-    join = torch.load(os.path.join(job.run_dir, "debug", "outer_r0s1_roundjoin.pt"))
-    # bitwise: the weights the replacement trains from are the checkpoint's
-    want = torch.cat([t.reshape(-1) for t in shard["model"].values()])
-    assert torch.equal(join["theta_local"], want)
-    assert join["source"] == ready["source"]
-    # and the replica trains on with it, on the full route again
-    job.wait_for(lambda s: s["replicas"][0]["route"] == [0, 1, 2], 30, "stage 1 back in the route")
-    before = job.status()["replicas"][0]["step"]
-    job.wait_for(lambda s: s["replicas"][0]["step"] >= before + 3, 60, "steps after the rejoin")
+    rollback = job.wait_for(lambda s: job.events("job_rollback"), 90, "the roll-back")[0]
+    assert rollback["stage"] == 1 and rollback["to_step"] == ck_step, rollback
+    resumed = job.wait_for(lambda s: [e for e in job.events("ckpt_resume") if e.get("step") is not None], 90,
+                           "the resume")[0]
+    assert resumed["step"] == ck_step
+    restored = job.wait_for(lambda s: [e for e in job.events("ckpt_restore") if e["stage"] == 1], 60,
+                            "stage 1 restored")[0]
+    assert restored["step"] == ck_step
+    job.wait_for(lambda s: s["replicas"][0]["route"] == [0, 1, 2] and s["replicas"][0]["step"] >= ck_step + 3, 90,
+                 "training on the full route after the roll-back")
+    # the steps after the roll-back start again at the checkpoint: said, not silent
+    steps = [e["step"] for e in job.events("step")]
+    assert steps.count(ck_step) == 2 and steps[steps.index(ck_step, steps.index(ck_step) + 1) - 1] > ck_step
     assert all(w["state"] == "alive" for w in job.status()["workers"])
+    # no replacement ever trained on the old shard with the replica's newer step
+    assert not [e for e in job.events("replacement_ready") if e.get("source", "").startswith("checkpoint")]
+
+
+def test_resume_gives_a_vacant_slot_the_global_weights_of_another_replica(tmp_path):
+    """At a resume, a slot that was vacant in the checkpoint takes θ_global of its
+    stage from another replica's shard (the replacement rule), not fresh weights."""
+    import types
+
+    from crucible.config import Config
+    from crucible.model import build_stage
+    from crucible.worker.checkpointing import STATE_FORMAT, WorkerCheckpointer
+    from crucible.worker.outer import OuterState
+
+    cfg = Config.load(None, {"job.replicas": 2, "job.stages": 2, "model.n_layer": 2, "model.d_model": 16,
+                             "model.n_head": 2, "train.seq_len": 8})
+    model = build_stage(cfg, 1, 2)
+    outer = OuterState(model, cfg.outer, 2)
+    theta = torch.arange(outer.numel, dtype=torch.float32)
+    outer.theta_global.copy_(theta)
+    root = tmp_path / "checkpoints"
+    d = storage.tmp_dir(root, 40)
+    shards = []
+    for name, sd in (("r0s0.shard", None), ("r1s1.shard", {"format": STATE_FORMAT, "replica": 1, "stage": 1,
+                                                          "step": 40, "model": model.state_dict(),
+                                                          "outer": outer.state_dict(), "optimizer": {}})):
+        info = storage.write_shard(d, name, sd or {"format": STATE_FORMAT, "stage": 0})
+        shards.append({"name": name, "bytes": info["bytes"], "checksum": info["checksum"]})
+    storage.commit(root, 40, shards, {})
+
+    reports = []
+    fresh = build_stage(cfg, 1, 2)
+    w = types.SimpleNamespace(cfg=cfg, replica=0, stage=1, run_dir=str(tmp_path), model=fresh,
+                              outer=OuterState(fresh, cfg.outer, 2), step=0, device=torch.device("cpu"),
+                              ctl=types.SimpleNamespace(step=0, report=reports.append))
+    ck = WorkerCheckpointer(w)
+    assert ck.restore(str(storage.step_dir(root, 40)), replica_step=40)
+    assert torch.equal(w.outer.theta_global, theta) and w.step == 40
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in fresh.parameters()]), theta)
+    assert reports[0]["source"] == "checkpoint step_40/r1s1.shard"

@@ -135,8 +135,8 @@ def test_supervisor_decisions(tmp_path, monkeypatch):
     queue[101] = slurm.JobInfo(101, run.job_name("r0s0"), "PENDING", reason="Resources")
     sup.tick(now=300.0)
     sup.tick(now=301.5)
-    assert run.slots["coordinator"].job_id == 102 and run.slots["coordinator"].resume is True
-    assert slurm.SlurmRun.load(str(tmp_path)).slots["coordinator"].resume is True   # what the job reads
+    assert run.slots["coordinator"].job_id == 102 and run.slots["coordinator"].start == "resume"
+    assert slurm.SlurmRun.load(str(tmp_path)).slots["coordinator"].start == "resume"   # what the job reads
     # The job finished (job_done): a slot whose job ends is not resubmitted.
     slurm.append_event(str(tmp_path), {"event": "job_done"})
     queue[101] = slurm.JobInfo(101, run.job_name("r0s0"), "COMPLETED", exit_code=0, start_time=310.0, end_time=400.0)

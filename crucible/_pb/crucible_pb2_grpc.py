@@ -36,6 +36,11 @@ class CoordinatorStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.JobInfo = channel.unary_unary(
+                '/crucible.v1.Coordinator/JobInfo',
+                request_serializer=crucible_dot___pb_dot_crucible__pb2.JobInfoRequest.SerializeToString,
+                response_deserializer=crucible_dot___pb_dot_crucible__pb2.JobInfoReply.FromString,
+                _registered_method=True)
         self.Register = channel.unary_unary(
                 '/crucible.v1.Coordinator/Register',
                 request_serializer=crucible_dot___pb_dot_crucible__pb2.RegisterRequest.SerializeToString,
@@ -77,6 +82,14 @@ class CoordinatorServicer:
     """---------------------------------------------------------------- control plane
 
     """
+
+    def JobInfo(self, request, context):
+        """The job's configuration and a vacant slot, without joining: a worker builds
+        its stage from it before it registers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Register(self, request, context):
         """A worker joins: protocol check, slot assignment, the job's configuration.
@@ -131,6 +144,11 @@ class CoordinatorServicer:
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'JobInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.JobInfo,
+                    request_deserializer=crucible_dot___pb_dot_crucible__pb2.JobInfoRequest.FromString,
+                    response_serializer=crucible_dot___pb_dot_crucible__pb2.JobInfoReply.SerializeToString,
+            ),
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
                     request_deserializer=crucible_dot___pb_dot_crucible__pb2.RegisterRequest.FromString,
@@ -178,6 +196,33 @@ class Coordinator:
     """---------------------------------------------------------------- control plane
 
     """
+
+    @staticmethod
+    def JobInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crucible.v1.Coordinator/JobInfo',
+            crucible_dot___pb_dot_crucible__pb2.JobInfoRequest.SerializeToString,
+            crucible_dot___pb_dot_crucible__pb2.JobInfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Register(request,

@@ -46,8 +46,10 @@ is lifted with ``scontrol update StartTime=now``. The stuck check: a
 worker job RUNNING for ``--stuck-after`` seconds whose slot the coordinator
 has not shown alive for as long is cancelled (then resubmitted). The
 coordinator is resubmitted with ``--resume`` when no worker job is running
-and a committed checkpoint exists (the whole job was lost), else without
-(live workers re-register with their state). Once the job has finished
+and a committed checkpoint exists (the whole job was lost), else as a
+restart (it restores its predecessor's saved state and live workers
+re-register); the first coordinator of ``up`` starts ``--fresh`` (or
+``--resume`` with ``up --resume``). Once the job has finished
 (``job_done`` in ``metrics.jsonl``) nothing is resubmitted and the
 supervisor exits when the last job has ended.
 
@@ -62,7 +64,7 @@ then every job of the run still in the queue is cancelled, and ``down``
 waits until none is left.
 
 Events appended to ``metrics.jsonl``: ``slurm_submit`` (slot, job_id,
-resume), ``slurm_job_end`` (slot, job_id, state, exit_code, run_s,
+start), ``slurm_job_end`` (slot, job_id, state, exit_code, run_s,
 failures, resubmit_in_s), ``slurm_job_start`` (written by the job itself:
 slot, job_id, node), ``slurm_stuck``, ``slurm_down``.
 """
@@ -253,7 +255,7 @@ class Slot:
     last_exit: int | None = None
     node: str = ""
     started: float | None = None  # start time of the current job (when running)
-    resume: bool = False          # coordinator: its current job was submitted with --resume
+    start: str = ""               # coordinator: how its current job starts: fresh | resume | restart
 
 
 @dataclass
@@ -376,20 +378,23 @@ def write_scripts(run: SlurmRun) -> None:
         os.chmod(path, 0o755)
 
 
-def submit(run: SlurmRun, slot: Slot, resume: bool = False) -> int:
+def submit(run: SlurmRun, slot: Slot, start: str = "restart") -> int:
+    """Submit the slot's job. The coordinator's ``start``: ``fresh`` (the first of a
+    new run), ``resume`` (the whole job from its latest checkpoint) or ``restart``
+    (continue from the previous coordinator's saved state; live workers re-register)."""
     logs = os.path.join(run.run_dir, "logs", "slurm")
     os.makedirs(logs, exist_ok=True)
     extra = run.coordinator_sbatch if slot.name == COORD else run.worker_sbatch
     argv = [f"--job-name={run.job_name(slot.name)}", f"--output={logs}/{slot.name}-%j.out", "--requeue",
             "--open-mode=append", f"--chdir={run.run_dir}", *run.sbatch, *extra, run.script(slot.name)]
     if slot.name == COORD:
-        slot.resume = resume
-        run.save()   # the job reads whether to resume from the state
+        slot.start = start
+        run.save()   # the job reads how to start from the state
     jid = sbatch(argv)
     slot.job_id, slot.submits, slot.started, slot.node = jid, slot.submits + 1, None, ""
     run.save()
     append_event(run.run_dir, {"event": "slurm_submit", "slot": slot.name, "job_id": jid,
-                               "submits": slot.submits, "resume": resume if slot.name == COORD else None})
+                               "submits": slot.submits, "start": start if slot.name == COORD else None})
     return jid
 
 
@@ -505,7 +510,7 @@ class Supervisor:
                 if slot.job_id is None and now >= slot.next_submit:
                     resume = slot.name == COORD and not running_workers and has_checkpoint(run.run_dir)
                     try:
-                        jid = submit(run, slot, resume=resume)
+                        jid = submit(run, slot, start="resume" if resume else "restart")
                         self.say(f"{slot.name}: submitted job {jid}" + (" (--resume)" if resume else ""))
                     except SlurmError as e:
                         slot.failures += 1
@@ -655,7 +660,7 @@ def cmd_up(args) -> int:
     submitted = []
     try:
         for slot in run.slots.values():
-            submitted.append(submit(run, slot, resume=run.resume))
+            submitted.append(submit(run, slot, start="resume" if run.resume else "fresh"))
     except SlurmError as e:
         scancel(submitted)
         raise SystemExit(f"crucible slurm up: {e} (cancelled the {len(submitted)} jobs submitted)") from None

@@ -8,8 +8,10 @@ it) one of:
   this node's name (``$CRUCIBLE_SLURM_HOST`` to override) and PORT the port
   of the run's previous coordinator (from ``coordinator.addr``), else the
   run's ``--port`` (0 = any free one). Before binding an old port it waits up
-  to 30 s for the port and ``coordinator.lock`` to be free. ``--resume`` when
-  the supervisor submitted it so (the whole job was lost). ``--on-sigterm
+  to 30 s for the port and ``coordinator.lock`` to be free. ``--fresh`` for
+  the first coordinator of a run, ``--resume`` when the supervisor submitted
+  it so (the whole job was lost) or for ``up --resume``, else neither (a
+  restart: it restores its predecessor's saved state). ``--on-sigterm
   leave``: Slurm's SIGTERM (scancel, preemption, time limit) ends this
   coordinator only, the workers go on and re-register with the next one;
   ``crucible slurm down`` sends SIGINT (final checkpoint, every worker stops).
@@ -85,8 +87,8 @@ def coordinator_argv(run: SlurmRun, host: str) -> list[str]:
             "--on-sigterm", "leave"]
     if run.config:
         argv += ["--config", run.config]
-    if run.slots[COORD].resume:
-        argv.append("--resume")
+    if run.slots[COORD].start in ("fresh", "resume"):
+        argv.append(f"--{run.slots[COORD].start}")
     return argv + list(run.overrides)
 
 

@@ -148,31 +148,37 @@ class CheckpointManager:
         done = storage.list_checkpoints(self.root)
         if done:
             self.latest_committed_step = done[-1].step
-            with c.cv:
-                c.latest_committed_step = self.latest_committed_step
         if not resume:
             return
         chosen = None
         for info in reversed(done):
             problems = storage.verify(info.path)
-            if not problems:
-                chosen = info
-                break
-            log.error("checkpoint step %d is damaged, falling back to the previous one: %s", info.step,
-                      "; ".join(problems))
-            c.metrics.write({"event": "ckpt_damaged", "step": info.step, "path": info.path, "problems": problems})
+            if problems:
+                log.error("checkpoint step %d is damaged, falling back to the previous one: %s", info.step,
+                          "; ".join(problems))
+                c.metrics.write({"event": "ckpt_damaged", "step": info.step, "path": info.path,
+                                 "problems": problems})
+                continue
+            missing = self._stages_missing(info.path)
+            if missing:
+                # Every copy of these stages was lost before this save: resuming from it
+                # would start them from scratch. An older checkpoint that has them wins.
+                log.warning("checkpoint step %d holds no shard of stage(s) %s: falling back to an older one",
+                            info.step, missing)
+                c.metrics.write({"event": "ckpt_incomplete", "step": info.step, "stages_missing": missing})
+                continue
+            chosen = info
+            break
         for info in done:
             if chosen is None or info.step > chosen.step:
                 # Its timeline is abandoned: moved out of the way (kept for a post-mortem), so
                 # that a new save of the same step can commit.
-                aside = os.path.join(self.root, f"damaged-{os.path.basename(info.path)}-{int(time.time())}")
+                aside = os.path.join(self.root, f"abandoned-{os.path.basename(info.path)}-{int(time.time())}")
                 os.rename(info.path, aside)
                 c.metrics.write({"event": "ckpt_set_aside", "step": info.step, "path": aside})
-                log.warning("damaged checkpoint step %d moved to %s", info.step, aside)
+                log.warning("checkpoint step %d (after the one resumed) moved to %s", info.step, aside)
         if chosen is None:
             self.latest_committed_step = None
-            with c.cv:
-                c.latest_committed_step = None
             log.warning("--resume: no committed checkpoint in %s; starting from scratch", self.root)
             c.metrics.write({"event": "ckpt_resume", "step": None, "reason": "no committed checkpoint"})
             return
@@ -191,11 +197,17 @@ class CheckpointManager:
             for r, info in (m.get("replicas") or {}).items():
                 r = int(r)
                 if 0 <= r < R:
-                    c.replicas[r].step = int(info.get("step", chosen.step))
-            c.latest_committed_step = chosen.step
+                    c.m.replicas[r].step = int(info.get("step", chosen.step))
         c.metrics.write({"event": "ckpt_resume", "step": chosen.step, "path": chosen.path,
                          "replicas": m.get("replicas"), "vacant": m.get("vacant", [])})
         log.info("resuming from %s (step %d)", chosen.path, chosen.step)
+
+    def _stages_missing(self, path: str) -> list[int]:
+        """Stages with no shard in any replica in the checkpoint at ``path``."""
+        names = {sh["name"] for sh in storage.read_manifest(path)["shards"]}
+        cfg = self.c.cfg.job
+        return [s for s in range(cfg.stages)
+                if not any(storage.shard_name(r, s) in names for r in range(cfg.replicas))]
 
     def start(self) -> None:
         if self._thread is None and self.enabled:
@@ -212,15 +224,16 @@ class CheckpointManager:
     def resume_dir_for(self, slot: tuple[int, int], not_fresh: bool = False) -> str:
         """The checkpoint a worker registering into ``slot`` restores from: the
         resumed checkpoint, for a worker of the job's start (not a replacement,
-        not a live worker re-registering), when it has the slot's shard."""
+        not a live worker re-registering). A slot that was vacant in it takes its
+        stage's global weights from another replica's shard (the replacement
+        rule, applied at the resume)."""
         if not_fresh or not self.resume_dir or self.resume_manifest is None:
             return ""
-        name = storage.shard_name(*slot)
-        return self.resume_dir if any(s["name"] == name for s in self.resume_manifest["shards"]) else ""
+        return self.resume_dir
 
     def status(self) -> dict:
         p = self.pending
-        return {"latest_committed_step": self.c.latest_committed_step,
+        return {"latest_committed_step": self.latest_committed_step,
                 "pending_step": p.step if p is not None else None,
                 "committed": self.committed, "aborted": self.aborted,
                 "last_commit_time": self.last_commit_time,
@@ -231,7 +244,7 @@ class CheckpointManager:
         if req.ckpt_step <= 0:
             raise ValueError(f"ckpt_step {req.ckpt_step} must be > 0")
         with c.cv:
-            w = c.workers.get(req.worker_id)
+            w = c.m.workers.get(req.worker_id)
             if w is None:
                 raise rpc.RpcFault(grpc.StatusCode.NOT_FOUND, f"unknown worker {req.worker_id!r}: register again")
             if w.state == "dead":
@@ -261,7 +274,7 @@ class CheckpointManager:
             expected = req.worker_id in p.required
             frozen = req.worker_id in p.optional
             if not expected and not frozen and (p.replicas.get(w.replica, {}).get("state") != "training"
-                                                or w.stage not in c.routes.get(w.replica, [])):
+                                                or w.stage not in c.m.routes.get(w.replica, [])):
                 return pb.ShardAck(accepted=False)
             if req.replica_step != p.step and not (frozen and 0 <= req.replica_step <= p.step):
                 raise ValueError(f"shard of step {req.replica_step} reported for checkpoint {p.step}")
@@ -304,7 +317,7 @@ class CheckpointManager:
         t_end = time.monotonic() + timeout
         with c.cv:
             while time.monotonic() < t_end:
-                busy = [w for w in c.workers.values() if w.state in ("alive", "joining")]
+                busy = [w for w in c.m.workers.values() if w.state in ("alive", "joining")]
                 if self.pending is None and not busy:
                     return
                 self._wake.set()
@@ -318,7 +331,7 @@ class CheckpointManager:
         t_end = time.monotonic() + 2 * c.cfg.fault.heartbeat_interval + 1.0
         while time.monotonic() < t_end:
             with c.cv:
-                waiting = [w for w in c.workers.values() if w.state in ("alive", "joining") and w.last_seen < t0]
+                waiting = [w for w in c.m.workers.values() if w.state in ("alive", "joining") and w.last_seen < t0]
             if not waiting:
                 break
             time.sleep(0.05)
@@ -359,8 +372,8 @@ class CheckpointManager:
                 if p.required_in_mono is None:
                     p.required_in_mono = mono
                 for wid, slot in list(p.optional.items()):
-                    w = c.workers.get(wid)
-                    if w is None or w.state != "alive" or c.slots.get(slot) != wid:
+                    w = c.m.workers.get(wid)
+                    if w is None or w.state != "alive" or c.m.slots.get(slot) != wid:
                         del p.optional[wid]          # a paused replica's worker went away: no shard from it
                 waiting = [wid for wid, slot in p.optional.items() if storage.shard_name(*slot) not in p.reports]
                 if waiting and mono - p.required_in_mono < PAUSED_GRACE_S:
@@ -377,17 +390,7 @@ class CheckpointManager:
 
     def _replica_steps(self) -> dict[int, int]:
         """Under the lock: each replica's current step (what the coordinator knows)."""
-        c = self.c
-        out = {}
-        for rep in c.replicas:
-            s = rep.step
-            for (r, _), wid in c.slots.items():
-                if r == rep.id and wid is not None:
-                    w = c.workers.get(wid)
-                    if w is not None and w.state in ("alive", "done"):
-                        s = max(s, int(w.step))
-            out[rep.id] = s
-        return out
+        return self.c.m.replica_steps()
 
     def _rate(self) -> float:
         """Steps per second of the fastest replica, over the last few seconds."""
@@ -407,7 +410,7 @@ class CheckpointManager:
         c = self.c
         if not c.job_started or c.finished.is_set():
             return
-        states = {rep.id: rep.state for rep in c.replicas}
+        states = {rep.id: rep.state for rep in c.m.replicas}
         if any(s not in ("training", "paused") for s in states.values()):
             if self.final_wanted:
                 self._final_impossible("a replica is " + ", ".join(sorted(set(states.values()))))
@@ -431,12 +434,12 @@ class CheckpointManager:
         if not self.final_wanted and not self.save_policy.should_save(target, mono, self.last_start, False):
             return
         required, optional, vacant, replicas = {}, {}, [], {}
-        for rep in c.replicas:
-            route = list(c.routes[rep.id])
+        for rep in c.m.replicas:
+            route = list(c.m.routes[rep.id])
             replicas[rep.id] = {"state": rep.state, "route": route, "step": steps[rep.id]}
             for s in range(c.cfg.job.stages):
-                wid = c.slots[(rep.id, s)]
-                w = c.workers.get(wid) if wid else None
+                wid = c.m.slots[(rep.id, s)]
+                w = c.m.workers.get(wid) if wid else None
                 if rep.state == "training" and s in route and w is not None and w.state == "alive":
                     required[wid] = (rep.id, s)
                 elif rep.state == "paused" and w is not None and w.state == "alive":
@@ -463,8 +466,8 @@ class CheckpointManager:
     def _lost(self, p: Save, steps: dict[int, int], mono: float) -> str | None:
         c = self.c
         for wid, slot in p.required.items():
-            w = c.workers.get(wid)
-            if w is None or c.slots.get(slot) != wid or w.state not in ("alive", "done"):
+            w = c.m.workers.get(wid)
+            if w is None or c.m.slots.get(slot) != wid or w.state not in ("alive", "done"):
                 return f"r{slot[0]}s{slot[1]} lost ({w.state if w else 'gone'}) before its shard was in"
             if w.state == "done" and storage.shard_name(*slot) not in p.reports:
                 return f"r{slot[0]}s{slot[1]} finished without a shard"   # (it reports before it says done)
@@ -512,8 +515,8 @@ class CheckpointManager:
         vacant = sorted({f"r{r}s{s}" for r in range(c.cfg.job.replicas) for s in range(c.cfg.job.stages)}
                         - {n.removesuffix(".shard") for n in present})
         with c.cv:
-            losses = [rep.loss for rep in c.replicas if isinstance(rep.loss, (int, float))]
-            evals = [rep.eval_loss for rep in c.replicas if isinstance(rep.eval_loss, (int, float))]
+            losses = [rep.loss for rep in c.m.replicas if isinstance(rep.loss, (int, float))]
+            evals = [rep.eval_loss for rep in c.m.replicas if isinstance(rep.eval_loss, (int, float))]
         metrics = {}
         if losses:
             metrics["loss"] = sum(losses) / len(losses)
@@ -548,7 +551,6 @@ class CheckpointManager:
         with c.cv:
             self.pending = None
             self.latest_committed_step = p.step
-            c.latest_committed_step = p.step
             self.last_commit_time = now
             self.committed += 1
             self.boost = max(1.0, self.boost * 0.8)

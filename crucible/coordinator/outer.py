@@ -3,25 +3,41 @@
 Round n of stage s is a blocking barrier across the replicas that hold s:
 
 * It expects every replica that is ``training`` (or ``done``: it finishes its
-  last rounds before its workers exit) and whose route contains s.
-  A replica whose stage-s worker dies (its route then skips s) or whose
-  first or last stage dies (it pauses) stops being expected, so a dead or
-  hung worker never hangs the others: they finish the round without it.
-  ``outer.deadline_s`` does not drop a live replica; past it the relay logs
-  who it is still waiting for.
-* A contribution that does not parse, or has the wrong size for its stage,
-  is refused with INVALID_ARGUMENT and that replica is left out of the round;
-  it then asks again with an empty payload (abstains) to receive the result.
+  last rounds before its workers exit) and whose route contains s
+  (``Membership.expected_in_round``). A replica whose stage-s worker dies
+  (its route then skips s) or whose first or last stage dies (it pauses)
+  stops being expected, so a dead or hung worker never hangs the others:
+  they finish the round without it. ``outer.deadline_s`` does not drop a live
+  replica; past it the relay logs who it is still waiting for.
+* A stage's size comes from registration (``Membership.stage_numel``), never
+  from a contribution. A contribution that does not parse, or has the wrong
+  size, is refused with INVALID_ARGUMENT and only its sender is left out of
+  the round; it then asks again with an empty payload (abstains) to receive
+  the result.
 * The round closes with the ordered list of contributors (replica ids,
   ascending) and their payloads; every participant gets the same reply, and
   so applies the same aggregate. A replica that arrives after its round
-  closed (it was dropped) gets the closed round's result and is not among
-  the contributors: it adds its update back into its error buffer.
+  closed gets the closed round's result and is not among the contributors:
+  it adds its update back into its error buffer.
+
+Restarts. A closed round is written to ``outer/s<stage>/r<round>.bin`` before
+anyone receives it, and read back from there by a restarted coordinator: a
+participant whose reply was lost in the restart gets exactly what the others
+got. A round still open when the coordinator died is redone: every
+participant retries with the same payload, and the same contributions give
+the same result. Only the newest rounds are kept (``KEEP_CLOSED`` per stage,
+fewer when they are large); payloads of closed rounds are not kept in memory.
+
+A call waits at most ``WAIT_S`` for its round to close, then answers
+UNAVAILABLE; the worker asks again (the same request), so no server thread
+is held for longer, and a stopped coordinator frees every waiter.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -31,6 +47,7 @@ import zstandard
 
 from crucible import rpc
 from crucible._pb import crucible_pb2 as pb
+from crucible.slots import slot_name
 
 log = logging.getLogger("crucible.outer")
 
@@ -38,7 +55,10 @@ SPARSE_HEADER = struct.Struct("<4sBBHQII")   # crucible.compress.sparseloco wire
 SPARSE_MAGIC = b"SLC0"
 DENSE_HEADER = struct.Struct("<4sQ")          # crucible.worker.outer dense (DiLoCo) payload
 DENSE_MAGIC = b"DNS0"
-KEEP_CLOSED = 64
+KEEP_CLOSED = 64            # closed rounds kept on disk per stage ...
+KEEP_BYTES = 256 << 20      # ... or fewer, when they would take more than this (at least 4)
+WAIT_S = 20.0               # longest a call waits for its round before the worker asks again
+ROUND_FILE = struct.Struct("<I")   # length of the JSON header that starts a round file
 
 
 def check_payload(mode: str, payload: bytes, numel: int) -> None:
@@ -80,34 +100,99 @@ class Round:
     payloads: dict[int, bytes] = field(default_factory=dict)
     abstained: set[int] = field(default_factory=set)
     expected_at_open: set[int] = field(default_factory=set)
-    closed: bool = False
+    sealed: bool = False       # contributors fixed; being written to disk
+    writing: bool = False
+    closed: bool = False       # on disk: replies may go out
     contributors: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     warned: bool = False
+
+    def reply(self) -> pb.OuterReply:
+        return pb.OuterReply(round=self.number, contributors=self.contributors,
+                             payloads=[self.payloads[x] for x in self.contributors], dropped=self.dropped)
+
+
+class RoundStore:
+    """Closed rounds on disk: ``<root>/s<stage>/r<round>.bin`` = JSON header
+    (contributors, dropped, payload sizes) + the payloads, written atomically."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def _path(self, stage: int, number: int) -> str:
+        return os.path.join(self.root, f"s{stage}", f"r{number:08d}.bin")
+
+    def write(self, rnd: Round) -> None:
+        head = json.dumps({"round": rnd.number, "stage": rnd.stage, "contributors": rnd.contributors,
+                           "dropped": rnd.dropped,
+                           "sizes": [len(rnd.payloads[r]) for r in rnd.contributors]}).encode()
+        path = self._path(rnd.stage, rnd.number)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(ROUND_FILE.pack(len(head)) + head)
+            for r in rnd.contributors:
+                f.write(rnd.payloads[r])
+        os.replace(tmp, path)
+        self._trim(rnd.stage)
+
+    def read(self, stage: int, number: int) -> Round | None:
+        try:
+            with open(self._path(stage, number), "rb") as f:
+                data = f.read()
+            (n,) = ROUND_FILE.unpack_from(data, 0)
+            head = json.loads(data[ROUND_FILE.size:ROUND_FILE.size + n])
+        except (OSError, struct.error, ValueError):
+            return None
+        rnd = Round(stage, number, sealed=True, closed=True, contributors=list(head["contributors"]),
+                    dropped=list(head["dropped"]))
+        at = ROUND_FILE.size + n
+        for r, size in zip(rnd.contributors, head["sizes"]):
+            rnd.payloads[r] = data[at:at + size]
+            at += size
+        return rnd
+
+    def newest(self, stage: int) -> int | None:
+        names = self._names(stage)
+        return int(names[-1][1:9]) if names else None
+
+    def _names(self, stage: int) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(os.path.join(self.root, f"s{stage}")) if n.endswith(".bin"))
+        except OSError:
+            return []
+
+    def _trim(self, stage: int) -> None:
+        folder = os.path.join(self.root, f"s{stage}")
+        names = self._names(stage)
+        sizes = [os.path.getsize(os.path.join(folder, n)) for n in names]
+        keep, total = 0, 0
+        for size in reversed(sizes):
+            if keep >= KEEP_CLOSED or (keep >= 4 and total + size > KEEP_BYTES):
+                break
+            keep, total = keep + 1, total + size
+        for name in names[:len(names) - keep]:
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
 
 
 class OuterRelay:
     def __init__(self, coord):
         self.c = coord
-        self.rounds: dict[tuple[int, int], Round] = {}
-        self.numel: dict[int, int] = {}
-        self.closed_max: dict[int, int] = {}   # newest round closed, per stage
-
-    def _expected(self, stage: int, number: int) -> set[int]:
-        """Replicas that will contribute to round `number` of `stage`: training (or
-        done), holding the stage, and not yet past the step the round follows (a
-        replica that trained through it without the stage never will)."""
-        at = (number + 1) * self.c.cfg.outer.H
-        return {rep.id for rep in self.c.replicas
-                if rep.state in ("training", "done") and stage in self.c.routes[rep.id]
-                and self.c._replica_step(rep.id) <= at}
+        self.rounds: dict[tuple[int, int], Round] = {}     # open (or being sealed) rounds
+        self.store = RoundStore(os.path.join(coord.run_dir, "outer"))
 
     def _maybe_close(self, rnd: Round) -> None:
-        if rnd.closed:
+        """Under the lock: seal the round once every expected replica is in."""
+        if rnd.sealed:
             return
+        m = self.c.m
         # Who the round waits for only shrinks: the replicas expected when it opened,
         # less those that died, paused or skip this stage since.
-        expected = (rnd.expected_at_open & self._expected(rnd.stage, rnd.number)) - rnd.abstained
+        expected = (rnd.expected_at_open & m.expected_in_round(rnd.stage, rnd.number, self.c.cfg.outer.H)) \
+            - rnd.abstained
         if not expected <= set(rnd.payloads):
             if not rnd.warned and time.time() - rnd.opened > self.c.cfg.outer.deadline_s:
                 rnd.warned = True
@@ -116,23 +201,62 @@ class OuterRelay:
                 self.c.metrics.write({"event": "outer_waiting", "stage": rnd.stage, "round": rnd.number,
                                       "missing": missing})
             return
-        rnd.closed = True
+        rnd.sealed = True
         rnd.contributors = sorted(r for r in rnd.payloads if r not in rnd.abstained)
         rnd.dropped = sorted((rnd.expected_at_open | rnd.abstained) - set(rnd.contributors))
-        self.c.metrics.write({"event": "outer_round", "stage": rnd.stage, "round": rnd.number,
-                              "contributors": rnd.contributors, "dropped": rnd.dropped,
-                              "bytes": sum(len(rnd.payloads[r]) for r in rnd.contributors),
-                              "seconds": time.time() - rnd.opened})
-        self.closed_max[rnd.stage] = max(self.closed_max.get(rnd.stage, rnd.number), rnd.number)
-        for key in sorted(self.rounds):
-            if key[0] == rnd.stage and key[1] <= self.closed_max[rnd.stage] - KEEP_CLOSED and self.rounds[key].closed:
-                del self.rounds[key]
         self.c.cv.notify_all()
+
+    def _finish(self, rnd: Round) -> None:
+        """Write a sealed round to disk (off the lock), then let its replies go."""
+        c = self.c
+        rnd.writing = True
+        c.cv.release()
+        try:
+            self.store.write(rnd)
+            ok = True
+        except OSError as e:
+            log.error("could not write outer round %d of stage %d: %s", rnd.number, rnd.stage, e)
+            ok = False
+        finally:
+            c.cv.acquire()
+        rnd.writing = False
+        if not ok:
+            return      # the next waiter tries again
+        rnd.closed = True
+        self.rounds.pop((rnd.stage, rnd.number), None)
+        c.metrics.write({"event": "outer_round", "stage": rnd.stage, "round": rnd.number,
+                         "contributors": rnd.contributors, "dropped": rnd.dropped,
+                         "bytes": sum(len(rnd.payloads[r]) for r in rnd.contributors),
+                         "seconds": time.time() - rnd.opened})
+        c.cv.notify_all()
 
     def poke(self) -> None:
         """Under the coordinator's lock: membership changed; re-check open rounds."""
         for rnd in list(self.rounds.values()):
             self._maybe_close(rnd)
+
+    def _round(self, stage: int, number: int) -> Round:
+        """Under the lock: the open round, or the closed one from disk, or a new one."""
+        rnd = self.rounds.get((stage, number))
+        if rnd is not None:
+            return rnd
+        self.c.cv.release()
+        try:
+            done = self.store.read(stage, number)
+        finally:
+            self.c.cv.acquire()
+        if done is not None:
+            return done
+        rnd = self.rounds.get((stage, number))
+        if rnd is not None:          # opened while we read
+            return rnd
+        newest = self.store.newest(stage)
+        if newest is not None and number <= newest - KEEP_CLOSED:
+            raise rpc.RpcFault(grpc.StatusCode.OUT_OF_RANGE,
+                               f"round {number} of stage {stage} is long gone (newest {newest})")
+        rnd = self.rounds[(stage, number)] = Round(stage, number, expected_at_open=self.c.m.expected_in_round(
+            stage, number, self.c.cfg.outer.H))
+        return rnd
 
     def exchange(self, req: pb.OuterRequest, context) -> pb.OuterReply:
         c = self.c
@@ -141,49 +265,45 @@ class OuterRelay:
             w = c.member(req.worker_id)
             if req.stage != w.stage:
                 raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
-                                   f"worker r{w.replica}s{w.stage} cannot contribute to stage {req.stage}")
+                                   f"worker {slot_name(w.replica, w.stage)} cannot contribute to stage {req.stage}")
             if mode == "none":
                 raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, "outer.mode is none: no outer rounds")
             if req.mode != mode:
                 raise ValueError(f"contribution in mode {req.mode!r}; the job runs {mode!r}")
             if req.round < 0:
                 raise ValueError(f"round {req.round} < 0")
+            t_end = time.monotonic() + WAIT_S
             while not c.job_started:  # a restarted coordinator: wait for the members to come back
-                if not context.is_active() or c.stopping.is_set():
+                if not context.is_active() or c.stopping.is_set() or time.monotonic() > t_end:
                     raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "the job has not started; retry")
                 c.cv.wait(0.5)
-            key = (req.stage, req.round)
-            rnd = self.rounds.get(key)
-            if rnd is None:
-                # Round numbers follow from steps; some are never opened (no replica
-                # held the stage then). Only rounds closed long ago are refused.
-                closed = self.closed_max.get(req.stage)
-                if closed is not None and req.round <= closed - KEEP_CLOSED:
-                    raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
-                                       f"round {req.round} of stage {req.stage} is long gone (newest {closed})")
-                rnd = self.rounds[key] = Round(req.stage, req.round,
-                                               expected_at_open=self._expected(req.stage, req.round))
+            rnd = self._round(req.stage, req.round)
             r = w.replica
-            if req.payload and not rnd.closed:
-                numel = self.numel.setdefault(req.stage, req.numel)
+            if req.payload and not rnd.sealed:
+                numel = c.m.stage_numel.get(req.stage)
                 try:
+                    if r in rnd.abstained:
+                        raise ValueError("this replica was already left out of the round")
+                    if numel is None:
+                        raise ValueError(f"stage {req.stage}'s size is not known (no worker registered it)")
                     check_payload(mode, req.payload, numel)
                 except ValueError as e:
                     rnd.abstained.add(r)
                     self._maybe_close(rnd)
                     c.metrics.write({"event": "outer_rejected", "replica": r, "stage": req.stage,
                                      "round": req.round, "reason": str(e)})
-                    log.warning("outer contribution of r%ds%d refused: %s", r, req.stage, e)
+                    log.warning("outer contribution of %s refused: %s", slot_name(r, req.stage), e)
                     raise ValueError(f"outer contribution refused and left out of round {req.round}: {e}") from None
                 rnd.payloads[r] = bytes(req.payload)
-            elif not rnd.closed:
+            elif not rnd.sealed and r not in rnd.payloads:
                 rnd.abstained.add(r)
             self._maybe_close(rnd)
-            t_end = time.time() + max(3600.0, 10 * c.cfg.outer.deadline_s)
             while not rnd.closed:
-                if not context.is_active() or c.stopping.is_set() or time.time() > t_end:
-                    raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "round did not close; retry")
+                if not context.is_active() or c.stopping.is_set() or time.monotonic() > t_end:
+                    raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "round still open; ask again")
+                if rnd.sealed and not rnd.writing:
+                    self._finish(rnd)
+                    continue
                 c.cv.wait(0.5)
                 self._maybe_close(rnd)
-            return pb.OuterReply(round=rnd.number, contributors=rnd.contributors,
-                                 payloads=[rnd.payloads[x] for x in rnd.contributors], dropped=rnd.dropped)
+            return rnd.reply()

@@ -2,129 +2,104 @@
 
 Protocol (what a worker can rely on)
 ------------------------------------
-* **Register** checks the protocol version (FAILED_PRECONDITION on mismatch),
-  gives the worker a slot ``(replica, stage)`` (the one it asked for, or the
-  first vacant one, first and last stages first), a worker id, the job's
-  configuration as JSON, the run directory and the current routes.
-* **Routes.** Replica r's route is the ordered list of its stages that have a
-  live worker, with their data-plane addresses. Every route change bumps the
-  job's epoch, ``(incarnation << 32) | counter``, and is pushed at once to
-  every ``WatchRoutes`` stream. A replica is ``waiting`` until all of its
-  slots have been filled once, then ``training``; ``paused`` while its first
-  or last stage is vacant; ``done`` when its stage 0 reports the last step.
-* **Heartbeat** from a dedicated thread of each worker. An unknown worker id
-  gets NOT_FOUND (it should register again); a worker already declared dead
-  gets FAILED_PRECONDITION (it is stale: it must come back as a replacement).
-  A worker not heard from for ``fault.heartbeat_timeout`` is declared dead.
-* **Report** carries events (JSON objects with an ``event`` field) that the
-  coordinator stamps with ``time`` and appends to ``metrics.jsonl``.
+* **JobInfo** gives the job's configuration (and a vacant slot) without
+  joining: a worker builds its stage first, then registers with its size.
+* **Register** checks the protocol version (FAILED_PRECONDITION on mismatch)
+  and the stage's size (every worker of a stage must have built the same
+  number of parameters), gives the worker a slot ``(replica, stage)``, a
+  worker id, the configuration as JSON, the run directory and the routes.
+* **Routes** (``membership.py``): replica r's route is the ordered list of its
+  stages that have a live worker. Every change bumps the job's epoch and is
+  pushed at once to every ``WatchRoutes`` stream.
+* **Heartbeat** from each worker. An unknown worker id gets NOT_FOUND (it
+  registers again); a worker already declared dead gets FAILED_PRECONDITION
+  (it is stale: it must come back as a replacement). A worker not heard from
+  for ``fault.heartbeat_timeout`` is declared dead. A coordinator that was
+  itself stalled (its monitor ran late) credits everyone with the stall
+  before it judges anyone.
+* **Report** carries events (JSON objects with an ``event`` field) numbered by
+  ``(source, seq)``: a retried batch is written to ``metrics.jsonl`` once.
 * **Status** is the job at a glance, the JSON that ``crucible status --json``
   prints.
 
-The coordinator never imports torch and holds only soft state: what it knows
-it learns again from workers registering and reporting.
+Restarts
+--------
+The membership (slots, workers, routes, route epochs, stage sizes) is written
+to ``coordinator.state.json`` after every change, off the lock. A coordinator
+started on a run directory that holds it continues from it: the same worker
+ids, routes and epochs, so workers carry on without re-registering and no
+step is aborted; each worker's heartbeat clock restarts at the restore. Outer
+rounds closed before the restart are read back from disk (``outer.py``);
+rounds in flight are redone by the workers' retries. ``--resume`` (a whole
+job restarting from a checkpoint) and a fresh ``crucible launch`` start
+without it.
+
+The coordinator never imports torch, and holds no lock across file or
+network I/O (``persist.py`` writes off the lock).
 """
 
 from __future__ import annotations
 
-import collections
 import fcntl
 import json
 import logging
 import os
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 
 import grpc
 
-from crucible import PROTOCOL_VERSION
-from crucible import rpc
+from crucible import PROTOCOL_VERSION, __version__, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
 from crucible.coordinator.checkpoints import CheckpointManager
+from crucible.coordinator.membership import Membership, Refused, WorkerInfo
 from crucible.coordinator.outer import OuterRelay
+from crucible.coordinator.persist import LatestFile, MetricsLog, atomic_write, last_sequence_numbers
+from crucible.slots import slot_name
 
 log = logging.getLogger("crucible.coordinator")
 
 SERVICE = "crucible.v1.Coordinator"
 MAX_EVENTS_PER_REPORT = 1000
 MAX_EVENT_BYTES = 64 << 10
+STATE_FILE = "coordinator.state.json"
+MONITOR_TICK_S = 0.1
 
 
-@dataclass
-class WorkerInfo:
-    worker_id: str
-    replica: int
-    stage: int
-    address: str
-    pid: int
-    host: str
-    state: str = "alive"          # alive | dead | joining | done
-    last_seen: float = 0.0
-    step: int = 0
-    registered_at: float = 0.0
-
-
-@dataclass
-class ReplicaInfo:
-    id: int
-    state: str = "waiting"        # waiting | training | paused | resuming | done
-    step: int = 0
-    loss: float | None = None
-    eval_loss: float | None = None
-    goodput: dict = field(default_factory=dict)   # the replica's latest time ledger
-    started: bool = False
-    tokens: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
-
-
-class MetricsLog:
-    """Append-only metrics.jsonl: one JSON object a line, each with event and time."""
-
-    def __init__(self, path: str):
-        self._f = open(path, "a", buffering=1)
-        self._lock = threading.Lock()
-
-    def write(self, event: dict) -> None:
-        event.setdefault("time", time.time())
-        line = json.dumps(event, separators=(",", ":"), default=str)
-        with self._lock:
-            self._f.write(line + "\n")
-
-    def close(self) -> None:
-        with self._lock:
-            self._f.close()
+def _status(code: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
 
 
 class Coordinator:
-    def __init__(self, cfg: Config, run_dir: str, token: str):
+    def __init__(self, cfg: Config, run_dir: str, token: str, restore: bool = True):
         self.cfg = cfg
         self.run_dir = os.path.abspath(run_dir)
         self.token = token
         os.makedirs(self.run_dir, exist_ok=True)
         self._lock_file = self._take_lock()
         self.incarnation = self._bump_incarnation()
-        self.counter = 0
         self.cv = threading.Condition()
-        R, S = cfg.job.replicas, cfg.job.stages
-        self.slots: dict[tuple[int, int], str | None] = {(r, s): None for r in range(R) for s in range(S)}
-        self.workers: dict[str, WorkerInfo] = {}
-        self.replicas = [ReplicaInfo(r) for r in range(R)]
-        self.routes: dict[int, list[int]] = {r: [] for r in range(R)}
-        self.route_epoch: dict[int, int] = {r: 0 for r in range(R)}
-        self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"))
+        self.m = Membership(cfg.job.replicas, cfg.job.stages, cfg.fault.on_stage_failure, self.incarnation)
+        self.state_file = LatestFile(os.path.join(self.run_dir, STATE_FILE))
+        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        self.report_seq = last_sequence_numbers(metrics_path)    # source -> newest seq written
+        self.metrics = MetricsLog(metrics_path)
+        self.last_errors: dict[tuple[int, int], dict] = {}   # slot -> its last worker_error
         self.started = time.time()
         self.stopping = threading.Event()
         self.finished = threading.Event()
-        self.latest_committed_step: int | None = None
         self.server = None
         self.port = 0
-        self.job_started = False
         self.restart_requested = False
+        self._probing: set[tuple[int, int]] = set()
         self.outer = OuterRelay(self)
         self.ckpt = CheckpointManager(self)
+        if restore:
+            self._restore()
+        else:
+            self._forget_state()
 
     # ---- run-directory bookkeeping -------------------------------------
 
@@ -143,18 +118,46 @@ class Coordinator:
                 n = int(f.read().strip() or 0) + 1
         except (OSError, ValueError):
             n = 1
-        _atomic_write(path, f"{n}\n")
+        atomic_write(path, f"{n}\n")
         return n
+
+    def _restore(self) -> None:
+        saved = self.state_file.read()
+        if saved is None:
+            return
+        try:
+            self.m.restore(saved, time.time())
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("not continuing from %s: %s", self.state_file.path, e)
+            self.m = Membership(self.cfg.job.replicas, self.cfg.job.stages, self.cfg.fault.on_stage_failure,
+                                self.incarnation)
+            return
+        live = sum(1 for w in self.m.workers.values() if w.state in ("alive", "joining", "done"))
+        log.info("continuing from the previous coordinator's state: %d live workers, epoch %#x", live,
+                 max(self.m.route_epoch.values()))
+        self.metrics.write({"event": "coordinator_restored", "incarnation": self.incarnation, "workers": live,
+                            "routes": {str(r): v for r, v in self.m.routes.items()}})
+
+    def _forget_state(self) -> None:
+        try:
+            os.unlink(self.state_file.path)
+        except FileNotFoundError:
+            pass
 
     @property
     def epoch(self) -> int:
-        return (self.incarnation << 32) | self.counter
+        return self.m.epoch
+
+    @property
+    def job_started(self) -> bool:
+        return self.m.job_started
 
     # ---- server ---------------------------------------------------------
 
     def start(self, bind: str) -> int:
-        n = len(self.slots)
+        n = len(self.m.slots)
         handlers = {
+            "JobInfo": rpc.unary("JobInfo", pb.JobInfoRequest, pb.JobInfoReply, self.JobInfo),
             "Register": rpc.unary("Register", pb.RegisterRequest, pb.RegisterReply, self.Register),
             "Heartbeat": rpc.unary("Heartbeat", pb.HeartbeatRequest, pb.HeartbeatReply, self.Heartbeat),
             "WatchRoutes": rpc.unary_stream("WatchRoutes", pb.WatchRequest, pb.RouteUpdate, self.WatchRoutes),
@@ -169,10 +172,10 @@ class Coordinator:
         if host in ("0.0.0.0", "[::]", ""):
             host = "127.0.0.1"
         adv = self.cfg.net.advertise or f"{host}:{self.port}"
-        _atomic_write(os.path.join(self.run_dir, "coordinator.addr"), adv + "\n")
+        atomic_write(os.path.join(self.run_dir, "coordinator.addr"), adv + "\n")
         self.metrics.write({"event": "coordinator_start", "address": adv, "incarnation": self.incarnation,
                             "pid": os.getpid(), "replicas": self.cfg.job.replicas, "stages": self.cfg.job.stages,
-                            "config": self.cfg.to_dict()})
+                            "restored": self.m.restored, "version": __version__, "config": self.cfg.to_dict()})
         threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
         self.ckpt.start()
         log.info("coordinator %s up at %s (incarnation %d)", self.run_dir, adv, self.incarnation)
@@ -184,85 +187,89 @@ class Coordinator:
             self.cv.notify_all()
         if self.server is not None:
             self.server.stop(grace).wait(grace + 1)
+        self.state_file.close()
         self.metrics.close()
+
+    # ---- membership changes (under self.cv) ------------------------------
+
+    def _changed(self, reason: str) -> None:
+        """After a membership change: recompute routes, tell everyone, persist."""
+        if self.m.recompute_routes():
+            self.outer.poke()
+            self.metrics.write({"event": "route_change", "epoch": self.epoch, "reason": reason,
+                                "routes": {str(r): v for r, v in self.m.routes.items()},
+                                "states": {str(r.id): r.state for r in self.m.replicas}})
+        self.cv.notify_all()
+        self.state_file.put(self.m.to_dict())
+
+    def _declare_dead(self, w: WorkerInfo, why: str, probe_s: float | None = None) -> None:
+        self.m.declare_dead(w, time.time())
+        if self.cfg.fault.on_stage_failure == "restart" and self.job_started:
+            self.restart_requested = True
+        self.metrics.write({"event": "fault", "kind": "worker_dead", "worker": w.worker_id,
+                            "replica": w.replica, "stage": w.stage, "pid": w.pid, "reason": why,
+                            "probe_s": probe_s})
+        log.warning("worker %s (%s) declared dead: %s", slot_name(w.replica, w.stage), w.worker_id, why)
+        self._changed(f"{slot_name(w.replica, w.stage)} dead: {why}")
+
+    def member(self, worker_id: str) -> WorkerInfo:
+        """Under self.cv: the calling worker (NOT_FOUND / FAILED_PRECONDITION otherwise)."""
+        try:
+            return self.m.member(worker_id)
+        except Refused as e:
+            raise rpc.RpcFault(_status(e.code), e.message) from None
 
     # ---- RPC handlers ---------------------------------------------------
 
-    def Register(self, req: pb.RegisterRequest, context) -> pb.RegisterReply:
-        if req.protocol_version != PROTOCOL_VERSION:
+    def _check_version(self, version: int) -> None:
+        if version != PROTOCOL_VERSION:
             raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"protocol version {req.protocol_version} does not match the coordinator's "
+                               f"protocol version {version} does not match the coordinator's "
                                f"{PROTOCOL_VERSION}: run the same Crucible version everywhere")
+
+    def JobInfo(self, req: pb.JobInfoRequest, context) -> pb.JobInfoReply:
+        self._check_version(req.protocol_version)
+        with self.cv:
+            slot = (req.replica, req.stage) if req.replica >= 0 or req.stage >= 0 else self.m.vacant_slot()
+        slot = slot or (-1, -1)
+        return pb.JobInfoReply(config_json=self.cfg.to_json(), run_dir=self.run_dir, replica=slot[0],
+                               stage=slot[1], incarnation=self.incarnation)
+
+    def Register(self, req: pb.RegisterRequest, context) -> pb.RegisterReply:
+        self._check_version(req.protocol_version)
         if not req.address or ":" not in req.address:
             raise ValueError(f"address {req.address!r} must be host:port")
-        R, S = self.cfg.job.replicas, self.cfg.job.stages
         with self.cv:
-            if req.replica >= 0 or req.stage >= 0:
-                if not (0 <= req.replica < R and 0 <= req.stage < S):
-                    raise ValueError(f"slot r{req.replica}s{req.stage} does not exist in a {R}x{S} job")
-                slot = (req.replica, req.stage)
-                holder = self.slots[slot]
-                if holder is not None and self.workers[holder].state in ("alive", "joining", "done"):
-                    raise rpc.RpcFault(grpc.StatusCode.ALREADY_EXISTS,
-                                       f"slot r{slot[0]}s{slot[1]} is held by live worker {holder}")
-            else:
-                slot = self._vacant_slot()
-                if slot is None:
-                    raise rpc.RpcFault(grpc.StatusCode.RESOURCE_EXHAUSTED, "no vacant slot in this job")
-            wid = f"r{slot[0]}s{slot[1]}-{uuid.uuid4().hex[:8]}"
-            now = time.time()
-            # Once the job is under way a new worker is a replacement: it pulls its
-            # stage's weights from a peer and enters the route when it says "ready".
-            # A live worker re-registering after a coordinator restart is not.
-            replacement = self.job_started and not req.rejoin
-            self.workers[wid] = WorkerInfo(wid, slot[0], slot[1], req.address, req.pid, req.host,
-                                           state="joining" if replacement else "alive",
-                                           last_seen=now, registered_at=now)
-            self.slots[slot] = wid
-            self.metrics.write({"event": "worker_registered", "worker": wid, "replica": slot[0],
-                                "stage": slot[1], "address": req.address, "pid": req.pid,
-                                "replacement": replacement, "rejoin": req.rejoin})
-            self._recompute_routes(reason=f"r{slot[0]}s{slot[1]} registered")
-            return pb.RegisterReply(worker_id=wid, replica=slot[0], stage=slot[1],
+            try:
+                w, replacement = self.m.register(req.replica, req.stage, req.address, req.pid, req.host,
+                                                 req.rejoin, int(req.numel), time.time())
+            except Refused as e:
+                raise rpc.RpcFault(_status(e.code), e.message) from None
+            self.metrics.write({"event": "worker_registered", "worker": w.worker_id, "replica": w.replica,
+                                "stage": w.stage, "address": req.address, "pid": req.pid,
+                                "replacement": replacement, "rejoin": req.rejoin, "numel": req.numel})
+            self._changed(f"{slot_name(w.replica, w.stage)} registered")
+            return pb.RegisterReply(worker_id=w.worker_id, replica=w.replica, stage=w.stage,
                                     config_json=self.cfg.to_json(), routes=self._route_update(),
                                     run_dir=self.run_dir, incarnation=self.incarnation,
-                                    replacement=replacement, replica_step=self._replica_step(slot[0]),
-                                    resume_dir=self.ckpt.resume_dir_for(slot, req.rejoin or replacement))
-
-    def member(self, worker_id: str) -> WorkerInfo:
-        """Under self.cv: the calling worker. An unknown one gets NOT_FOUND (it should
-        register again: we may be a restarted coordinator); one declared dead gets
-        FAILED_PRECONDITION (it is stale and must come back as a replacement)."""
-        w = self.workers.get(worker_id)
-        if w is None:
-            raise rpc.RpcFault(grpc.StatusCode.NOT_FOUND, f"unknown worker {worker_id!r}: register again")
-        if w.state == "dead":
-            raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"worker {worker_id} was declared dead: rejoin as a replacement")
-        return w
+                                    replacement=replacement, replica_step=self.m.replica_step(w.replica),
+                                    slot_step=w.slot_step,
+                                    resume_dir=self.ckpt.resume_dir_for((w.replica, w.stage),
+                                                                        req.rejoin or replacement))
 
     def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         with self.cv:
             w = self.member(req.worker_id)
-            w.last_seen = time.time()
-            w.step = req.step
-            if w.stage == 0 and w.state == "alive":
-                rep = self.replicas[w.replica]
-                rep.step = max(rep.step, int(req.step))
-            if req.state == "done" and w.state != "done":
-                w.state = "done"
-            elif req.state == "ready" and w.state == "joining":
-                w.state = "alive"
-                self.metrics.write({"event": "worker_joined", "worker": w.worker_id, "replica": w.replica,
-                                    "stage": w.stage})
-                self._recompute_routes(reason=f"r{w.replica}s{w.stage} rejoined")
+            what = self.m.heartbeat(w, req.step, req.state, time.time())
+            if what is not None:
+                self.metrics.write({"event": what, "worker": w.worker_id, "replica": w.replica, "stage": w.stage})
+                self._changed(f"{slot_name(w.replica, w.stage)} {what.removeprefix('worker_')}")
             command = "stop" if self.stopping.is_set() else ("restart" if self.restart_requested else "")
             return pb.HeartbeatReply(epoch=self.epoch, command=command, ckpt_step=self.ckpt.target())
 
     def WatchRoutes(self, req: pb.WatchRequest, context):
         with self.cv:
-            if req.worker_id not in self.workers:
-                raise rpc.RpcFault(grpc.StatusCode.NOT_FOUND, f"unknown worker {req.worker_id!r}")
+            self.member(req.worker_id)
         sent = -1
         while context.is_active() and not self.stopping.is_set():
             with self.cv:
@@ -276,8 +283,10 @@ class Coordinator:
     def Report(self, req: pb.ReportRequest, context) -> pb.ReportReply:
         if len(req.events_json) > MAX_EVENTS_PER_REPORT:
             raise ValueError(f"{len(req.events_json)} events in one report (max {MAX_EVENTS_PER_REPORT})")
-        with self.cv:
-            w = self.member(req.worker_id)
+        w = None
+        if req.worker_id:
+            with self.cv:
+                w = self.member(req.worker_id)
         events = []
         for i, raw in enumerate(req.events_json):
             if len(raw) > MAX_EVENT_BYTES:
@@ -288,11 +297,33 @@ class Coordinator:
                 raise ValueError(f"event {i} is not JSON: {e}") from None
             if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
                 raise ValueError(f"event {i} must be a JSON object with a string 'event' field")
+            if w is None and (ev["event"] != "worker_error" or (ev.get("replica"), ev.get("stage"))
+                              not in self.m.slots):
+                raise rpc.RpcFault(grpc.StatusCode.NOT_FOUND, "only a worker_error of an existing slot may be "
+                                                              "reported before registering: register first")
             events.append(ev)
-        for ev in events:
-            ev.setdefault("worker", req.worker_id)
-            self._observe(ev, w)
-            self.metrics.write(ev)
+        ticket = 0
+        with self.cv:
+            first = 0
+            if req.source:
+                # A retried batch (its reply was lost): the events already written are dropped.
+                seen = self.report_seq.get(req.source, -1)
+                first = max(0, seen + 1 - int(req.seq))
+                if events:
+                    self.report_seq[req.source] = max(seen, int(req.seq) + len(events) - 1)
+            for i, ev in enumerate(events[first:], start=first):
+                ev.setdefault("worker", req.worker_id)
+                if req.source:
+                    ev["src"], ev["seq"] = req.source, int(req.seq) + i
+                if w is not None:
+                    self._observe(ev, w)
+                else:
+                    self._record_error((ev["replica"], ev["stage"]), ev, "(not registered)")
+                ticket = self.metrics.write(ev)
+        # Acknowledged only once written: a batch acked and then lost in a crash
+        # would be reported zero times.
+        if ticket and not self.metrics.wait_written(ticket, timeout=10.0):
+            raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "metrics.jsonl is not keeping up; retry")
         return pb.ReportReply(accepted=len(events))
 
     def Status(self, req: pb.StatusRequest, context) -> pb.StatusReply:
@@ -301,170 +332,128 @@ class Coordinator:
     # ---- state ----------------------------------------------------------
 
     def _observe(self, ev: dict, w: WorkerInfo) -> None:
+        """Under self.cv: what an event tells the coordinator."""
         kind = ev["event"]
-        with self.cv:
-            rep = self.replicas[w.replica]
-            if kind == "step" and w.stage == 0:
-                rep.step = int(ev.get("step", rep.step)) + 1
-                rep.loss = ev.get("loss")
-                rep.tokens.append((time.time(), int(ev.get("tokens", 0))))
-            elif kind == "eval" and w.stage == 0:
-                rep.eval_loss = ev.get("loss")
-            elif kind == "goodput" and w.stage == 0:
-                rep.goodput = {k: v for k, v in ev.items() if k.endswith("_s") or k == "goodput"}
-            elif kind == "suspect":
-                threading.Thread(target=self._probe, args=(ev.get("replica"), ev.get("stage"), ev.get("reason", "")),
-                                 daemon=True, name="probe").start()
-            elif kind == "replica_done" and w.stage == 0:
-                rep.state = "done"
-                self._recompute_routes(reason=f"replica {w.replica} done")
-                self._check_finished()
+        rep = self.m.replicas[w.replica]
+        if kind == "step" and w.stage == 0:
+            rep.step = int(ev.get("step", rep.step)) + 1
+            rep.loss = ev.get("loss")
+            rep.tokens.append((time.time(), int(ev.get("tokens", 0))))
+        elif kind == "eval" and w.stage == 0:
+            rep.eval_loss = ev.get("loss")
+        elif kind == "goodput" and w.stage == 0:
+            rep.goodput = {k: v for k, v in ev.items() if k.endswith("_s") or k == "goodput"}
+        elif kind == "worker_error":
+            self._record_error((w.replica, w.stage), ev, w.worker_id)
+        elif kind == "suspect":
+            self._start_probe(ev.get("replica"), ev.get("stage"), str(ev.get("reason", "")))
+        elif kind == "stage_lost" and not self.restart_requested:
+            # No live copy of a stage, and its newest checkpoint is older than its last
+            # weights: the whole job goes back to the latest checkpoint (every worker is
+            # told to restart with --resume) rather than silently training on older weights.
+            self.restart_requested = True
+            self.metrics.write({"event": "job_rollback", "reason": ev.get("reason"), "replica": w.replica,
+                                "stage": w.stage, "to_step": self.ckpt.latest_committed_step})
+            log.error("rolling the job back to checkpoint step %s: %s", self.ckpt.latest_committed_step,
+                      ev.get("reason"))
+        elif kind == "replica_done" and w.stage == 0:
+            self.m.replica_done(w.replica)
+            self._changed(f"replica {w.replica} done")
+            self._check_finished()
 
-    def _replica_step(self, r: int) -> int:
-        """Committed steps of replica r: the most any of its live workers has applied."""
-        steps = [self.replicas[r].step]
-        steps += [w.step for w in self.workers.values() if w.replica == r and w.state == "alive"]
-        return max(steps)
+    def _record_error(self, slot: tuple[int, int], ev: dict, who: str) -> None:
+        self.last_errors[slot] = {"error": str(ev.get("error", ""))[:500], "time": time.time(), "worker": who}
+        log.error("worker %s (%s) failed: %s", slot_name(*slot), who, ev.get("error"))
 
     def _check_finished(self) -> None:
-        if all(r.state == "done" for r in self.replicas) and not self.finished.is_set():
+        if self.m.all_done() and not self.finished.is_set():
             self.metrics.write({"event": "job_done", "elapsed_s": time.time() - self.started,
-                                "steps": [r.step for r in self.replicas]})
+                                "steps": [r.step for r in self.m.replicas]})
             self.finished.set()
 
-    def _vacant_slot(self) -> tuple[int, int] | None:
-        S = self.cfg.job.stages
-        order = sorted(range(S), key=lambda s: (0 if s in (0, S - 1) else 1, s))
-        for s in order:
-            for r in range(self.cfg.job.replicas):
-                holder = self.slots[(r, s)]
-                if holder is None or self.workers[holder].state == "dead":
-                    return (r, s)
-        return None
-
-    def _alive(self, slot) -> bool:
-        wid = self.slots[slot]
-        return wid is not None and self.workers[wid].state in ("alive", "done")
-
-    def _recompute_routes(self, reason: str) -> None:
-        """Under self.cv. Recompute every replica's route; bump the epoch on change."""
-        S = self.cfg.job.stages
-        changed_replicas = []
-        # No replica starts before every slot of the job has been filled once, so
-        # that all replicas begin together at step 0 and outer round 0.
-        if not self.job_started and all(self._alive(slot) for slot in self.slots):
-            self.job_started = True
-        for rep in self.replicas:
-            r = rep.id
-            route = [s for s in range(S) if self._alive((r, s))]
-            before = (rep.state, self.routes[r])
-            if rep.state == "done":
-                pass
-            elif not rep.started:
-                if self.job_started and len(route) == S:
-                    rep.started = True
-                    rep.state = "training"
-            elif 0 not in route or (S - 1) not in route:
-                rep.state = "paused"       # no stage to drive it, or none to compute its loss
-            elif len(route) < S and self.cfg.fault.on_stage_failure == "wait":
-                rep.state = "paused"       # policy wait: stall until a replacement arrives
-            elif rep.state == "paused":
-                rep.state = "training"
-            self.routes[r] = route
-            if (rep.state, route) != before:
-                changed_replicas.append(r)
-        if changed_replicas:
-            self.counter += 1
-            for r in changed_replicas:
-                self.route_epoch[r] = self.epoch
-            self.outer.poke()
-            self.metrics.write({"event": "route_change", "epoch": self.epoch, "reason": reason,
-                                "routes": {str(r): v for r, v in self.routes.items()},
-                                "states": {str(r.id): r.state for r in self.replicas}})
-            self.cv.notify_all()
-
     def _route_update(self) -> pb.RouteUpdate:
-        routes = []
-        for rep in self.replicas:
-            stages = self.routes[rep.id]
-            addrs = [self.workers[self.slots[(rep.id, s)]].address for s in stages]
-            routes.append(pb.Route(replica=rep.id, stages=stages, addresses=addrs, state=rep.state,
-                                   epoch=self.route_epoch[rep.id]))
-        return pb.RouteUpdate(epoch=self.epoch, routes=routes)
+        return pb.RouteUpdate(epoch=self.epoch, routes=[pb.Route(**r) for r in self.m.routes_view()])
 
     def _monitor(self) -> None:
         timeout = self.cfg.fault.heartbeat_timeout
-        while not self.stopping.wait(0.1):
+        last = time.monotonic()
+        while not self.stopping.wait(MONITOR_TICK_S):
+            mono = time.monotonic()
+            lag, last = mono - last - MONITOR_TICK_S, mono
             now = time.time()
             with self.cv:
-                if not self.job_started and self.incarnation > 1 and now - self.started > timeout \
-                        and not self.ckpt.resume_requested \
-                        and any(self._alive(slot) for slot in self.slots):
-                    # A restarted coordinator: whoever re-registered within one
-                    # heartbeat timeout carries on; the rest are vacancies.
-                    self.job_started = True
-                    self._recompute_routes(reason="coordinator restarted: grace period over")
-                self.cv.notify_all()
-                for w in self.workers.values():
-                    if w.state in ("alive", "joining") and now - w.last_seen > timeout:
-                        self._declare_dead(w, f"no heartbeat for {now - w.last_seen:.1f}s")
+                if lag > 2 * MONITOR_TICK_S:
+                    # We were stalled ourselves: heartbeats may be waiting unread.
+                    # Nobody is judged on a silence we could not have heard.
+                    for w in self.m.workers.values():
+                        w.last_seen += lag
+                    continue
+                if not self.job_started and self.incarnation > 1 and not self.m.restored \
+                        and now - self.started > timeout and not self.ckpt.resume_requested \
+                        and self.m.start_after_grace():
+                    self._changed("coordinator restarted: grace period over")
+                for w in self.m.overdue(now, timeout):
+                    self._declare_dead(w, f"no heartbeat for {now - w.last_seen:.1f}s")
 
-    def _probe(self, replica, stage, reason: str) -> None:
+    def _start_probe(self, replica, stage, reason: str) -> None:
+        """Under self.cv: one probe at a time per slot (a burst of suspicions
+        about one worker starts one thread, not one each)."""
+        if not isinstance(replica, int) or not isinstance(stage, int) or (replica, stage) not in self.m.slots:
+            return
+        if (replica, stage) in self._probing:
+            return
+        self._probing.add((replica, stage))
+        threading.Thread(target=self._probe, args=(replica, stage, reason), daemon=True, name="probe").start()
+
+    def _probe(self, replica: int, stage: int, reason: str) -> None:
         """A neighbour's data-plane call failed: confirm with a probe before evicting,
         so that a slow worker is not evicted for being slow once."""
-        if not isinstance(replica, int) or not isinstance(stage, int) or (replica, stage) not in self.slots:
-            return
-        with self.cv:
-            wid = self.slots[(replica, stage)]
-            w = self.workers.get(wid) if wid else None
-            if w is None or w.state != "alive":
-                return
-            address = w.address
-        t0 = time.time()
         try:
-            with rpc.make_channel(address) as ch:
-                pbg.StageStub(ch).Probe(pb.ProbeRequest(), metadata=rpc.metadata(self.token),
-                                        timeout=self.cfg.fault.probe_timeout)
-            return  # alive: it was a hiccup
-        except grpc.RpcError as e:
-            why = f"probe failed ({e.code().name}) after: {reason}"
-        with self.cv:
-            if self.slots.get((replica, stage)) == wid and w.state == "alive":
-                self._declare_dead(w, why, probe_s=time.time() - t0)
-
-    def _declare_dead(self, w: WorkerInfo, why: str, probe_s: float | None = None) -> None:
-        w.state = "dead"
-        if self.cfg.fault.on_stage_failure == "restart" and self.job_started:
-            self.restart_requested = True
-        self.metrics.write({"event": "fault", "kind": "worker_dead", "worker": w.worker_id,
-                            "replica": w.replica, "stage": w.stage, "pid": w.pid, "reason": why,
-                            "probe_s": probe_s})
-        log.warning("worker r%ds%d (%s) declared dead: %s", w.replica, w.stage, w.worker_id, why)
-        self._recompute_routes(reason=f"r{w.replica}s{w.stage} dead: {why}")
+            with self.cv:
+                w = self.m.holder((replica, stage))
+                if w is None or w.state != "alive":
+                    return
+                address, wid = w.address, w.worker_id
+            t0 = time.time()
+            try:
+                with rpc.make_channel(address) as ch:
+                    pbg.StageStub(ch).Probe(pb.ProbeRequest(), metadata=rpc.metadata(self.token),
+                                            timeout=self.cfg.fault.probe_timeout)
+                return  # alive: it was a hiccup
+            except grpc.RpcError as e:
+                why = f"probe failed ({e.code().name}) after: {reason}"
+            with self.cv:
+                if self.m.slots.get((replica, stage)) == wid and w.state == "alive":
+                    self._declare_dead(w, why, probe_s=time.time() - t0)
+        finally:
+            with self.cv:
+                self._probing.discard((replica, stage))
 
     def status(self) -> dict:
         with self.cv:
             now = time.time()
             reps = []
-            for rep in self.replicas:
+            for rep in self.m.replicas:
                 tps = None
                 if len(rep.tokens) >= 2:
                     span = rep.tokens[-1][0] - rep.tokens[0][0]
                     if span > 0:
                         tps = sum(n for _, n in list(rep.tokens)[1:]) / span
                 reps.append({"id": rep.id, "state": rep.state, "step": rep.step, "loss": rep.loss,
-                             "epoch": self.route_epoch[rep.id],
-                             "eval_loss": rep.eval_loss, "tokens_per_s": tps, "route": list(self.routes[rep.id]),
+                             "epoch": self.m.route_epoch[rep.id],
+                             "eval_loss": rep.eval_loss, "tokens_per_s": tps, "route": list(self.m.routes[rep.id]),
                              "goodput": rep.goodput})
             workers = []
-            for (r, s), wid in sorted(self.slots.items()):
-                w = self.workers.get(wid) if wid else None
+            for (r, s), wid in sorted(self.m.slots.items()):
+                w = self.m.workers.get(wid) if wid else None
                 workers.append({"replica": r, "stage": s, "state": w.state if w else "vacant",
                                 "pid": w.pid if w else None, "address": w.address if w else None,
                                 "worker_id": wid, "step": w.step if w else None,
-                                "last_seen_s": round(now - w.last_seen, 3) if w else None})
+                                "last_seen_s": round(now - w.last_seen, 3) if w else None,
+                                "last_error": self.last_errors.get((r, s))})
             return {
                 "run_dir": self.run_dir,
+                "version": __version__,
                 "incarnation": self.incarnation,
                 "epoch": self.epoch,
                 "elapsed_s": round(now - self.started, 3),
@@ -476,16 +465,8 @@ class Coordinator:
             }
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False, on_sigterm: str = "stop") -> int:
+def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False, fresh: bool = False,
+          on_sigterm: str = "stop") -> int:
     """Run a coordinator until the job finishes or SIGTERM/SIGINT. With
     ``on_sigterm = "leave"`` (under a scheduler that starts a new coordinator,
     `crucible slurm`, Kubernetes), SIGTERM ends this one at once with exit
@@ -493,7 +474,7 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
     still means final checkpoint + stop."""
     import signal
 
-    coord = Coordinator(cfg, run_dir, token)
+    coord = Coordinator(cfg, run_dir, token, restore=not (resume or fresh))
     coord.ckpt.prepare(resume)
     coord.start(bind)
     stop = threading.Event()

@@ -411,13 +411,29 @@ class WorkerCheckpointer:
 
     # ---- restore ---------------------------------------------------------------------
 
-    def restore(self, resume_dir: str) -> bool:
+    def restore(self, resume_dir: str, replica_step: int = 0) -> bool:
         """Load this worker's shard of a committed checkpoint (checksum checked
-        against the manifest); False when there is nothing to restore."""
+        against the manifest); False when there is nothing to restore. A slot
+        that was vacant in it takes its stage's global weights from another
+        replica's shard (θ_local ← θ_global, e ← 0, fresh AdamW: the replacement
+        rule) at its replica's step ``replica_step``."""
         if not resume_dir:
             return False
         w = self.w
         t0 = time.perf_counter()
+        names = {sh["name"] for sh in storage.read_manifest(resume_dir)["shards"]}
+        if self.name not in names:
+            source = self._global_from_peer_shard(storage.CkptInfo(path=str(resume_dir), step=replica_step,
+                                                                  time=0.0, metrics={}), names)
+            if source is None:
+                raise storage.CheckpointCorrupt(f"{resume_dir} holds no shard of stage {w.stage}")
+            w.step = w.ctl.step = int(replica_step)
+            self.handled.add(w.step)
+            w.ctl.report({"event": "ckpt_restore", "replica": w.replica, "stage": w.stage, "step": w.step,
+                          "outer_round": w.outer.round, "dir": str(resume_dir), "source": source,
+                          "seconds": time.perf_counter() - t0})
+            log.info("%s: vacant in %s: global weights from %s, step %d", self.name, resume_dir, source, w.step)
+            return True
         sd = storage.load_shard(resume_dir, self.name)
         if sd.get("format") != STATE_FORMAT or sd.get("replica") != w.replica or sd.get("stage") != w.stage:
             raise storage.CheckpointCorrupt(f"{resume_dir}/{self.name}: not the state of r{w.replica}s{w.stage}")
@@ -450,58 +466,92 @@ class WorkerCheckpointer:
             log.warning("%s: %s was taken under another configuration (%s, this run %s): loading it anyway",
                         self.name, where, sd.get("config_hash"), self.w.cfg.digest())
 
-    def restore_for_replacement(self) -> str | None:
+    def committed_steps(self) -> list[int]:
+        try:
+            return [c.step for c in storage.list_checkpoints(os.path.join(self.w.run_dir, "checkpoints"))]
+        except OSError:
+            return []
+
+    def restore_for_replacement(self, min_step: int = 0) -> str | None:
         """A replacement with no healthy peer to pull from: the stage's state from
         the newest committed checkpoint that verifies. This slot's own shard gives
         everything (weights, AdamW, θ_global, error feedback); failing that, the
         same stage of another replica gives θ_global (θ_local ← θ_global, e ← 0,
         fresh AdamW, as the replacement rule says). The replica's step stays the
-        one the coordinator gave. Returns where the state came from, or None."""
+        one the coordinator gave. Only checkpoints of step ``min_step`` or later
+        qualify (older ones would lose committed training). Returns where the
+        state came from, or None."""
         w = self.w
-        root = os.path.join(w.run_dir, "checkpoints")
         try:
-            found = storage.list_checkpoints(root)
+            found = storage.list_checkpoints(os.path.join(w.run_dir, "checkpoints"))
         except OSError:
             return None
-        own = storage.shard_name(w.replica, w.stage)
-        others = [storage.shard_name(r, w.stage) for r in range(w.cfg.job.replicas) if r != w.replica]
-        mine = {k: tuple(v.shape) for k, v in w.model.state_dict().items()}
-
-        def fits(sd: dict) -> bool:
-            """Checked before anything is loaded: load_state_dict copies what matches
-            before it raises, which would leave the stage half-loaded."""
-            model, outer = sd.get("model"), sd.get("outer") or {}
-            if not isinstance(model, dict) or {k: tuple(v.shape) for k, v in model.items()} != mine:
-                return False
-            theta = outer.get("theta_global")
-            return isinstance(theta, torch.Tensor) and theta.numel() == w.outer.numel
-
+        found = [c for c in found if c.step >= min_step]
         # newest first, but none taken after the replica's present step (a newer one
         # can only be a checkpoint that a resume skipped as damaged)
         for ck in reversed([c for c in found if c.step <= w.step] or found):
-            for name in [own] + others:
-                try:
-                    sd = storage.load_shard(ck.path, name)
-                except KeyError:
-                    continue
-                except (storage.CheckpointCorrupt, OSError) as e:
-                    log.warning("%s: %s/%s does not load: %s", self.name, ck.path, name, e)
-                    continue
-                if sd.get("format") != STATE_FORMAT or sd.get("stage") != w.stage or not fits(sd):
-                    log.warning("%s: %s/%s is not a state of this stage's model", self.name, ck.path, name)
-                    continue
-                self._warn_other_config(sd, f"{ck.path}/{name}")
-                try:
-                    if name == own:
-                        self._load_stage(sd)
-                    elif w.outer.mode == "none":    # independent replicas: no global weights to share
-                        w.model.load_state_dict(sd["model"])
-                    else:
-                        w.outer.load_global(sd["outer"]["theta_global"], int(sd["outer"]["round"]))
-                except (KeyError, TypeError, ValueError, RuntimeError) as e:   # another model's state
-                    log.warning("%s: %s/%s does not fit this stage: %s", self.name, ck.path, name, e)
-                    continue
-                return f"checkpoint step_{ck.step}/{name}"
+            source = self._load_own(ck) or self._global_from_peer_shard(ck)
+            if source is not None:
+                return source
+        return None
+
+    def _fits(self, sd: dict) -> bool:
+        """A shard of this stage's model, checked before anything is loaded
+        (load_state_dict copies what matches before it raises, which would leave
+        the stage half-loaded)."""
+        w = self.w
+        model, outer = sd.get("model"), sd.get("outer") or {}
+        mine = {k: tuple(v.shape) for k, v in w.model.state_dict().items()}
+        if sd.get("format") != STATE_FORMAT or sd.get("stage") != w.stage or not isinstance(model, dict) \
+                or {k: tuple(v.shape) for k, v in model.items()} != mine:
+            return False
+        theta = outer.get("theta_global")
+        return isinstance(theta, torch.Tensor) and theta.numel() == w.outer.numel
+
+    def _shard(self, ck, name: str) -> dict | None:
+        try:
+            sd = storage.load_shard(ck.path, name)
+        except KeyError:
+            return None
+        except (storage.CheckpointCorrupt, OSError) as e:
+            log.warning("%s: %s/%s does not load: %s", self.name, ck.path, name, e)
+            return None
+        if not self._fits(sd):
+            log.warning("%s: %s/%s is not a state of this stage's model", self.name, ck.path, name)
+            return None
+        self._warn_other_config(sd, f"{ck.path}/{name}")
+        return sd
+
+    def _load_own(self, ck) -> str | None:
+        sd = self._shard(ck, self.name)
+        if sd is None:
+            return None
+        try:
+            self._load_stage(sd)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:   # another model's state
+            log.warning("%s: %s/%s does not fit this stage: %s", self.name, ck.path, self.name, e)
+            return None
+        return f"checkpoint step_{ck.step}/{self.name}"
+
+    def _global_from_peer_shard(self, ck, names: set[str] | None = None) -> str | None:
+        """θ_global of this stage from another replica's shard in checkpoint ``ck``."""
+        w = self.w
+        for r in range(w.cfg.job.replicas):
+            name = storage.shard_name(r, w.stage)
+            if r == w.replica or (names is not None and name not in names):
+                continue
+            sd = self._shard(ck, name)
+            if sd is None:
+                continue
+            try:
+                if w.outer.mode == "none":    # independent replicas: no global weights to share
+                    w.model.load_state_dict(sd["model"])
+                else:
+                    w.outer.load_global(sd["outer"]["theta_global"], int(sd["outer"]["round"]))
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                log.warning("%s: %s/%s does not fit this stage: %s", self.name, ck.path, name, e)
+                continue
+            return f"checkpoint step_{ck.step}/{name}"
         return None
 
     # ---- end ---------------------------------------------------------------------------

@@ -1,19 +1,27 @@
-"""The worker's side of the control plane: register, heartbeat, route watch, reports.
+"""The worker's side of the control plane: job info, register, heartbeat, route
+watch, reports, outer exchange.
 
-Heartbeats come from a dedicated thread, so a worker busy in a long forward
-pass still counts as alive. Events (committed steps, timings, evals) are
-buffered and sent in batches by the same thread.
+Each concern has its own thread, so none delays another: heartbeats (a beat
+never waits behind a report), the route watch, and the reporter.
+
+Reports are exactly once: every event gets a sequence number from this
+process's ``source`` when it is reported; the reporter sends them in order,
+in batches that start at the oldest unacknowledged one, and the coordinator
+drops the ones it already wrote (a batch whose reply was lost is retried,
+never duplicated). A batch refused for good (INVALID_ARGUMENT and the like)
+is dropped with a log line instead of being retried forever.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
-import queue
 import socket
 import threading
 import time
+import uuid
 from typing import Callable
 
 import grpc
@@ -24,6 +32,15 @@ from crucible._pb import crucible_pb2_grpc as pbg
 
 log = logging.getLogger("crucible.control")
 
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND,
+             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
+MAX_BATCH = 500
+MAX_PENDING = 100_000
+
+
+class RoundGone(Exception):
+    """The outer round this stage asked for closed too long ago to be replayed."""
+
 
 class ControlClient:
     def __init__(self, address: str, token: str, max_mb: int = 64):
@@ -32,46 +49,118 @@ class ControlClient:
         self.channel = rpc.make_channel(address, max_mb)
         self.stub = pbg.CoordinatorStub(self.channel)
         self.worker_id = ""
-        self.events: queue.Queue = queue.Queue()
         self.stop = threading.Event()
         self.state = "alive"
         self.step = 0
         self.epoch = 0
         self.on_reregister = None
+        self.registered = threading.Event()   # cleared while a re-registration is due
+        self.heartbeat_timeout = 2.0
         self._hb_lock = threading.Lock()
+        self.source = uuid.uuid4().hex[:12]
+        self._seq = 0
+        self._pending: collections.deque = collections.deque()   # (seq, json), oldest first
+        self._rcv = threading.Condition()
+        self._reporter: threading.Thread | None = None
 
-    def register(self, replica: int, stage: int, address: str, deadline_s: float = 60.0,
-                 rejoin: bool = False) -> pb.RegisterReply:
-        """Register (or, after a coordinator restart, take our old slot again)."""
-        req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage,
-                                 address=address, pid=os.getpid(), host=socket.gethostname())
-        req.rejoin = rejoin
+    # ---- joining ------------------------------------------------------------------
+
+    def _retry(self, call, deadline_s: float):
         delay, t_end = 0.1, time.monotonic() + deadline_s
         while True:
             try:
-                reply = self.stub.Register(req, metadata=self.md, timeout=10)
-                self.worker_id = reply.worker_id
-                return reply
+                return call()
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                        and time.monotonic() < t_end:
+                        and time.monotonic() < t_end and not self.stop.is_set():
                     time.sleep(delay)
-                    delay = min(delay * 2, 2.0)
+                    delay = min(delay * 2, 1.0)
                     continue
                 raise
 
+    def job_info(self, replica: int, stage: int, deadline_s: float = 120.0) -> pb.JobInfoReply:
+        req = pb.JobInfoRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage)
+        return self._retry(lambda: self.stub.JobInfo(req, metadata=self.md, timeout=10), deadline_s)
+
+    def register(self, replica: int, stage: int, address: str, numel: int, deadline_s: float = 60.0,
+                 rejoin: bool = False) -> pb.RegisterReply:
+        """Register (or, after a coordinator restart, take our old slot again)."""
+        req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage,
+                                 address=address, pid=os.getpid(), host=socket.gethostname(), numel=numel)
+        req.rejoin = rejoin
+        reply = self._retry(lambda: self.stub.Register(req, metadata=self.md, timeout=10), deadline_s)
+        self.worker_id = reply.worker_id
+        self.registered.set()
+        return reply
+
+    # ---- reports --------------------------------------------------------------------
+
     def report(self, event: dict) -> None:
         event.setdefault("time", time.time())
-        self.events.put(json.dumps(event, separators=(",", ":")))
+        line = json.dumps(event, separators=(",", ":"))
+        with self._rcv:
+            if len(self._pending) >= MAX_PENDING:
+                dropped = self._pending.popleft()
+                log.error("report queue full: event %d dropped", dropped[0])
+            self._pending.append((self._seq, line))
+            self._seq += 1
+            self._rcv.notify()
 
     def report_now(self, event: dict) -> None:
-        """Send one urgent event (a suspected neighbour) at once, off the caller's thread."""
+        """An urgent event (a suspected neighbour): the reporter sends it at once."""
         self.report(event)
-        threading.Thread(target=self.flush, daemon=True, name="report-now").start()
+
+    def start_reporting(self) -> None:
+        if self._reporter is None:
+            self._reporter = threading.Thread(target=self._report_loop, daemon=True, name="reporter")
+            self._reporter.start()
+
+    def _report_loop(self) -> None:
+        delay = 0.1
+        while not self.stop.is_set():
+            with self._rcv:
+                if not self._pending:
+                    self._rcv.wait(0.5)
+                    continue
+            if self._send_batch(timeout=max(2.0, self.heartbeat_timeout)):
+                delay = 0.1
+            else:
+                self.stop.wait(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _send_batch(self, timeout: float) -> bool:
+        """Send the oldest pending events; True when the queue made progress."""
+        with self._rcv:
+            batch = [self._pending[i] for i in range(min(MAX_BATCH, len(self._pending)))]
+        if not batch:
+            return False
+        try:
+            self.stub.Report(pb.ReportRequest(worker_id=self.worker_id, events_json=[x for _, x in batch],
+                                              source=self.source, seq=batch[0][0]),
+                             metadata=self.md, timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() in TRANSIENT:
+                log.debug("report deferred (%s); %d events pending", e.code().name, len(self._pending))
+                return False
+            log.error("report of %d events refused for good (%s: %s): dropped", len(batch), e.code().name,
+                      e.details())
+        with self._rcv:
+            while self._pending and self._pending[0][0] <= batch[-1][0]:
+                self._pending.popleft()
+        return True
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Send everything reported so far, bounded in time (before an exit)."""
+        t_end = time.monotonic() + timeout
+        while self._pending and time.monotonic() < t_end:
+            if not self._send_batch(timeout=max(0.5, t_end - time.monotonic())):
+                time.sleep(0.1)
+
+    # ---- liveness ---------------------------------------------------------------------
 
     def heartbeat_now(self) -> None:
         try:
-            self._heartbeat(timeout=2.0)
+            self._heartbeat(timeout=self.heartbeat_timeout)
         except grpc.RpcError:
             pass
 
@@ -81,59 +170,20 @@ class ControlClient:
                 pb.HeartbeatRequest(worker_id=self.worker_id, epoch=self.epoch, step=self.step, state=self.state),
                 metadata=self.md, timeout=timeout)
 
-    def flush(self) -> None:
-        batch = []
-        while len(batch) < 500:
-            try:
-                batch.append(self.events.get_nowait())
-            except queue.Empty:
-                break
-        if not batch:
-            return
-        try:
-            self.stub.Report(pb.ReportRequest(worker_id=self.worker_id, events_json=batch),
-                             metadata=self.md, timeout=5)
-        except grpc.RpcError as e:
-            log.warning("report failed (%s); %d events kept for later", e.code().name, len(batch))
-            for item in batch:
-                self.events.put(item)
-
-    def outer_exchange(self, stage: int, round_: int, payload: bytes, mode: str, numel: int, step: int,
-                       timeout: float) -> pb.OuterReply:
-        """Contribute to an outer round and wait for it to close. A refused payload
-        is left out; we then abstain to receive the round's result all the same."""
-        req = pb.OuterRequest(worker_id=self.worker_id, stage=stage, round=round_, payload=payload, mode=mode,
-                              numel=numel, step=step)
-        delay = 0.2
-        t_end = time.monotonic() + timeout
-        while True:
-            try:
-                return self.stub.OuterExchange(req, metadata=self.md, timeout=max(1.0, t_end - time.monotonic()))
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT and req.payload:
-                    log.error("outer contribution refused: %s", e.details())
-                    req.payload = b""
-                    continue
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                        and time.monotonic() < t_end and not self.stop.is_set():
-                    time.sleep(delay)
-                    delay = min(delay * 2, 2.0)
-                    continue
-                raise
-
     def heartbeat_loop(self, interval: float, on_command: Callable[[str], None],
                        on_reply: Callable[[pb.HeartbeatReply], None] | None = None) -> None:
         while not self.stop.is_set():
             t0 = time.monotonic()
             try:
-                reply = self._heartbeat(timeout=max(interval * 2, 1.0))
+                reply = self._heartbeat(timeout=self.heartbeat_timeout)
                 if reply.command:
                     on_command(reply.command)
                 if on_reply is not None:
                     on_reply(reply)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND and self.on_reregister is not None:
-                    # A restarted coordinator does not know us: take our slot again.
+                    # A restarted coordinator that does not know us: take our slot again.
+                    self.registered.clear()
                     try:
                         self.on_reregister()
                     except grpc.RpcError as e2:
@@ -142,7 +192,6 @@ class ControlClient:
                     on_command("evicted:" + (e.details() or ""))
                 else:
                     log.debug("heartbeat failed: %s", e.code().name)
-            self.flush()
             self.stop.wait(max(0.0, interval - (time.monotonic() - t0)))
 
     def watch_loop(self, on_update: Callable[[pb.RouteUpdate], None]) -> None:
@@ -159,12 +208,49 @@ class ControlClient:
                     return
                 log.debug("route watch broke: %s", e.code().name)
             self.stop.wait(delay)
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, 1.0)
+
+    # ---- outer rounds --------------------------------------------------------------------
+
+    def outer_exchange(self, stage: int, round_: int, payload: bytes, mode: str, numel: int, step: int,
+                       timeout: float) -> pb.OuterReply:
+        """Contribute to an outer round and wait for it to close. The same request
+        is asked again while the round is open (each call waits a bounded time),
+        across a coordinator restart too. A refused payload is left out; we then
+        abstain to receive the round's result all the same."""
+        req = pb.OuterRequest(stage=stage, round=round_, payload=payload, mode=mode, numel=numel, step=step)
+        delay = 0.1
+        t_end = time.monotonic() + timeout
+        while True:
+            req.worker_id = self.worker_id
+            try:
+                return self.stub.OuterExchange(req, metadata=self.md,
+                                               timeout=max(1.0, min(60.0, t_end - time.monotonic())))
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT and req.payload:
+                    log.error("outer contribution refused: %s", e.details())
+                    req.payload = b""
+                    continue
+                if code == grpc.StatusCode.OUT_OF_RANGE:
+                    raise RoundGone(e.details()) from None
+                if code not in TRANSIENT or time.monotonic() > t_end or self.stop.is_set():
+                    raise
+                if code == grpc.StatusCode.NOT_FOUND:
+                    # The coordinator restarted without our record: the heartbeat
+                    # thread registers us again; ask again under the new id.
+                    self.registered.clear()
+                    self.registered.wait(min(5.0, max(0.0, t_end - time.monotonic())))
+                elif code == grpc.StatusCode.UNAVAILABLE and "ask again" in (e.details() or ""):
+                    delay = 0.1
+                    continue
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     def close(self, final_state: str = "") -> None:
         """Stop the threads; flush events; tell the coordinator we are done (if we are)."""
         self.stop.set()
-        self.flush()
+        self.flush(timeout=5.0)
         if final_state and self.worker_id:
             self.state = final_state
             try:

@@ -13,10 +13,18 @@ in the current route and carry the route's epoch (a lower epoch gets
 FAILED_PRECONDITION); tensors must match their declared and expected dtype,
 shape and byte count (INVALID_ARGUMENT). A bad stream is closed with that
 status; the worker and every other stream go on.
+
+Flow control. Every queue between gRPC and the compute thread is bounded:
+the inbox holds at most ``Inbox.cap`` data frames (more than the schedule
+ever has in flight), and a stream's send queue ``SEND_QUEUE`` frames. A full
+inbox blocks the stream's reader, so gRPC's own flow control stops the
+sender; a full send queue blocks the compute thread until the stream drains
+or fails. Notices (route changes, closed streams) never wait.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -36,6 +44,7 @@ log = logging.getLogger("crucible.dataplane")
 
 SERVICE = "crucible.v1.Stage"
 K = pb.Frame
+SEND_QUEUE = 64          # frames queued for one stream before the producer waits
 
 
 @dataclass
@@ -62,6 +71,58 @@ class Event:
     raw_nbytes: int = 0
     note: str = ""                 # for notices: "down_closed", "down_error", ...
     peer: int = -1                 # for up_closed: the stage that fed the stream
+
+
+class Inbox:
+    """What the compute thread reads: frames from both neighbours and notices,
+    in arrival order. At most ``cap`` data frames wait; a producer of another
+    one blocks (``put`` returns False if ``give_up()`` turns true first)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self._q: collections.deque = collections.deque()
+        self._frames = 0
+        self._cv = threading.Condition()
+
+    def put(self, ev: "Event", give_up: Callable[[], bool] = lambda: False) -> bool:
+        with self._cv:
+            if ev.src != "notice":
+                while self._frames >= self.cap:
+                    if give_up():
+                        return False
+                    self._cv.wait(0.2)
+                self._frames += 1
+            self._q.append(ev)
+            self._cv.notify_all()
+            return True
+
+    def get(self, timeout: float) -> "Event":
+        """The next event; queue.Empty after `timeout` seconds without one."""
+        with self._cv:
+            if not self._q:
+                self._cv.wait(timeout)
+                if not self._q:
+                    raise queue.Empty
+            ev = self._q.popleft()
+            if ev.src != "notice":
+                self._frames -= 1
+                self._cv.notify_all()
+            return ev
+
+    def qsize(self) -> int:
+        with self._cv:
+            return len(self._q)
+
+
+def _put_bounded(q: queue.Queue, item, give_up: Callable[[], bool]) -> bool:
+    """Put into a bounded queue, waiting while it is full, unless `give_up()`."""
+    while True:
+        try:
+            q.put(item, timeout=0.2)
+            return True
+        except queue.Full:
+            if give_up():
+                return False
 
 
 def frame_nbytes(f) -> tuple[int, int]:
@@ -108,7 +169,7 @@ class StageService:
         return pb.ProbeReply(replica=rt.replica, stage=rt.stage, epoch=rt.route_epoch(), step=rt.step)
 
     def Pipe(self, frames, context):
-        out: queue.Queue = queue.Queue()
+        out: queue.Queue = queue.Queue(maxsize=SEND_QUEUE)
         stream = UpstreamStream(out)
         peer = context.peer()
         threading.Thread(target=self._read, args=(frames, stream, peer), daemon=True,
@@ -148,20 +209,20 @@ class StageService:
                                        f"frame epoch {f.epoch:#x} differs from the stream's {stream.epoch:#x}")
                 if stream.epoch != rt.route_epoch():
                     continue  # a stale stream: the route moved on; drop its frames
-                rt.inbox.put(ev)
+                rt.inbox.put(ev, give_up=lambda: stream.epoch != rt.route_epoch() or stream.closed)
         except rpc.RpcFault as e:
-            stream.out.put((e.code, e.message))
+            stream.finish((e.code, e.message))
         except ValueError as e:  # WireError, BadRequest, bad fields
-            stream.out.put((grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+            stream.finish((grpc.StatusCode.INVALID_ARGUMENT, str(e)))
         except grpc.RpcError:
             pass  # the peer went away
         except Exception as e:  # noqa: BLE001 - never let a stream take the worker down
             log.exception("upstream stream from %s failed", peer)
-            stream.out.put((grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
+            stream.finish((grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
             if rt.detach_upstream(stream):
                 rt.inbox.put(Event("notice", note="up_closed", epoch=stream.epoch, peer=stream.src_stage))
-            stream.out.put(None)
+            stream.finish(None)
 
     def check_sender(self, hello) -> None:
         rt = self.rt
@@ -222,19 +283,33 @@ class UpstreamStream:
         self.out = out
         self.epoch = 0
         self.src_stage = -1
+        self.closed = False
 
     def send(self, frame) -> None:
         frame.sent_at = time.monotonic()
-        self.out.put(frame)
+        _put_bounded(self.out, frame, give_up=lambda: self.closed)
+
+    def finish(self, item) -> None:
+        """End the stream (None) or fail it with (code, message); never blocks."""
+        self.closed = True
+        while True:
+            try:
+                self.out.put_nowait(item)
+                return
+            except queue.Full:
+                try:
+                    self.out.get_nowait()     # the peer is not reading: drop a frame for the ending
+                except queue.Empty:
+                    pass
 
 
 class Downstream:
     """The client side of one Pipe, to this stage's successor in the route."""
 
     def __init__(self, address: str, hello, token: str, max_mb: int, link_mbps: float,
-                 on_event: Callable[[Event], None], decode_down: Callable[[Any], Event]):
+                 on_event: Callable[..., Any], decode_down: Callable[[Any], Event]):
         self.address = address
-        self.q: queue.Queue = queue.Queue()
+        self.q: queue.Queue = queue.Queue(maxsize=SEND_QUEUE)
         self.throttle = Throttle(link_mbps)
         self.on_event, self.decode_down = on_event, decode_down
         self.channel = rpc.make_channel(address, max_mb)
@@ -248,7 +323,9 @@ class Downstream:
         self.reader.start()
 
     def send(self, frame) -> None:
-        self.q.put(frame)
+        """Queue a frame; waits while the stream is SEND_QUEUE frames behind, and
+        drops the frame once the stream failed or closed (the step is retried)."""
+        _put_bounded(self.q, frame, give_up=lambda: self.failed or self.closed)
 
     def _requests(self):
         while True:
@@ -270,7 +347,7 @@ class Downstream:
                     log.error("bad frame from downstream %s: %s", self.address, e)
                     self.call.cancel()
                     return
-                self.on_event(ev)
+                self.on_event(ev, lambda: self.closed)
             if not self.closed:
                 self.on_event(Event("notice", note="down_closed", epoch=self.epoch))
         except grpc.RpcError as e:
@@ -280,7 +357,10 @@ class Downstream:
 
     def close(self, wait: float = 5.0) -> None:
         """Half-close the stream and wait for the peer to finish it."""
-        self.q.put(None)
+        try:
+            self.q.put_nowait(None)
+        except queue.Full:
+            wait = 0.0          # the peer is not reading: cancel at once
         if wait > 0:
             self.reader.join(wait)
         self.closed = True

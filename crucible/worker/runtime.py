@@ -42,26 +42,26 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from crucible import rpc
+from crucible import exits, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.compress.activations import make_codec
 from crucible.config import Config
+from crucible.slots import slot_name
 from crucible.data import Corpus, eval_batches
 from crucible.model import build_stage, tokens_needed
 from crucible.wire import from_wire, to_wire, tokens_to_wire
-from crucible.worker import optim
+from crucible.worker import optim, pulse
 from crucible.worker.checkpointing import WorkerCheckpointer
-from crucible.worker.control import ControlClient
+from crucible.worker.control import ControlClient, RoundGone
 from crucible.worker.outer import OuterState
-from crucible.worker.dataplane import SERVICE, Downstream, Event, StageService, K, frame_nbytes
+from crucible.worker.dataplane import SERVICE, Downstream, Event, Inbox, StageService, K, frame_nbytes
 
 log = logging.getLogger("crucible.worker")
 
 
-RESTART_EXIT = 75    # on_stage_failure = restart: the supervisor relaunches everyone with --resume
-EVICTED_EXIT = 3     # declared dead while alive (e.g. SIGSTOP): come back as a replacement
-SIGTERM_EXIT = 143   # 128 + SIGTERM: stopped by a signal, so a scheduler starts the slot again
+
+
 
 
 class RouteChanged(Exception):
@@ -149,7 +149,7 @@ class Worker:
         self.coordinator, self.token = coordinator, token
         self.replica, self.stage = replica, stage
         self.bind, self.advertise, self.device = bind, advertise, torch.device(device)
-        self.inbox: "queue.Queue[Event]" = __import__("queue").Queue()
+        self.inbox = Inbox(cap=64)
         self.cv = threading.Condition()
         self.route: pb.Route | None = None
         self.step = 0
@@ -163,6 +163,7 @@ class Worker:
         self.all_routes: list = []
         self.down_epoch, self.down_stage = 0, None
         self.exit_code = 0
+        self.pulse = None                 # the liveness process (crucible.worker.pulse)
 
     # ---- what the data plane asks of us ---------------------------------
 
@@ -218,48 +219,76 @@ class Worker:
 
     def run(self) -> int:
         torch.set_num_threads(1)
-        self.service = StageService(self)
-        # Shapes are not known before registration: a Pipe before it gets UNAVAILABLE.
-        self.server, port = rpc.make_server(SERVICE, self.service.handlers(), self.token, self.bind,
-                                            max_workers=8, max_mb=1024)
-        host = self.bind.rpartition(":")[0] or "127.0.0.1"
-        if host in ("0.0.0.0", "[::]"):
-            host = socket.gethostname()
-        self.address = self.advertise or f"{host}:{port}"
+        self.server = None
         self.ctl = ControlClient(self.coordinator, self.token)
         self.ctl.on_reregister = self._reregister
-        reply = self.ctl.register(self.replica, self.stage, self.address)
-        self.cfg = cfg = Config.from_dict(json.loads(reply.config_json))
-        self.replica, self.stage = reply.replica, reply.stage
-        self.run_dir = reply.run_dir
-        self.S, self.M = cfg.job.stages, cfg.train.microbatches
-        self.mb = cfg.train.batch_size // self.M
-        self.first, self.last = self.stage == 0, self.stage == self.S - 1
-        self.name = f"r{self.replica}s{self.stage}"
-        logging.getLogger().name = self.name
-        log.info("%s registered as %s at %s%s", self.name, reply.worker_id, self.address,
-                 " (replacement)" if reply.replacement else "")
-        self.ckpt = WorkerCheckpointer(self)
-        threading.Thread(target=self.ctl.heartbeat_loop, args=(cfg.fault.heartbeat_interval, self.on_command),
-                         kwargs={"on_reply": self.ckpt.on_heartbeat}, daemon=True, name="heartbeat").start()
-        self._build()
-        self.ckpt.restore(reply.resume_dir)
-        self.on_routes(reply.routes)
-        threading.Thread(target=self.ctl.watch_loop, args=(self.on_routes,), daemon=True, name="routes").start()
-        # SIGTERM (our own node preempted, a pod evicted): stop at once, exit 143 = lost, not done.
-        signal.signal(signal.SIGTERM, lambda *_: (setattr(self, "exit_code", self.exit_code or SIGTERM_EXIT),
-                                                  self.stop_requested.set()))
         try:
+            reply = self._join()
+            self.ckpt.restore(reply.resume_dir, int(reply.replica_step))
+            self.on_routes(reply.routes)
+            threading.Thread(target=self.ctl.watch_loop, args=(self.on_routes,), daemon=True, name="routes").start()
+            # SIGTERM (our own node preempted, a pod evicted): stop at once, exit 143 = lost, not done.
+            signal.signal(signal.SIGTERM, lambda *_: (setattr(self, "exit_code", self.exit_code or
+                                                              exits.interrupted(signal.SIGTERM)),
+                                                      self.stop_requested.set()))
             if reply.replacement:
                 self.step = self.ctl.step = int(reply.replica_step)
-                self.join_as_replacement()
+                self.join_as_replacement(int(reply.slot_step))
             if self.first:
                 self.drive()
             else:
                 self.serve()
             return self.exit_code
+        except Exception as e:
+            self.report_error(e)
+            raise
         finally:
             self.shutdown()
+
+    def _join(self) -> pb.RegisterReply:
+        """Learn the job, build the stage, then register with its size. The stage
+        is built before the worker joins: the coordinator checks its size at
+        Register, and no heartbeat deadline runs while it is built."""
+        info = self.ctl.job_info(self.replica, self.stage)
+        if info.replica < 0:
+            raise RuntimeError(f"the job at {self.coordinator} has no vacant slot")
+        self.cfg = cfg = Config.from_dict(json.loads(info.config_json))
+        self.replica, self.stage, self.run_dir = info.replica, info.stage, info.run_dir
+        self.S, self.M = cfg.job.stages, cfg.train.microbatches
+        self.mb = cfg.train.batch_size // self.M
+        self.inbox.cap = 2 * (self.M + cfg.train.eval_batches) + 8   # above what the schedule has in flight
+        self.first, self.last = self.stage == 0, self.stage == self.S - 1
+        self.name = slot_name(self.replica, self.stage)
+        logging.getLogger().name = self.name
+        self.ctl.heartbeat_timeout = cfg.fault.heartbeat_timeout
+        self.service = StageService(self)
+        self.server, port = rpc.make_server(SERVICE, self.service.handlers(), self.token, self.bind,
+                                            max_workers=8, max_mb=cfg.net.max_message_mb)
+        host = self.bind.rpartition(":")[0] or "127.0.0.1"
+        if host in ("0.0.0.0", "[::]"):
+            host = socket.gethostname()
+        self.address = self.advertise or f"{host}:{port}"
+        self._build()
+        reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel)
+        log.info("%s registered as %s at %s%s", self.name, reply.worker_id, self.address,
+                 " (replacement)" if reply.replacement else "")
+        self.ckpt = WorkerCheckpointer(self)
+        self.pulse = pulse.start(self.coordinator, reply.worker_id, cfg.fault.heartbeat_interval,
+                                 cfg.fault.heartbeat_timeout)
+        self.ctl.start_reporting()
+        threading.Thread(target=self.ctl.heartbeat_loop, args=(cfg.fault.heartbeat_interval, self.on_command),
+                         kwargs={"on_reply": self.ckpt.on_heartbeat}, daemon=True, name="heartbeat").start()
+        return reply
+
+    def report_error(self, exc: BaseException) -> None:
+        """Tell the coordinator why this worker is about to die (its status shows
+        each slot's last error), before the process exits."""
+        from crucible.exits import last_line
+
+        self.exit_code = 1
+        self.ctl.report({"event": "worker_error", "replica": self.replica, "stage": self.stage,
+                         "error": last_line(exc)})
+        self.ctl.flush(timeout=3.0)     # before registration too: the coordinator takes an error from anyone
 
     def _build(self) -> None:
         cfg = self.cfg
@@ -280,7 +309,11 @@ class Worker:
 
     def _reregister(self) -> None:
         """The coordinator restarted and does not know us: take our old slot again."""
-        self.ctl.register(self.replica, self.stage, self.address, deadline_s=30.0, rejoin=True)
+        reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel, deadline_s=30.0,
+                                  rejoin=True)
+        pulse.stop(self.pulse)
+        self.pulse = pulse.start(self.coordinator, reply.worker_id, self.cfg.fault.heartbeat_interval,
+                                 self.cfg.fault.heartbeat_timeout)
 
     def on_routes(self, update: pb.RouteUpdate) -> None:
         for r in update.routes:
@@ -299,12 +332,12 @@ class Worker:
     def on_command(self, command: str) -> None:
         if command == "restart":
             log.warning("%s: coordinator asks every worker to restart (on_stage_failure = restart)", self.name)
-            self.exit_code = RESTART_EXIT
+            self.exit_code = exits.RESTART
             self.stop_requested.set()
         elif command == "stop" or command.startswith("evicted"):
             log.warning("%s: coordinator says %s", self.name, command)
             if command.startswith("evicted"):
-                self.exit_code = EVICTED_EXIT
+                self.exit_code = exits.EVICTED
             else:  # "stop": also end calls that wait on the coordinator (an outer round whose peer stopped)
                 self.ctl.stop.set()
             self.stop_requested.set()
@@ -316,12 +349,12 @@ class Worker:
     def _wait_training(self) -> None:
         """Block while the replica is not training (waiting, paused, resuming)."""
         t0 = time.perf_counter()
-        with self.cv:
-            while not (self.route is not None and self.route.state == "training" and self.stage in self.route.stages):
-                if self.stop_requested.is_set():
+        while not self.stop_requested.is_set():
+            with self.cv:
+                if self.route is not None and self.route.state == "training" and self.stage in self.route.stages:
                     break
                 self.cv.wait(0.1)
-                self.ckpt.idle()          # a paused replica snapshots its frozen state for a pending save
+            self.ckpt.idle()   # a paused replica snapshots its frozen state for a pending save (off the lock)
         self._check_stop()
         waited = time.perf_counter() - t0
         if waited > 0.05 and self.first:
@@ -348,7 +381,7 @@ class Worker:
         if succ is None:
             return
         hello = pb.Frame(kind=K.HELLO, epoch=route.epoch, src_replica=self.replica, src_stage=self.stage)
-        self.down = Downstream(succ[1], hello, self.token, 1024, self.cfg.net.link_mbps,
+        self.down = Downstream(succ[1], hello, self.token, self.cfg.net.max_message_mb, self.cfg.net.link_mbps,
                                self.inbox.put, self.decode_down)
         self.down_epoch, self.down_stage = route.epoch, succ[0]
         if self.last_commit is not None:
@@ -358,21 +391,34 @@ class Worker:
             self.down.send(self._frame(K.COMMIT, step, 0, self.down_epoch, clip_coef=coef))
 
     def shutdown(self) -> None:
+        t0 = time.perf_counter()
         if getattr(self, "ckpt", None) is not None:
             self.ckpt.close()    # finish (and report) the save in flight
+        t1 = time.perf_counter()
         if self.down is not None:
             self.down.close(wait=5.0 if self.exit_code == 0 else 0.0)
         done = self.cfg is not None and self.step >= self.cfg.train.steps and self.exit_code == 0
         self.ctl.close(final_state="done" if done else "")
-        self.server.stop(0.5)
+        pulse.stop(self.pulse)
+        if self.server is not None:
+            self.server.stop(0.5)
+        log.info("%s: exiting with %d (save in flight %.2fs, shutdown %.2fs)", getattr(self, "name", "worker"),
+                 self.exit_code, t1 - t0, time.perf_counter() - t0)
 
     # ---- joining a running job ------------------------------------------------
 
-    def join_as_replacement(self) -> None:
+    def join_as_replacement(self, slot_step: int) -> None:
         """The replacement rule: θ_global from the same stage of a healthy replica
-        (bitwise), θ_local ← θ_global, e ← 0, fresh AdamW (with no healthy
-        replica: from the latest committed checkpoint); then tell the
-        coordinator we are ready, and enter the route at its next step boundary."""
+        (bitwise), θ_local ← θ_global, e ← 0, fresh AdamW; then tell the
+        coordinator we are ready, and enter the route at its next step boundary.
+
+        With no healthy replica, the stage's state comes from the newest committed
+        checkpoint that is at least as new as the weights the slot's previous
+        holder had (``slot_step``): nothing committed is lost. When every such
+        checkpoint is older, loading one would silently discard committed
+        training: the job rolls back to its latest checkpoint instead
+        (``stage_lost``; the coordinator restarts every worker with --resume),
+        and with no checkpoint at all the worker stops with that error."""
         t0 = time.perf_counter()
         source = None
         deadline = time.monotonic() + 30
@@ -388,8 +434,11 @@ class Worker:
             except (grpc.RpcError, ValueError) as e:
                 log.warning("%s: pulling weights from r%d failed: %s", self.name, peer[0], e)
                 time.sleep(0.2)
-        if source is None:   # nobody could give this stage: the latest committed checkpoint, if any
-            source = self.ckpt.restore_for_replacement() or "init"
+        if source is None:   # nobody could give this stage: a committed checkpoint, if one is new enough
+            source = self.ckpt.restore_for_replacement(min_step=slot_step)
+        if source is None and slot_step > 0:
+            self._stage_lost(slot_step)
+        source = source or "init"
         self.ctl.state = "ready"
         self.ctl.heartbeat_now()
         self.ctl.report({"event": "replacement_ready", "replica": self.replica, "stage": self.stage,
@@ -399,6 +448,38 @@ class Worker:
             self._dump("outer", "join", {
                 "theta_global": self.outer.theta_global.clone(), "round": self.outer.round, "source": source,
                 "theta_local": torch.nn.utils.parameters_to_vector(self.model.parameters()).detach().clone()})
+
+    def _stage_lost(self, slot_step: int) -> None:
+        """Every copy of this stage is gone, and no checkpoint holds it at step
+        >= slot_step: roll the job back to its latest checkpoint (the coordinator
+        tells every worker to restart with --resume), or stop with the reason."""
+        why = (f"stage {self.stage} has no live copy in any replica and no committed checkpoint holds it at "
+               f"step {slot_step} or later")
+        if not self.ckpt.committed_steps():
+            raise RuntimeError(f"{why}, and there is no checkpoint to go back to: its training is lost "
+                               f"(enable checkpointing to survive this)")
+        log.error("%s: %s: asking for a roll-back of the job to its latest checkpoint", self.name, why)
+        self.ctl.report_now({"event": "stage_lost", "replica": self.replica, "stage": self.stage,
+                             "slot_step": slot_step, "reason": why})
+        while True:          # the coordinator answers every heartbeat with "restart" now
+            self._check_stop()
+            time.sleep(0.1)
+
+    def _resync_global(self, why: str) -> None:
+        """This stage fell too far behind the outer rounds to replay them: take
+        θ_global from a healthy peer, as a replacement does (else keep going
+        on its own and take part again in the next round)."""
+        peer = self._healthy_peer()
+        source = None
+        if peer is not None:
+            try:
+                self.outer.load_global(*self._pull_weights(peer))
+                source = slot_name(peer[0], self.stage)
+            except (grpc.RpcError, ValueError) as e:
+                log.warning("%s: pulling weights from r%d failed: %s", self.name, peer[0], e)
+        log.warning("%s: %s; global weights %s", self.name, why, f"from {source}" if source else "kept")
+        self.ctl.report({"event": "outer_resync", "replica": self.replica, "stage": self.stage, "reason": why,
+                         "source": source, "step": self.step})
 
     def _healthy_peer(self) -> tuple[int, str] | None:
         with self.cv:
@@ -410,7 +491,7 @@ class Worker:
 
     def _pull_weights(self, peer: tuple[int, str]) -> tuple[torch.Tensor, int]:
         buf, total, rnd = None, None, 0
-        with rpc.make_channel(peer[1], 1024) as ch:
+        with rpc.make_channel(peer[1], self.cfg.net.max_message_mb) as ch:
             stub = pbg.StageStub(ch)
             for chunk in stub.PullWeights(pb.PullRequest(stage=self.stage), metadata=rpc.metadata(self.token),
                                           timeout=30):
@@ -456,22 +537,28 @@ class Worker:
         if tokens_msg is None and tokens is not None and self.send_tokens:
             tokens_msg = tokens_to_wire(tokens, self.cfg.model.vocab_size)
         extra = {"tokens": tokens_msg} if tokens_msg is not None else {}
+        if tuple(h.shape) != self.act_shape() or h.dtype != torch.float32:
+            raise ValueError(f"stage {self.stage}'s model returned {tuple(h.shape)} {h.dtype}; a stage boundary "
+                             f"must be {self.act_shape()} torch.float32 [microbatch, train.seq_len, model.d_model]")
         f = self._frame(kind, step, micro, self.down_epoch, tensor=to_wire(h, self.fwd_codec), targets=targets_msg,
                         **extra)
         st.sent(f, time.perf_counter() - t0)
         self.down.send(f)
 
-    def send_up(self, st: StepStats, kind: int, step: int, micro: int, epoch: int,
+    def send_up(self, st: StepStats, kind: int, step: int, micro: int, epoch: int | None,
                 g: torch.Tensor | None = None, **kw) -> None:
+        """Answer upstream on the stream of `epoch` (None: whatever stream is
+        attached now). A stream that is gone (the route moved on, the
+        predecessor died) drops the answer: upstream retries the step."""
+        with self.cv:
+            up = self.upstream
+        if up is None or (epoch is not None and up.epoch != epoch):
+            return
         t0 = time.perf_counter()
-        f = self._frame(kind, step, micro, epoch, **kw)
+        f = self._frame(kind, step, micro, up.epoch, **kw)
         if g is not None:
             f.tensor.CopyFrom(to_wire(g, self.bwd_codec))
         st.sent(f, time.perf_counter() - t0)
-        with self.cv:
-            up = self.upstream
-        if up is None or up.epoch != epoch:
-            return  # the stream we would answer on is gone; upstream retries the step
         up.send(f)
 
     def suspect(self, stage: int | None, why: str) -> None:
@@ -701,8 +788,7 @@ class Worker:
                     self._maybe_dump(ev.step, None)
                     sumsq = optim.grad_sumsq(self.model) + ev.grad_sumsq
                 st.compute += time.perf_counter() - t0
-                self.send_up(st, K.BACKWARD, ev.step, ev.micro, self.upstream_epoch(), x.grad, loss=ev.loss,
-                             grad_sumsq=sumsq)
+                self.send_up(st, K.BACKWARD, ev.step, ev.micro, None, x.grad, loss=ev.loss, grad_sumsq=sumsq)
             elif ev.kind == K.COMMIT:
                 if self.down is not None:
                     self.down.send(self._frame(K.COMMIT, ev.step, 0, self.down_epoch, clip_coef=ev.clip_coef,
@@ -731,18 +817,13 @@ class Worker:
                         self.send_down(st, K.EVAL, ev.step, ev.micro, h, targets_msg=ev.targets_msg,
                                        tokens_msg=ev.tokens_msg)
             elif ev.kind == K.EVAL_RESULT:
-                self.send_up(st, K.EVAL_RESULT, ev.step, ev.micro, self.upstream_epoch(), loss=ev.loss)
+                self.send_up(st, K.EVAL_RESULT, ev.step, ev.micro, None, loss=ev.loss)
 
     def _forward(self, x: torch.Tensor, ev) -> torch.Tensor:
         """This (non-first) stage's forward on a received frame."""
         if self.needs_tokens:
             return self.model(x, tokens=ev.tokens.to(self.device))
         return self.model(x)
-
-    def upstream_epoch(self) -> int:
-        with self.cv:
-            return self.upstream.epoch if self.upstream is not None else -1
-
 
     # ---- outer sync ------------------------------------------------------------
 
@@ -763,8 +844,12 @@ class Worker:
         if who == self.name:
             log.warning("%s: stalling %ss inside outer round %d (debug.stall_outer)", self.name, secs, self.outer.round)
             time.sleep(float(secs or 0))
-        reply = self.ctl.outer_exchange(self.stage, self.outer.round, payload, self.outer.mode, self.outer.numel,
-                                        committed_step, timeout=max(3600.0, 10 * self.cfg.outer.deadline_s))
+        try:
+            reply = self.ctl.outer_exchange(self.stage, self.outer.round, payload, self.outer.mode, self.outer.numel,
+                                            committed_step, timeout=max(3600.0, 10 * self.cfg.outer.deadline_s))
+        except RoundGone as e:
+            self._resync_global(f"outer round {round_no} is gone ({e})")
+            return
         t1 = time.perf_counter()
         if reply.round != self.outer.round:
             raise RuntimeError(f"outer round {reply.round} answered for round {self.outer.round}")

@@ -1,0 +1,326 @@
+"""Who holds which slot, and each replica's route: the coordinator's state machine.
+
+Pure state: no locks, no I/O, no gRPC, no clocks of its own (``now`` is passed
+in), so the protocol is tested in milliseconds (tests/test_membership.py). The
+server holds its lock around every call and persists ``to_dict()`` after
+every change, so that a restarted coordinator continues with the same members,
+routes and epochs (``from_dict``) instead of making every worker register
+again.
+
+Slots and workers
+-----------------
+A job has R x S slots ``(replica, stage)``. A worker registers into one (the
+one it asks for, or the first vacant one, first and last stages first) and
+gets a worker id. Worker states: ``joining`` (a replacement, pulling weights;
+not yet in a route), ``alive``, ``done`` (its replica finished), ``dead``.
+A slot's holder stays in ``workers`` after it died, so that a stale worker
+(declared dead while alive) is told so; dead records are pruned to the newest
+``KEEP_DEAD`` per slot.
+
+A stage's size (its parameter count, ``numel``) is fixed by the first worker
+that registers it; a worker that built a stage of another size is refused.
+The outer relay takes sizes from here, never from a contribution.
+
+Routes and epochs
+-----------------
+Replica r's route is the ordered list of its stages whose holder is alive (or
+done). A replica is ``waiting`` until every slot of the job has been filled
+once (all replicas start together at step 0), then ``training``; ``paused``
+while its first or last stage is vacant (or, with ``on_stage_failure =
+wait``, any stage); ``done`` when its stage 0 reports the last step. Every
+change bumps the job's epoch ``(incarnation << 32) | counter`` and stamps the
+changed replicas' routes with it. A restored coordinator keeps the routes'
+epochs (the data plane goes on undisturbed); its own changes carry its new,
+higher incarnation.
+"""
+
+from __future__ import annotations
+
+import collections
+import uuid
+from dataclasses import asdict, dataclass, field
+
+from crucible.slots import slot_name
+
+KEEP_DEAD = 4        # dead worker records kept per slot (to tell a stale worker it is stale)
+STATES = ("waiting", "training", "paused", "resuming", "done")
+
+
+class Refused(Exception):
+    """A request membership refuses; ``code`` names the gRPC status to answer with."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    replica: int
+    stage: int
+    address: str
+    pid: int
+    host: str
+    state: str = "alive"          # alive | dead | joining | done
+    last_seen: float = 0.0
+    step: int = 0
+    registered_at: float = 0.0
+    numel: int = 0
+    died_at: float = 0.0
+    slot_step: int = 0            # steps the slot's previous holder had applied when this one came
+
+
+@dataclass
+class ReplicaInfo:
+    id: int
+    state: str = "waiting"        # waiting | training | paused | resuming | done
+    step: int = 0
+    started: bool = False
+    loss: float | None = None
+    eval_loss: float | None = None
+    goodput: dict = field(default_factory=dict)   # the replica's latest time ledger
+    tokens: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+
+
+class Membership:
+    def __init__(self, replicas: int, stages: int, on_stage_failure: str = "skip", incarnation: int = 1):
+        self.R, self.S = replicas, stages
+        self.on_stage_failure = on_stage_failure
+        self.incarnation = incarnation
+        self.counter = 0
+        self.slots: dict[tuple[int, int], str | None] = {(r, s): None for r in range(replicas) for s in range(stages)}
+        self.workers: dict[str, WorkerInfo] = {}
+        self.replicas = [ReplicaInfo(r) for r in range(replicas)]
+        self.routes: dict[int, list[int]] = {r: [] for r in range(replicas)}
+        self.route_epoch: dict[int, int] = {r: 0 for r in range(replicas)}
+        self.stage_numel: dict[int, int] = {}
+        self.job_started = False
+        self.restored = False        # continued from a previous incarnation's state
+
+    @property
+    def epoch(self) -> int:
+        return (self.incarnation << 32) | self.counter
+
+    # ---- joining ------------------------------------------------------------
+
+    def vacant_slot(self) -> tuple[int, int] | None:
+        order = sorted(range(self.S), key=lambda s: (0 if s in (0, self.S - 1) else 1, s))
+        for s in order:
+            for r in range(self.R):
+                if self.holder((r, s)) is None:
+                    return (r, s)
+        return None
+
+    def register(self, replica: int, stage: int, address: str, pid: int, host: str, rejoin: bool,
+                 numel: int, now: float) -> tuple[WorkerInfo, bool]:
+        """A worker takes a slot; returns (its record, whether it is a replacement)."""
+        if replica >= 0 or stage >= 0:
+            if not (0 <= replica < self.R and 0 <= stage < self.S):
+                raise Refused("INVALID_ARGUMENT", f"slot r{replica}s{stage} does not exist in a {self.R}x{self.S} job")
+            slot = (replica, stage)
+            held = self.holder(slot)
+            if held is not None:
+                if not (rejoin and held.pid == pid and held.host == host):
+                    raise Refused("ALREADY_EXISTS", f"slot {slot_name(*slot)} is held by live worker "
+                                                    f"{held.worker_id}")
+                held.state = "dead"     # the same process taking its slot again: its old record goes
+        else:
+            slot = self.vacant_slot()
+            if slot is None:
+                raise Refused("RESOURCE_EXHAUSTED", "no vacant slot in this job")
+        if numel > 0:
+            want = self.stage_numel.get(slot[1])
+            if want is not None and want != numel:
+                raise Refused("FAILED_PRECONDITION",
+                              f"stage {slot[1]} of this job has {want:,} parameters; this worker built "
+                              f"{numel:,} (another model, configuration or code version?)")
+            self.stage_numel.setdefault(slot[1], numel)
+        # Once the job is under way a new worker is a replacement: it pulls its
+        # stage's weights from a peer and enters the route when it says "ready".
+        # A live worker re-registering after a coordinator restart is not.
+        replacement = self.job_started and not rejoin
+        prev = self.workers.get(self.slots[slot] or "")
+        w = WorkerInfo(f"{slot_name(*slot)}-{uuid.uuid4().hex[:8]}", slot[0], slot[1], address, pid, host,
+                       state="joining" if replacement else "alive", last_seen=now, registered_at=now,
+                       numel=numel, slot_step=prev.step if prev is not None else 0)
+        self.workers[w.worker_id] = w
+        self.slots[slot] = w.worker_id
+        self._prune(slot)
+        return w, replacement
+
+    def member(self, worker_id: str) -> WorkerInfo:
+        """The calling worker. Unknown: NOT_FOUND (register again: we may be a
+        restarted coordinator); declared dead: FAILED_PRECONDITION (stale: come
+        back as a replacement)."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            raise Refused("NOT_FOUND", f"unknown worker {worker_id!r}: register again")
+        if w.state == "dead":
+            raise Refused("FAILED_PRECONDITION", f"worker {worker_id} was declared dead: rejoin as a replacement")
+        return w
+
+    def heartbeat(self, w: WorkerInfo, step: int, state: str, now: float) -> str | None:
+        """A heartbeat of a member; returns an event name when it changed something.
+        A ``pulse`` (``crucible.worker.pulse``) is liveness only."""
+        w.last_seen = now
+        if state == "pulse":
+            return None
+        w.step = int(step)
+        if w.stage == 0 and w.state == "alive":
+            rep = self.replicas[w.replica]
+            rep.step = max(rep.step, int(step))
+        if state == "done" and w.state != "done":
+            w.state = "done"
+            return "worker_done"
+        if state == "ready" and w.state == "joining":
+            w.state = "alive"
+            return "worker_joined"
+        return None
+
+    # ---- leaving ----------------------------------------------------------------
+
+    def declare_dead(self, w: WorkerInfo, now: float) -> None:
+        w.state = "dead"
+        w.died_at = now
+
+    def overdue(self, now: float, timeout: float) -> list[WorkerInfo]:
+        return [w for w in self.workers.values()
+                if w.state in ("alive", "joining") and now - w.last_seen > timeout]
+
+    def _prune(self, slot: tuple[int, int]) -> None:
+        dead = sorted((w for w in self.workers.values() if (w.replica, w.stage) == slot and w.state == "dead"),
+                      key=lambda w: w.registered_at)
+        for w in dead[:-KEEP_DEAD]:
+            del self.workers[w.worker_id]
+
+    def replica_done(self, r: int) -> None:
+        self.replicas[r].state = "done"
+
+    # ---- routes --------------------------------------------------------------------
+
+    def holder(self, slot: tuple[int, int]) -> WorkerInfo | None:
+        """The slot's live holder (alive, joining or done), if any."""
+        wid = self.slots.get(slot)
+        w = self.workers.get(wid) if wid else None
+        return w if w is not None and w.state in ("alive", "joining", "done") else None
+
+    def in_route(self, slot: tuple[int, int]) -> bool:
+        w = self.holder(slot)
+        return w is not None and w.state in ("alive", "done")
+
+    def recompute_routes(self) -> list[int]:
+        """Recompute every route; bump the epoch when any changed. Returns the
+        replicas whose route or state changed."""
+        # No replica starts before every slot of the job has been filled once, so
+        # that all replicas begin together at step 0 and outer round 0.
+        if not self.job_started and all(self.in_route(slot) for slot in self.slots):
+            self.job_started = True
+        changed = []
+        for rep in self.replicas:
+            r = rep.id
+            route = [s for s in range(self.S) if self.in_route((r, s))]
+            before = (rep.state, self.routes[r])
+            if rep.state == "done":
+                pass
+            elif not rep.started:
+                if self.job_started and len(route) == self.S:
+                    rep.started = True
+                    rep.state = "training"
+            elif 0 not in route or (self.S - 1) not in route:
+                rep.state = "paused"       # no stage to drive it, or none to compute its loss
+            elif len(route) < self.S and self.on_stage_failure == "wait":
+                rep.state = "paused"       # policy wait: stall until a replacement arrives
+            elif rep.state == "paused":
+                rep.state = "training"
+            self.routes[r] = route
+            if (rep.state, route) != before:
+                changed.append(r)
+        if changed:
+            self.counter += 1
+            for r in changed:
+                self.route_epoch[r] = self.epoch
+        return changed
+
+    def start_after_grace(self) -> bool:
+        """A restarted coordinator without saved state: whoever re-registered in
+        the grace period carries on; the rest are vacancies."""
+        if self.job_started or not any(self.in_route(slot) for slot in self.slots):
+            return False
+        self.job_started = True
+        for rep in self.replicas:
+            rep.started = True
+            if rep.state == "waiting":
+                rep.state = "training"
+        return True
+
+    def routes_view(self) -> list[dict]:
+        """Every replica's route: stages, their addresses, state, epoch."""
+        out = []
+        for rep in self.replicas:
+            stages = self.routes[rep.id]
+            out.append({"replica": rep.id, "stages": list(stages), "state": rep.state,
+                        "epoch": self.route_epoch[rep.id],
+                        "addresses": [self.workers[self.slots[(rep.id, s)]].address for s in stages]})
+        return out
+
+    # ---- steps ------------------------------------------------------------------------
+
+    def replica_step(self, r: int) -> int:
+        """Committed steps of replica r: the most any of its live workers has applied."""
+        steps = [self.replicas[r].step]
+        steps += [w.step for w in self.workers.values() if w.replica == r and w.state in ("alive", "done")]
+        return max(steps)
+
+    def replica_steps(self) -> dict[int, int]:
+        return {rep.id: self.replica_step(rep.id) for rep in self.replicas}
+
+    def expected_in_round(self, stage: int, round_no: int, H: int) -> set[int]:
+        """Replicas that will contribute to outer round ``round_no`` of ``stage``:
+        training (or done: it finishes its last rounds before its workers exit),
+        holding the stage, and not yet past the step the round follows (a replica
+        that trained through it without the stage never will)."""
+        at = (round_no + 1) * H
+        return {rep.id for rep in self.replicas
+                if rep.state in ("training", "done") and stage in self.routes[rep.id]
+                and self.replica_step(rep.id) <= at}
+
+    def all_done(self) -> bool:
+        return all(rep.state == "done" for rep in self.replicas)
+
+    # ---- persistence ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "replicas_n": self.R, "stages_n": self.S, "incarnation": self.incarnation, "counter": self.counter,
+            "job_started": self.job_started,
+            "slots": {slot_name(*k): v for k, v in self.slots.items()},
+            "workers": {wid: asdict(w) for wid, w in self.workers.items()},
+            "replicas": [{"id": r.id, "state": r.state, "step": r.step, "started": r.started} for r in self.replicas],
+            "routes": {str(r): v for r, v in self.routes.items()},
+            "route_epoch": {str(r): v for r, v in self.route_epoch.items()},
+            "stage_numel": {str(s): n for s, n in self.stage_numel.items()},
+        }
+
+    def restore(self, d: dict, now: float) -> None:
+        """Continue from a previous incarnation's ``to_dict()``: same members,
+        routes and route epochs; every live worker gets a fresh heartbeat clock
+        (it reconnects to us within the heartbeat timeout, or is declared dead)."""
+        if (d.get("replicas_n"), d.get("stages_n")) != (self.R, self.S):
+            raise ValueError(f"saved membership is of a {d.get('replicas_n')}x{d.get('stages_n')} job")
+        self.job_started = bool(d["job_started"])
+        self.workers = {wid: WorkerInfo(**w) for wid, w in d["workers"].items()}
+        for w in self.workers.values():
+            if w.state in ("alive", "joining", "done"):
+                w.last_seen = now
+        for name, wid in d["slots"].items():
+            r, s = (int(x) for x in name[1:].split("s"))
+            self.slots[(r, s)] = wid if wid in self.workers else None
+        for info in d["replicas"]:
+            rep = self.replicas[int(info["id"])]
+            rep.state, rep.step, rep.started = info["state"], int(info["step"]), bool(info["started"])
+        self.routes = {int(r): list(v) for r, v in d["routes"].items()}
+        self.route_epoch = {int(r): int(v) for r, v in d["route_epoch"].items()}
+        self.stage_numel = {int(s): int(n) for s, n in d["stage_numel"].items()}
+        self.restored = True

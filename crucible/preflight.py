@@ -1,0 +1,170 @@
+"""Pre-flight: everything about a job that can be checked before it starts.
+
+``crucible check`` runs these checks alone; ``crucible launch`` runs them (as
+``crucible check``, in a child process: the launcher never imports torch)
+before it starts or writes anything. A failure is one line naming the key or
+file that is wrong, and a non-zero exit, within seconds.
+
+What is checked, in order:
+
+* the run directory: a fresh launch (no ``--resume``) into a directory that
+  already holds committed checkpoints is refused, so nothing is overwritten or
+  deleted by retention;
+* the data (``data.*``): the source exists and is readable, holds enough
+  tokens for ``train.seq_len``, the held-out split and one sequence per
+  replica, and every token id fits ``model.vocab_size`` (``.bin`` files too);
+* the model (``model.*``): the builder imports; every stage builds; one
+  microbatch of real data goes forward through the whole split, stage by
+  stage, each boundary holding ``[microbatch, seq_len, d_model]`` float32;
+  the last stage's loss is a finite scalar; a backward pass through every
+  stage gives its input a gradient of the input's shape. Stages are built one
+  at a time, so a model too big for one box is never whole in memory here;
+* sizes: a data-plane frame fits ``net.max_message_mb``, and so does each
+  stage's outer-sync contribution (dense under ``outer.mode = diloco``).
+
+Timeouts that contradict each other are refused by ``Config.validate``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from crucible.config import Config
+
+
+class CheckFailed(Exception):
+    """A pre-flight check failed; the message is the one line to show."""
+
+
+def check_run_dir(run_dir: str | None, resume: bool) -> None:
+    """A fresh launch into a run directory holding committed checkpoints would
+    train from step 0 over them (and retention would delete them): refused."""
+    if not run_dir or resume:
+        return
+    from crucible.checkpoint.storage import list_checkpoints
+
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return
+    done = list_checkpoints(root)
+    if done:
+        raise CheckFailed(f"run directory {run_dir} already holds checkpoints (newest: step {done[-1].step}): "
+                          f"add --resume to continue from it, or choose another --run-dir")
+
+
+def check_data(cfg: Config):
+    """The corpus and every replica's shard; returns (corpus, summary)."""
+    from crucible.data import Corpus
+
+    try:
+        corpus = Corpus(cfg)
+        for r in range(cfg.job.replicas):
+            corpus.reader(cfg, r)
+    except ValueError as e:
+        raise CheckFailed(str(e)) from None
+    src = cfg.data.path or "built-in corpus"
+    return corpus, f"data: {len(corpus.train) + len(corpus.eval):,} tokens from {src}"
+
+
+def _describe(t) -> str:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        return f"a {type(t).__name__}"
+    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+def check_model(cfg: Config, corpus, device: str = "cpu") -> str:
+    """Build every stage and run one microbatch forward and backward through
+    the split, one stage at a time; returns a summary line."""
+    import torch
+
+    from crucible.model import build_stage, tokens_needed
+
+    S, M = cfg.job.stages, cfg.train.microbatches
+    mb, T, d = cfg.train.batch_size // M, cfg.train.seq_len, cfg.model.d_model
+    who = f"model.builder {cfg.model.builder!r}" if cfg.model.builder else "the built-in model"
+    x_ids, y = corpus.reader(cfg, 0).batch_at(0, mb)
+    x_ids, y = x_ids.to(device), y.to(device)
+    with_tokens = tokens_needed(cfg)
+    boundary = (mb, T, d)
+    params, numels = 0, []
+    h_in = None
+    for s in range(S):
+        where = f"{who}, stage {s} of {S}"
+        try:
+            module = build_stage(cfg, s, S)
+        except ValueError as e:   # the builder does not import
+            raise CheckFailed(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a user's builder may raise anything
+            raise CheckFailed(f"{where}: building it raised {type(e).__name__}: {e}") from None
+        if not isinstance(module, torch.nn.Module):
+            raise CheckFailed(f"{where}: the builder returned {type(module).__name__}, not a torch.nn.Module")
+        module = module.to(device)
+        numel = sum(p.numel() for p in module.parameters())
+        params += numel
+        numels.append(numel)
+        last = s == S - 1
+        if last and not callable(getattr(module, "loss", None)):
+            raise CheckFailed(f"{where}: the last stage has no loss(h, targets) method")
+        x = x_ids if s == 0 else h_in.detach().requires_grad_(True)
+        try:
+            h = module(x) if s == 0 or not with_tokens else module(x, tokens=x_ids)
+        except Exception as e:  # noqa: BLE001
+            raise CheckFailed(f"{where}: forward on input {_describe(x)} raised {type(e).__name__}: {e}") from None
+        if not isinstance(h, torch.Tensor) or tuple(h.shape) != boundary or h.dtype != torch.float32:
+            raise CheckFailed(f"{where}: forward returned {_describe(h)}; a stage boundary must be "
+                              f"{boundary} float32 [batch_size/microbatches, train.seq_len, model.d_model]")
+        try:
+            if last:
+                out = module.loss(h, y)
+                if not isinstance(out, torch.Tensor) or out.dim() != 0 or not math.isfinite(float(out.detach())):
+                    raise CheckFailed(f"{where}: loss(h, targets) returned {_describe(out)} "
+                                      f"({out!r:.60}); it must be a finite scalar tensor")
+                loss_value = float(out.detach())
+            else:
+                out = (h * torch.randn_like(h)).sum()
+            if out.requires_grad:
+                out.backward()
+        except CheckFailed:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CheckFailed(f"{where}: backward raised {type(e).__name__}: {e}") from None
+        if s > 0 and (x.grad is None or tuple(x.grad.shape) != boundary):
+            raise CheckFailed(f"{where}: backward gave its input no gradient of shape {boundary} "
+                              f"(got {_describe(x.grad) if x.grad is not None else 'none'}): is the input "
+                              f"detached inside the stage?")
+        h_in = h
+        del module
+    _check_sizes(cfg, boundary, numels)
+    return (f"model: {params:,} parameters in {S} stage(s); one microbatch forward and backward, "
+            f"boundaries {boundary}, loss {loss_value:.3f}")
+
+
+def _check_sizes(cfg: Config, boundary: tuple[int, int, int], numels: list[int]) -> None:
+    limit = cfg.net.max_message_mb << 20
+    frame = 4 * math.prod(boundary) + 2 * 8 * boundary[0] * boundary[1] + 4096
+    if frame > limit:
+        raise CheckFailed(f"net.max_message_mb {cfg.net.max_message_mb}: a data-plane frame of this job is "
+                          f"{frame / 2**20:.1f} MiB; raise net.max_message_mb or lower train.batch_size / "
+                          f"raise train.microbatches")
+    if cfg.outer.mode == "diloco":
+        for s, n in enumerate(numels):
+            if 4 * n + 4096 > limit:
+                raise CheckFailed(f"net.max_message_mb {cfg.net.max_message_mb}: stage {s}'s dense outer "
+                                  f"contribution (outer.mode = diloco) is {4 * n / 2**20:.1f} MiB; raise "
+                                  f"net.max_message_mb or use outer.mode = sparseloco")
+
+
+def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: str = "cpu") -> list[str]:
+    """Every check; raises CheckFailed with one line, else returns summary lines."""
+    import torch
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    check_run_dir(run_dir, resume)
+    corpus, data_line = check_data(cfg)
+    model_line = check_model(cfg, corpus, device)
+    return [data_line, model_line, f"checked in {time.perf_counter() - t0:.1f}s"]

@@ -1,0 +1,209 @@
+"""Bad input at the front door: each ordinary mistake ends a real `crucible launch`
+within 30 s, with the cause named on the terminal, a non-zero exit, and a run
+directory that already held checkpoints left exactly as it was.
+
+Two lines of defence are tested: the pre-flight checks (the default), and,
+with ``--no-check``, the launcher's crash-loop rule (the same error twice from
+one slot stops the job).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, TINY, Job, child_env, crucible_cmd
+
+BUILDERS = textwrap.dedent('''
+    """Model builders with mistakes in them (tests of the pre-flight checks)."""
+    import torch
+    from crucible.model import build_stage
+
+
+    def _builtin(stage, n_stages, cfg):
+        mine, cfg.model.builder = cfg.model.builder, ""
+        try:
+            return build_stage(cfg, stage, n_stages)
+        finally:
+            cfg.model.builder = mine
+
+
+    class Narrow(torch.nn.Module):
+        """Wraps a stage and drops half the residual stream's width."""
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, tokens=None):
+            return self.inner(x)[..., : self.inner_width // 2]
+
+        def loss(self, h, targets):
+            return self.inner.loss(h, targets)
+
+
+    def wrong_shape(stage, n_stages, cfg):
+        m = _builtin(stage, n_stages, cfg)
+        if stage == 0:
+            w = Narrow(m)
+            w.inner_width = cfg.model.d_model
+            return w
+        return m
+
+
+    def raise_on_stage_1(stage, n_stages, cfg):
+        if stage == 1:
+            raise RuntimeError("stage 1 cannot be built on this host")
+        return _builtin(stage, n_stages, cfg)
+''')
+
+SMALL = [o for o in TINY if not o.startswith("checkpoint.")]
+
+
+def _env(extra_path: str) -> dict:
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _tree_digest(root: str) -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _launch(args: list[str], env: dict, timeout: float = 60.0) -> tuple[int, str, float]:
+    """A real `crucible launch` in its own process group, bounded; returns
+    (exit status, everything on the terminal, seconds)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(crucible_cmd("launch", *args), cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"launch did not end in {timeout}s:\n{out.decode(errors='replace')}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out.decode(errors="replace"), time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run directory holding committed checkpoints of a short real job."""
+    base = tmp_path_factory.mktemp("front")
+    job = Job(base / "run", ["--replicas", "1", "--stages", "2", "--steps", "12"],
+              SMALL + ["checkpoint.minimum_interval_secs=0"])
+    try:
+        assert job.wait(120) == 0, job.output()
+    finally:
+        job.kill()
+    assert os.listdir(os.path.join(job.run_dir, "checkpoints")), job.output()
+    with open(base / "builders_mod.py", "w") as f:
+        f.write(BUILDERS)
+    return base
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    before = _tree_digest(str(run / "checkpoints"))
+    yield str(run)
+    assert _tree_digest(str(run / "checkpoints")) == before, "the run directory's checkpoints were touched"
+
+
+def _data_file(tmp_path, name: str, payload: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(payload)
+    return str(path)
+
+
+MISTAKES = {
+    "missing data path": (lambda t: ["data.path=/nonexistent/corpus.txt"],
+                          "data.path '/nonexistent/corpus.txt': no such file or folder"),
+    "empty corpus": (lambda t: [f"data.path={_data_file(t, 'empty.txt', b'')}"], "empty corpus"),
+    "corpus shorter than one sequence": (lambda t: [f"data.path={_data_file(t, 'short.txt', b'def f(): pass')}"],
+                                         "too few for train.seq_len 32"),
+    ".bin with ids beyond the vocabulary": (
+        lambda t: [f"data.path={_data_file(t, 'toks.bin', np.array([1, 2, 4764] * 400, '<u2').tobytes())}"],
+        "token id 4764 (at token 2) is beyond model.vocab_size 256"),
+    "unimportable builder": (lambda t: ["model.builder=nonexist:fn"],
+                             "model.builder 'nonexist:fn' does not import: No module named 'nonexist'"),
+    "builder that returns the wrong shape": (
+        lambda t: ["model.builder=builders_mod:wrong_shape"],
+        "stage 0 of 2: forward returned (2, 32, 16) float32; a stage boundary must be (2, 32, 32) float32"),
+    "builder that raises on stage 1 only": (
+        lambda t: ["model.builder=builders_mod:raise_on_stage_1"],
+        "stage 1 of 2: building it raised RuntimeError: stage 1 cannot be built on this host"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_mistake_stops_the_launch_with_its_cause(mistake, trained, run_copy, tmp_path):
+    make, cause = MISTAKES[mistake]
+    args = ["--run-dir", run_copy, "--resume", "--replicas", "1", "--stages", "2", "--steps", "30", *SMALL,
+            *make(tmp_path)]
+    code, out, secs = _launch(args, _env(str(trained)))
+    assert code == 1, out
+    assert cause in out, out
+    assert secs < 30, f"took {secs:.1f}s:\n{out}"
+    assert "Traceback" not in out and "starting a replacement" not in out, out
+    assert len([x for x in out.splitlines() if x.strip()]) == 1, out   # one line, nothing else
+
+
+def test_fresh_launch_into_a_run_with_checkpoints_is_refused(run_copy):
+    code, out, secs = _launch(["--run-dir", run_copy, "--replicas", "1", "--stages", "2", *SMALL], child_env())
+    assert code == 1 and secs < 30, out
+    assert "already holds checkpoints (newest: step" in out and "--resume" in out, out
+
+
+def test_check_command_alone(trained, tmp_path):
+    ok = subprocess.run(crucible_cmd("check", "--replicas", "1", "--stages", "2", *SMALL), cwd=ROOT,
+                        env=child_env(), capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert "check passed" in ok.stdout and "parameters in 2 stage(s)" in ok.stdout
+    bad = subprocess.run(crucible_cmd("check", "--replicas", "1", "--stages", "2", *SMALL,
+                                      "model.builder=builders_mod:wrong_shape"),
+                         cwd=ROOT, env=_env(str(trained)), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "forward returned (2, 32, 16)" in bad.stderr, bad.stderr
+    typo = subprocess.run(crucible_cmd("check", "train.setps=3"), cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert typo.returncode == 2 and "did you mean 'train.steps'" in typo.stderr
+
+
+def test_crash_loop_without_preflight_stops_the_job(trained, run_copy):
+    """--no-check: the workers themselves hit the error; the same error twice
+    from one slot stops the job, naming it, with exit 1, and no checkpoint is lost."""
+    args = ["--no-check", "--run-dir", run_copy, "--resume", "--replicas", "1", "--stages", "2", "--steps", "30",
+            "--respawn-delay", "0.5", *SMALL, "model.builder=builders_mod:raise_on_stage_1"]
+    code, out, secs = _launch(args, _env(str(trained)), timeout=90)
+    assert code == 1, out
+    assert "r0s1 failed twice within 120s with the same error: RuntimeError: stage 1 cannot be built" in out, out
+    assert out.count("starting a replacement") == 1, out   # exactly one retry, then the stop
+    assert secs < 30, f"took {secs:.1f}s:\n{out}"
+
+
+def test_status_shows_a_slots_last_error(trained, start_job):
+    """Without respawn, the failed slot stays vacant and `status` names its error."""
+    job = start_job(["--no-check", "--replicas", "1", "--stages", "2", "--steps", "30", "--respawn-delay", "-1"],
+                    SMALL + ["model.builder=builders_mod:raise_on_stage_1"], env=_env(str(trained)))
+    err = job.wait_for(lambda st: next((w["last_error"] for w in st["workers"]
+                                        if w["stage"] == 1 and w.get("last_error")), None), 60,
+                       "r0s1's last error in status")
+    assert "RuntimeError: stage 1 cannot be built on this host" in err["error"]

@@ -1,0 +1,257 @@
+"""The coordinator's protocol in-process, in milliseconds: membership, routes and
+epochs, restore after a restart, and the outer relay's rounds (a real
+Coordinator object without its gRPC server)."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import grpc
+import pytest
+
+from crucible import rpc
+from crucible._pb import crucible_pb2 as pb
+from crucible.config import Config
+from crucible.coordinator.membership import KEEP_DEAD, Membership, Refused
+from crucible.coordinator.outer import DENSE_HEADER, DENSE_MAGIC
+
+
+def _full(m: Membership, numel: int = 10, now: float = 0.0) -> dict:
+    ids = {}
+    for r in range(m.R):
+        for s in range(m.S):
+            w, replacement = m.register(r, s, f"h:{r}{s}", pid=100 + 10 * r + s, host="h", rejoin=False,
+                                        numel=numel + s, now=now)
+            assert not replacement
+            ids[(r, s)] = w.worker_id
+            m.recompute_routes()
+    return ids
+
+
+def test_replicas_start_together_and_skip_or_pause():
+    m = Membership(2, 3)
+    ids = {}
+    w, _ = m.register(0, 0, "h:1", 1, "h", False, 5, now=0.0)
+    ids[(0, 0)] = w.worker_id
+    assert m.recompute_routes() == [0] and m.replicas[0].state == "waiting"   # route [0], still waiting
+    ids.update({k: v for k, v in _full_rest(m).items()})
+    assert m.job_started and [r.state for r in m.replicas] == ["training", "training"]
+    epoch = m.route_epoch[1]
+    # an inner stage dies: its replica skips it; the other replica's route keeps its epoch
+    m.declare_dead(m.workers[ids[(0, 1)]], now=1.0)
+    assert m.recompute_routes() == [0]
+    assert m.routes[0] == [0, 2] and m.replicas[0].state == "training" and m.route_epoch[1] == epoch
+    # the last stage dies: paused
+    m.declare_dead(m.workers[ids[(0, 2)]], now=1.0)
+    m.recompute_routes()
+    assert m.replicas[0].state == "paused"
+    # a replacement joins (not in a route until ready)
+    w, replacement = m.register(0, 2, "h:9", 9, "h", False, 7, now=2.0)
+    assert replacement and w.state == "joining"
+    m.recompute_routes()
+    assert m.replicas[0].state == "paused"
+    assert m.heartbeat(w, 5, "ready", now=3.0) == "worker_joined"
+    m.recompute_routes()
+    assert m.routes[0] == [0, 2] and m.replicas[0].state == "training"
+
+
+def _full_rest(m: Membership) -> dict:
+    ids = {}
+    for r in range(m.R):
+        for s in range(m.S):
+            if m.holder((r, s)) is None:
+                w, _ = m.register(r, s, f"h:{r}{s}", 100 + 10 * r + s, "h", False, 5 + s, now=0.0)
+                ids[(r, s)] = w.worker_id
+                m.recompute_routes()
+    return ids
+
+
+def test_wait_policy_pauses_on_any_missing_stage():
+    m = Membership(1, 3, on_stage_failure="wait")
+    ids = _full(m)
+    m.declare_dead(m.workers[ids[(0, 1)]], now=1.0)
+    m.recompute_routes()
+    assert m.replicas[0].state == "paused"
+
+
+def test_register_refuses_a_stage_of_another_size_and_a_held_slot():
+    m = Membership(2, 2)
+    m.register(0, 1, "h:1", 1, "h", False, 416, now=0.0)
+    with pytest.raises(Refused) as e:
+        m.register(1, 1, "h:2", 2, "h", False, 400, now=0.0)
+    assert e.value.code == "FAILED_PRECONDITION" and "416" in e.value.message and "400" in e.value.message
+    with pytest.raises(Refused) as e:
+        m.register(0, 1, "h:3", 3, "h", False, 416, now=0.0)
+    assert e.value.code == "ALREADY_EXISTS"
+    with pytest.raises(Refused) as e:
+        m.register(5, 0, "h:3", 3, "h", False, 416, now=0.0)
+    assert e.value.code == "INVALID_ARGUMENT"
+    # the same process taking its slot again after a coordinator restart is allowed
+    w, replacement = m.register(0, 1, "h:1", 1, "h", True, 416, now=1.0)
+    assert not replacement and m.holder((0, 1)) is w
+
+
+def test_stale_and_unknown_workers_and_pulses():
+    m = Membership(1, 2)
+    ids = _full(m)
+    w = m.workers[ids[(0, 1)]]
+    assert m.heartbeat(w, 7, "alive", now=1.0) is None and w.step == 7
+    assert m.heartbeat(w, 0, "pulse", now=2.0) is None and w.step == 7 and w.last_seen == 2.0
+    assert m.overdue(now=3.5, timeout=2.0) == [m.workers[ids[(0, 0)]]]
+    m.declare_dead(w, now=3.0)
+    with pytest.raises(Refused) as e:
+        m.member(w.worker_id)
+    assert e.value.code == "FAILED_PRECONDITION"
+    with pytest.raises(Refused) as e:
+        m.member("nobody")
+    assert e.value.code == "NOT_FOUND"
+
+
+def test_dead_records_are_pruned_per_slot():
+    m = Membership(1, 2)
+    _full(m)
+    for i in range(3 * KEEP_DEAD):
+        w = m.holder((0, 1))
+        m.declare_dead(w, now=float(i))
+        m.register(0, 1, f"h:{i}", 1000 + i, "h", False, 11, now=float(i))
+    dead = [w for w in m.workers.values() if (w.replica, w.stage) == (0, 1) and w.state == "dead"]
+    assert len(dead) == KEEP_DEAD and len(m.workers) == KEEP_DEAD + 2
+
+
+def test_restore_continues_with_the_same_members_routes_and_epochs():
+    m = Membership(2, 3, incarnation=1)
+    ids = _full(m)
+    m.declare_dead(m.workers[ids[(1, 1)]], now=5.0)
+    m.recompute_routes()
+    saved = m.to_dict()
+    m2 = Membership(2, 3, incarnation=2)
+    m2.restore(saved, now=100.0)
+    assert m2.route_epoch == m.route_epoch and m2.routes == m.routes and m2.job_started
+    assert m2.routes_view() == m.routes_view()
+    assert m2.recompute_routes() == []              # nothing to change: no epoch bump, no aborted step
+    w = m2.member(ids[(0, 2)])                      # the same ids: no re-registration
+    assert w.last_seen == 100.0 and m2.stage_numel == {0: 10, 1: 11, 2: 12}
+    with pytest.raises(Refused):
+        m2.member(ids[(1, 1)])
+    m2.declare_dead(m2.workers[ids[(0, 1)]], now=101.0)
+    assert m2.recompute_routes() == [0] and m2.route_epoch[0] >> 32 == 2 > m.route_epoch[0] >> 32
+    with pytest.raises(ValueError):
+        Membership(2, 2).restore(saved, now=0.0)
+
+
+def test_expected_in_round_follows_routes_and_steps():
+    m = Membership(2, 3)
+    ids = _full(m)
+    assert m.expected_in_round(1, 0, H=5) == {0, 1}
+    m.declare_dead(m.workers[ids[(1, 1)]], now=1.0)
+    m.recompute_routes()
+    assert m.expected_in_round(1, 0, H=5) == {0} and m.expected_in_round(0, 0, H=5) == {0, 1}
+    m.workers[ids[(0, 0)]].step = 11          # replica 0 is past round 1's step (10)
+    assert m.expected_in_round(0, 1, H=5) == {1}
+
+
+# ---------------------------------------------------------------- the outer relay
+
+
+class _Ctx:
+    def is_active(self):
+        return True
+
+
+def _coordinator(tmp_path, mode="diloco"):
+    from crucible.coordinator.server import Coordinator
+
+    cfg = Config.load(None, {"job.replicas": 2, "job.stages": 2, "outer.mode": mode, "outer.H": 2,
+                             "checkpoint.enable_checkpointing": False})
+    c = Coordinator(cfg, str(tmp_path), token="t", restore=True)
+    ids = {}
+    for r in range(2):
+        for s in range(2):
+            reply = c.Register(pb.RegisterRequest(protocol_version=1, replica=r, stage=s, address=f"h:{r}{s}",
+                                                  pid=10 * r + s, host="h", numel=4), None)
+            ids[(r, s)] = reply.worker_id
+    return c, ids
+
+
+def _dense(values) -> bytes:
+    import struct
+
+    return DENSE_HEADER.pack(DENSE_MAGIC, len(values)) + struct.pack(f"<{len(values)}f", *values)
+
+
+def _exchange_all(c, ids, stage, rnd, payloads: dict) -> dict:
+    out, errors = {}, {}
+
+    def one(r):
+        req = pb.OuterRequest(worker_id=ids[(r, stage)], stage=stage, round=rnd, payload=payloads[r],
+                              mode=c.cfg.outer.mode, numel=4, step=2 * rnd + 1)
+        try:
+            out[r] = c.outer.exchange(req, _Ctx())
+        except (ValueError, rpc.RpcFault) as e:
+            errors[r] = e
+            req.payload = b""
+            out[r] = c.outer.exchange(req, _Ctx())     # abstain, as the worker does
+    threads = [threading.Thread(target=one, args=(r,)) for r in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out, errors
+
+
+def test_a_malformed_first_contribution_leaves_only_its_sender_out(tmp_path):
+    c, ids = _coordinator(tmp_path)
+    try:
+        good = _dense([1.0, 2.0, 3.0, 4.0])
+        out, errors = _exchange_all(c, ids, 0, 0, {0: _dense([1.0] * 7), 1: good})
+        assert isinstance(errors.get(0), ValueError) and "this stage needs 28" in str(errors[0])
+        assert list(out[0].contributors) == [1] == list(out[1].contributors)
+        for n in range(1, 4):     # every later round has every replica
+            out, errors = _exchange_all(c, ids, 0, n, {0: good, 1: good})
+            assert not errors and list(out[0].contributors) == [0, 1] and list(out[1].payloads) == [good, good]
+    finally:
+        c.stop()
+
+
+def test_a_closed_round_is_replayed_from_disk_by_a_restarted_coordinator(tmp_path):
+    c, ids = _coordinator(tmp_path)
+    a, b = _dense([1.0, 0.0, 0.0, 0.0]), _dense([0.0, 2.0, 0.0, 0.0])
+    out, _ = _exchange_all(c, ids, 1, 0, {0: a, 1: b})
+    c.stop()
+    c._lock_file.close()
+    from crucible.coordinator.server import Coordinator
+
+    c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)     # continues: same ids
+    try:
+        late = c2.outer.exchange(pb.OuterRequest(worker_id=ids[(1, 1)], stage=1, round=0, payload=b, mode="diloco",
+                                                 numel=4, step=1), _Ctx())
+        assert late == out[1] and list(late.contributors) == [0, 1]
+        assert c2.outer.rounds == {}          # closed rounds are not kept in memory
+        with pytest.raises(rpc.RpcFault) as e:
+            c2.outer.exchange(pb.OuterRequest(worker_id=ids[(0, 0)], stage=1, round=0, mode="diloco"), _Ctx())
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        c2.stop()
+
+
+def test_reports_are_written_once(tmp_path):
+    import json
+
+    c, ids = _coordinator(tmp_path)
+    try:
+        batch = [json.dumps({"event": "step", "step": i}) for i in range(3)]
+        req = pb.ReportRequest(worker_id=ids[(0, 0)], events_json=batch, source="abc", seq=10)
+        c.Report(req, None)
+        c.Report(req, None)                                   # a retry: nothing new
+        more = pb.ReportRequest(worker_id=ids[(0, 0)], events_json=batch[1:] + [json.dumps({"event": "step",
+                                                                                             "step": 3})],
+                                source="abc", seq=11)
+        c.Report(more, None)                                  # overlaps: only seq 13 is new
+    finally:
+        c.stop()
+    seqs = [json.loads(x)["seq"] for x in open(tmp_path / "metrics.jsonl") if '"src":"abc"' in x]
+    assert seqs == [10, 11, 12, 13]
+    from crucible.coordinator.persist import last_sequence_numbers
+
+    assert last_sequence_numbers(str(tmp_path / "metrics.jsonl")) == {"abc": 13}
