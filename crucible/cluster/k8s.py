@@ -11,7 +11,7 @@ What it writes (one resource a file, ``kubectl apply -f DIR``):
 * ``coordinator-service.yaml``: a Service ``NAME-coordinator`` on port 7000:
   the coordinator's stable address. Workers dial that name, so a coordinator
   pod that restarts (same or other node) is reached at the same address and
-  every live worker re-registers with it.
+  every live worker carries on with it.
 * ``coordinator.yaml``: a Job of one pod, ``crucible coordinator
   --on-sigterm leave``: a SIGTERM (pod deleted, node drained) ends that pod
   with exit 143 and the Job starts another (``restartPolicy: OnFailure``);
@@ -190,7 +190,7 @@ def render(o, cfg, token: str, config_text: str | None) -> dict[str, list[dict]]
         "metadata": _meta(f"{o.name}-coordinator", o.namespace, _labels(o.name, "coordinator")),
         "spec": {"selector": _labels(o.name, "coordinator"),
                  "ports": [{"name": "grpc", "port": COORD_PORT, "targetPort": "grpc", "protocol": "TCP"}],
-                 # Workers re-register at once with a new coordinator pod: no NotReady wait.
+                 # Workers reach a new coordinator pod at once: no NotReady wait.
                  "publishNotReadyAddresses": True}}]
     cargs = ["coordinator", "--run-dir", run_dir, "--bind", f"0.0.0.0:{COORD_PORT}", "--on-sigterm", "leave"]
     if o.config:

@@ -24,7 +24,8 @@ its node's name, PORT from ``--port``, default any free one) and writes
 ``coordinator.addr``; every later coordinator of the run binds the same port
 again (it waits up to 30 s for the old one to let it go), so a restarted
 coordinator on the same node has the same address and every worker
-re-registers with it (a NOT_FOUND heartbeat tells them to). A worker job
+carries on with it (it restores its predecessor's saved state; a worker it
+does not know re-registers). A worker job
 reads ``coordinator.addr`` when it starts. If the coordinator comes back on
 another node, running workers keep dialling the old address: the supervisor's
 stuck check (below) then cancels their jobs and their resubmissions, reading
@@ -55,7 +56,7 @@ supervisor exits when the last job has ended.
 
 Signals. The coordinator runs with ``--on-sigterm leave``: SIGTERM, what
 Slurm sends on ``scancel``, preemption or a time limit, ends that one job
-only; the workers keep training and re-register with the next coordinator
+only; the workers keep training and carry on with the next coordinator
 (a worker's own SIGTERM ends that worker only: a replacement). Stopping the
 whole job is ``down``'s alone: the stop file, then ``scancel --batch
 --signal=INT`` to the coordinator's job: the coordinator takes a final
@@ -381,7 +382,7 @@ def write_scripts(run: SlurmRun) -> None:
 def submit(run: SlurmRun, slot: Slot, start: str = "restart") -> int:
     """Submit the slot's job. The coordinator's ``start``: ``fresh`` (the first of a
     new run), ``resume`` (the whole job from its latest checkpoint) or ``restart``
-    (continue from the previous coordinator's saved state; live workers re-register)."""
+    (continue from the previous coordinator's saved state; live workers carry on)."""
     logs = os.path.join(run.run_dir, "logs", "slurm")
     os.makedirs(logs, exist_ok=True)
     extra = run.coordinator_sbatch if slot.name == COORD else run.worker_sbatch

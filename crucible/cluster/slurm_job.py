@@ -13,7 +13,7 @@ it) one of:
   it so (the whole job was lost) or for ``up --resume``, else neither (a
   restart: it restores its predecessor's saved state). ``--on-sigterm
   leave``: Slurm's SIGTERM (scancel, preemption, time limit) ends this
-  coordinator only, the workers go on and re-register with the next one;
+  coordinator only, the workers go on with the next one;
   ``crucible slurm down`` sends SIGINT (final checkpoint, every worker stops).
 * ``r{R}s{S}``: ``crucible worker --coordinator ADDR --replica R --stage S
   --bind HOST:0`` with ADDR read from ``coordinator.addr`` (waiting for it

@@ -470,7 +470,7 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
     """Run a coordinator until the job finishes or SIGTERM/SIGINT. With
     ``on_sigterm = "leave"`` (under a scheduler that starts a new coordinator,
     `crucible slurm`, Kubernetes), SIGTERM ends this one at once with exit
-    status 143 and the workers go on and re-register with the next; SIGINT
+    status 143 and the workers go on with the next; SIGINT
     still means final checkpoint + stop."""
     import signal
 
