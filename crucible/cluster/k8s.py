@@ -267,7 +267,9 @@ def add_parser(sub) -> None:
     r.add_argument("--replicas", type=int)
     r.add_argument("--stages", type=int)
     r.add_argument("--steps", type=int)
-    r.add_argument("--resume", action="store_true", help="the coordinator continues from the latest checkpoint")
+    r.add_argument("--resume", action="store_true",
+                   help="every start of the coordinator's pod continues from the latest checkpoint: to continue a "
+                        "stopped run, not for a running one")
     r.add_argument("--storage", default="10Gi", help="size of the shared run-directory volume")
     r.add_argument("--storage-class", help="a StorageClass offering ReadWriteMany (NFS, CephFS, EFS, Filestore...)")
     r.add_argument("--cpu", default="1", help="CPU request of each worker")
