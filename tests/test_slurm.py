@@ -260,8 +260,15 @@ def slot_of(st, name):
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    started_cluster = _cluster_or_skip()
+def cluster():
+    started = _cluster_or_skip()
+    yield
+    if started:
+        subprocess.run(["bash", SCRIPT, "down"], capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def job(cluster, tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("slurm") / "run")
     j = SlurmJob(run_dir)
     try:
@@ -272,8 +279,31 @@ def job(tmp_path_factory):
         yield j
     finally:
         j.cleanup()
-        if started_cluster:
-            subprocess.run(["bash", SCRIPT, "down"], capture_output=True, timeout=60)
+
+
+def test_bad_partition_is_one_line_and_leaves_no_job(cluster, tmp_path):
+    j = SlurmJob(str(tmp_path / "bad"))
+    p = j.cli("up", "--run-dir", j.run_dir, "--partition=no-such-partition", "--steps", "10", *TINY)
+    assert p.returncode != 0 and "Invalid partition" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert [x for x in slurm.query_jobs(j.state().names()).values() if x.active] == []
+
+
+def test_finished_job_is_not_resubmitted_and_the_supervisor_exits(cluster, tmp_path):
+    j = SlurmJob(str(tmp_path / "short"))
+    try:
+        p = j.cli("up", "--run-dir", j.run_dir, "--replicas", "1", "--stages", "2", "--steps", "30", *TINY)
+        assert p.returncode == 0, p.stderr
+        run = j.state()
+        t_end = time.monotonic() + 240
+        while time.monotonic() < t_end and (slurm.supervisor_alive(run) or
+                                            any(x.active for x in slurm.query_jobs(run.names()).values())):
+            time.sleep(1)
+        assert slurm.supervisor_alive(run) is None, f"supervisor still running:\n{j.logs()}"
+        jobs = slurm.query_jobs(run.names())
+        assert sorted(x.state for x in jobs.values()) == ["COMPLETED"] * 3, f"{jobs}\n{j.logs()}"
+        assert len(_events(j.run_dir, "slurm_submit")) == 3 and _events(j.run_dir, "job_done")
+    finally:
+        j.cleanup()
 
 
 def test_trains_under_slurm_one_job_per_slot(job):
