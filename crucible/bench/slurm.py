@@ -270,7 +270,8 @@ def main(args) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     quick = bool(getattr(args, "quick", False))
     settings = QUICK if quick else FULL
-    result: dict = {"bench": "slurm", "quick": quick, **code_version(), "environment": common.environment(),
+    version = {k: v for k, v in code_version().items() if k != "root"}   # no path of this machine
+    result: dict = {"bench": "slurm", "quick": quick, **version, "environment": common.environment(),
                     "settings": {**settings, "overrides": MODEL + COMMON}, "definitions": __doc__}
     try:
         result["slurm_version"] = slurm.run_cmd(["sinfo", "--version"]).strip()
