@@ -80,11 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "slurm"])
+    p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "soak", "slurm"])
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--quick", action="store_true", help="a short run (for smoke tests)")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--size-mb", type=float, help="bench ckpt: state size in MB (default: the job's)")
+    p.add_argument("--minutes", type=float, help="bench soak: how long to inject faults (default 15)")
+    p.add_argument("--gap", type=float, help="bench soak: mean seconds between faults (default 3)")
+    p.add_argument("--seed", type=int, help="bench soak, slurm: the faults' random seed (default 1)")
+    p.add_argument("--stress", type=int, help="bench soak: spinning processes next to the job (default: one a core)")
+    p.add_argument("--outer", choices=["sparseloco", "diloco"], help="bench soak: outer mode (default sparseloco)")
 
     from crucible.cluster import add_parsers   # crucible slurm ..., crucible k8s render
 
@@ -93,8 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(name: str) -> None:
+    import faulthandler
+
     logging.basicConfig(level=os.environ.get("CRUCIBLE_LOG", "INFO"),
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <pid>` writes every thread's stack to the log: what a stuck process is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _die_with_parent() -> None:

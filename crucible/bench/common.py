@@ -395,8 +395,24 @@ def _cpu_model() -> str:
     return platform.processor() or ""
 
 
+def git_commit() -> str | None:
+    """The commit of the source tree the benchmark runs from (+ "-dirty" with
+    uncommitted changes), or None outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (head + ("-dirty" if dirty else "")) if head else None
+
+
 def environment() -> dict:
     return {
+        "commit": git_commit(),
+        "command": " ".join(["crucible"] + sys.argv[1:]),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "platform": platform.platform(),

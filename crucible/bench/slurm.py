@@ -269,7 +269,9 @@ def _terminate(signum, frame):
 def main(args) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     quick = bool(getattr(args, "quick", False))
-    settings = QUICK if quick else FULL
+    settings = dict(QUICK if quick else FULL)
+    if getattr(args, "seed", None) is not None:
+        settings["seed"] = args.seed
     version = {k: v for k, v in code_version().items() if k != "root"}   # no path of this machine
     result: dict = {"bench": "slurm", "quick": quick, **version, "environment": common.environment(),
                     "settings": {**settings, "overrides": MODEL + COMMON}, "definitions": __doc__}
