@@ -406,17 +406,20 @@ def test_resume_then_scancel_coordinator_every_worker_keeps_its_slot(job):
     # (the new coordinator restores its predecessor's membership, or the workers re-register).
     st = job.wait_for(lambda s: s if s["job"] and s["job"]["incarnation"] > inc and healthy(s) else None, 180,
                       "a new coordinator with every worker back")
-    assert {(w["replica"], w["stage"]): w["pid"] for w in st["job"]["workers"]} == pids, "a worker was replaced"
-    assert {s["slot"]: s["job_id"] for s in st["slots"] if s["slot"] != "coordinator"} == jobs_before
+    now = {(w["replica"], w["stage"]): w["pid"] for w in st["job"]["workers"]}
+    assert now == pids, f"a worker was replaced: {now} != {pids}"
+    jobs_now = {s["slot"]: s["job_id"] for s in st["slots"] if s["slot"] != "coordinator"}
+    assert jobs_now == jobs_before, f"a worker job was resubmitted: {jobs_now} != {jobs_before}"
     starts = [e for e in _events(job.run_dir, "coordinator_start") if e["time"] >= t_cancel]
-    assert starts and starts[0]["address"] == addr, "not on the same address"
+    assert starts and starts[0]["address"] == addr, f"not on the same address: {starts[:1]} vs {addr}"
     assert slot_of(st, "coordinator")["job_id"] != coord["job_id"]
     ends = [e for e in _events(job.run_dir, "slurm_job_end") if e["job_id"] == coord["job_id"]]
-    assert ends and ends[0]["exit_code"] == 143, "the coordinator did not leave on SIGTERM"
+    # 143: it left on SIGTERM (137 if it took longer than KillWait); 0 would be the stop-everything path
+    assert ends and ends[0]["exit_code"] in (143, 137), f"the coordinator did not leave on SIGTERM: {ends}"
     subs = [e for e in _events(job.run_dir, "slurm_submit") if e["time"] >= t_cancel and e["slot"] == "coordinator"]
-    assert subs and subs[0]["start"] == "restart"
+    assert subs and subs[0]["start"] == "restart", f"{subs}"
     before = {r["id"]: r["step"] for r in st["job"]["replicas"]}
     job.wait_for(lambda s: all(r["step"] >= before[r["id"]] + 5 for r in s["job"]["replicas"]), 90,
                  "training going on under the new coordinator")
-    st = job.status()
-    assert {(w["replica"], w["stage"]): w["pid"] for w in st["job"]["workers"]} == pids, "a worker was replaced"
+    now = {(w["replica"], w["stage"]): w["pid"] for w in job.status()["job"]["workers"]}
+    assert now == pids, f"a worker was replaced while training went on: {now} != {pids}"
