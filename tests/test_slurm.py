@@ -222,7 +222,7 @@ class SlurmJob:
         t_end = time.monotonic() + timeout
         while time.monotonic() < t_end:
             st = self.status()
-            got = pred(st)
+            got = pred(st) if st["job"] is not None else None   # None: the coordinator did not answer (yet)
             if got:
                 return got
             time.sleep(0.5)
@@ -419,7 +419,8 @@ def test_resume_then_scancel_coordinator_every_worker_keeps_its_slot(job):
     subs = [e for e in _events(job.run_dir, "slurm_submit") if e["time"] >= t_cancel and e["slot"] == "coordinator"]
     assert subs and subs[0]["start"] == "restart", f"{subs}"
     before = {r["id"]: r["step"] for r in st["job"]["replicas"]}
-    job.wait_for(lambda s: all(r["step"] >= before[r["id"]] + 5 for r in s["job"]["replicas"]), 90,
+    job.wait_for(lambda s: s["job"] and all(r["step"] >= before[r["id"]] + 5 for r in s["job"]["replicas"]), 90,
                  "training going on under the new coordinator")
-    now = {(w["replica"], w["stage"]): w["pid"] for w in job.status()["job"]["workers"]}
+    st = job.wait_for(lambda s: s if s["job"] else None, 30, "the coordinator answering")   # busy: no answer in 2 s
+    now = {(w["replica"], w["stage"]): w["pid"] for w in st["job"]["workers"]}
     assert now == pids, f"a worker was replaced while training went on: {now} != {pids}"
