@@ -108,7 +108,7 @@ class Watch:
         t_end = time.monotonic() + timeout
         while time.monotonic() < t_end:
             st = self.poll()
-            if st is not None and pred(st):
+            if st is not None and st.get("job") is not None and pred(st):   # no answer in 2 s: look again
                 return st
             time.sleep(0.5)
         raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
