@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true",
                    help="a new job: ignore the saved state of a previous coordinator of this run directory")
     p.add_argument("--bind", default="127.0.0.1:0", help="host:port (port 0 = any free port)")
+    p.add_argument("--on-sigterm", choices=["stop", "leave"], default="stop",
+                   help="stop: final checkpoint, then every worker stops; leave: exit, workers wait for the next")
 
     p = sub.add_parser("worker", help="run one stage worker")
     p.add_argument("--coordinator", required=True, help="coordinator host:port")
@@ -78,16 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "soak"])
+    p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "soak", "slurm"])
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--quick", action="store_true", help="a short run (for smoke tests)")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--size-mb", type=float, help="bench ckpt: state size in MB (default: the job's)")
     p.add_argument("--minutes", type=float, help="bench soak: how long to inject faults (default 15)")
     p.add_argument("--gap", type=float, help="bench soak: mean seconds between faults (default 3)")
-    p.add_argument("--seed", type=int, help="bench soak: the faults' random seed (default 1)")
+    p.add_argument("--seed", type=int, help="bench soak, slurm: the faults' random seed (default 1)")
     p.add_argument("--stress", type=int, help="bench soak: spinning processes next to the job (default: one a core)")
     p.add_argument("--outer", choices=["sparseloco", "diloco"], help="bench soak: outer mode (default sparseloco)")
+
+    from crucible.cluster import add_parsers   # crucible slurm ..., crucible k8s render
+
+    add_parsers(sub)
     return ap
 
 
@@ -200,7 +206,8 @@ def _run(args) -> int:
             path = rpc.write_token(args.run_dir, token)
             print(f"crucible: no CRUCIBLE_TOKEN given; generated one in {path}", file=sys.stderr)
         try:
-            return serve(cfg, args.run_dir, args.bind, token, resume=args.resume, fresh=args.fresh)
+            return serve(cfg, args.run_dir, args.bind, token, resume=args.resume, fresh=args.fresh,
+                         on_sigterm=args.on_sigterm)
         except Exception as e:  # noqa: BLE001
             return _fatal("coordinator", e)
 
@@ -245,6 +252,11 @@ def _run(args) -> int:
         from crucible.ckpt_cli import interval_main
 
         return interval_main(args)
+
+    if args.cmd in ("slurm", "k8s"):
+        from crucible.cluster import main as cluster_main
+
+        return cluster_main(args)
 
     if args.cmd == "bench":
         import importlib

@@ -465,21 +465,31 @@ class Coordinator:
             }
 
 
-def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False, fresh: bool = False) -> int:
-    """Run a coordinator until the job finishes or SIGTERM/SIGINT."""
+def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False, fresh: bool = False,
+          on_sigterm: str = "stop") -> int:
+    """Run a coordinator until the job finishes or SIGTERM/SIGINT. With
+    ``on_sigterm = "leave"`` (under a scheduler that starts a new coordinator,
+    `crucible slurm`, Kubernetes), SIGTERM ends this one at once with exit
+    status 143 and the workers go on with the next; SIGINT
+    still means final checkpoint + stop."""
     import signal
 
     coord = Coordinator(cfg, run_dir, token, restore=not (resume or fresh))
     coord.ckpt.prepare(resume)
     coord.start(bind)
     stop = threading.Event()
+    got: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda s, _f: (got.append(s), stop.set()))
     while not stop.is_set() and not coord.finished.is_set():
         stop.wait(0.2)
     if coord.finished.is_set():
         coord.ckpt.drain(timeout=30.0)   # a save in flight at the end of the job may still commit
         time.sleep(0.5)  # let workers see the final state before the server goes
+    elif on_sigterm == "leave" and got[:1] == [signal.SIGTERM]:
+        log.warning("SIGTERM: leaving the workers running for the next coordinator")
+        coord.stop()
+        return 128 + signal.SIGTERM    # not done: a scheduler starts the next one
     else:  # SIGTERM/SIGINT (a preemption notice): a final checkpoint, then every worker stops
         coord.ckpt.final_checkpoint(cfg.checkpoint.preemption_timeout_secs)
         coord.ckpt.stop_workers()

@@ -227,7 +227,10 @@ class Worker:
             self.ckpt.restore(reply.resume_dir, int(reply.replica_step))
             self.on_routes(reply.routes)
             threading.Thread(target=self.ctl.watch_loop, args=(self.on_routes,), daemon=True, name="routes").start()
-            signal.signal(signal.SIGTERM, lambda *_: self.stop_requested.set())
+            # SIGTERM (our own node preempted, a pod evicted): stop at once, exit 143 = lost, not done.
+            signal.signal(signal.SIGTERM, lambda *_: (setattr(self, "exit_code", self.exit_code or
+                                                              exits.interrupted(signal.SIGTERM)),
+                                                      self.stop_requested.set()))
             if reply.replacement:
                 self.step = self.ctl.step = int(reply.replica_step)
                 self.join_as_replacement(int(reply.slot_step))
