@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from crucible import rpc
+from crucible import extras, rpc
 from crucible.config import Config
 
 RESTART_EXIT = 75   # a worker's exit code under on_stage_failure = restart
@@ -67,6 +67,7 @@ class Launcher:
             if val is not None:
                 self.overrides.append(f"{key}={val}")
         self.cfg = Config.load(args.config, self.overrides)   # fail early, naming the bad key
+        extras.check_config(self.cfg)                          # ... or the missing optional package
         self.stopping = False
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}

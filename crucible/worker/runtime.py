@@ -48,6 +48,7 @@ from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.compress.activations import make_codec
 from crucible.config import Config
 from crucible.data import Corpus, eval_batches
+from crucible.health import Health
 from crucible.model import build_stage, tokens_needed
 from crucible.wire import from_wire, to_wire, tokens_to_wire
 from crucible.worker import optim
@@ -219,8 +220,9 @@ class Worker:
         torch.set_num_threads(1)
         self.service = StageService(self)
         # Shapes are not known before registration: a Pipe before it gets UNAVAILABLE.
+        self.health = Health(SERVICE)     # NOT_SERVING until registered, built and loaded
         self.server, port = rpc.make_server(SERVICE, self.service.handlers(), self.token, self.bind,
-                                            max_workers=8, max_mb=1024)
+                                            max_workers=8, max_mb=1024, health=self.health)
         host = self.bind.rpartition(":")[0] or "127.0.0.1"
         if host in ("0.0.0.0", "[::]"):
             host = socket.gethostname()
@@ -250,6 +252,7 @@ class Worker:
             if reply.replacement:
                 self.step = self.ctl.step = int(reply.replica_step)
                 self.join_as_replacement()
+            self.health.set(True)
             if self.first:
                 self.drive()
             else:
@@ -355,6 +358,7 @@ class Worker:
             self.down.send(self._frame(K.COMMIT, step, 0, self.down_epoch, clip_coef=coef))
 
     def shutdown(self) -> None:
+        self.health.stop()
         if getattr(self, "ckpt", None) is not None:
             self.ckpt.close()    # finish (and report) the save in flight
         if self.down is not None:
