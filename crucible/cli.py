@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--replica", type=int, help="with a checkpoint: which replica (default: as export)")
-    p.add_argument("--global", dest="use_global", action="store_true", help="with a checkpoint: θ_global")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--replica", type=int, help="with a checkpoint: which replica (default: as export)")
+    g.add_argument("--global", dest="use_global", action="store_true", help="with a checkpoint: θ_global")
 
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos"])

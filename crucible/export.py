@@ -344,7 +344,8 @@ def decode(ids: list[int]) -> str:
 def main(args) -> int:
     from crucible.config import ConfigError
 
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)     # small models: one thread is fastest and shares the machine
     try:
         if args.cmd == "export":
             meta = export(args.ckpt, args.out, args.replica, args.use_global)
@@ -360,6 +361,8 @@ def main(args) -> int:
             print("crucible sample: note: the model's tokens are not bytes; the output is their ids as bytes",
                   file=sys.stderr)
         ids = sample(model, cfg, args.prompt.encode(), args.tokens, args.temperature, args.top_k, args.seed)
+        if hasattr(sys.stdout, "reconfigure"):
+            sys.stdout.reconfigure(errors="replace")    # a terminal that is not UTF-8 still gets the text
         sys.stdout.write(args.prompt + decode(ids) + "\n")
         return 0
     except (ExportError, ConfigError) as e:
