@@ -85,7 +85,12 @@ class PrometheusExporter:
         for direction in ("sent", "received"):
             self.outer_bytes.labels(direction)
         reg.register(_StateCollector(coord))
-        self.httpd, self.thread = start_http_server(port, addr=host, registry=reg)
+        try:
+            self.httpd, self.thread = start_http_server(port, addr=host, registry=reg)
+        except OSError as e:
+            from crucible.config import ConfigError
+
+            raise ConfigError(f"metrics.prometheus_port: cannot serve /metrics on {host}:{port}: {e}") from None
         self.port = self.httpd.server_port
         adv = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.address = f"{adv}:{self.port}"
