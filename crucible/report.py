@@ -215,6 +215,14 @@ def _mark_lines(ax, run: Run, xs_of, kinds=("fault", "replacement")) -> None:
             first = False
 
 
+def _legend(ax, **kw) -> None:
+    """A legend when something is labelled; else say there is nothing yet."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kw)
+    else:
+        ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="#777777")
+
+
 def _loss_axes_limits(ax, values: list[float]) -> None:
     if not values:
         return
@@ -275,8 +283,8 @@ def fig_loss(run: Run, path: str) -> dict:
     ax_step.set_ylabel("loss (nats/token)")
     ax_step.set_xlabel("step")
     ax_step.set_title("Loss against step (faults and replacements at the replica's step when they happened)")
-    ax_t.legend(loc="upper right", ncol=2)
-    ax_step.legend(loc="upper right", ncol=2)
+    _legend(ax_t, loc="upper right", ncol=2)
+    _legend(ax_step, loc="upper right", ncol=2)
     plt.setp(ax_t.get_xticklabels(), visible=False)
 
     # The event strip: one row per kind, on the time axis.
@@ -319,7 +327,7 @@ def fig_throughput(run: Run, path: str) -> None:
     ax.set_xlabel("wall time since training started (s)")
     ax.set_ylabel("tokens/s (per replica)")
     ax.set_title("Throughput (median of 5 steps; a step's time is stage 0's, from its start to its commit)")
-    ax.legend(loc="lower right", ncol=4)
+    _legend(ax, loc="lower right", ncol=4)
     _save(fig, path)
 
 
