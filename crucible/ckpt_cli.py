@@ -62,7 +62,7 @@ def _summary(info) -> dict:
         out["error"] = str(e)
         return out
     out.update(shards=len(m["shards"]), bytes=sum(s["bytes"] for s in m["shards"]),
-               replicas=m.get("replicas") or {}, vacant=m.get("vacant") or [], final=bool(m.get("final")),
+               replicas=m.get("replicas") or {}, vacant=m.get("vacant") or [], final=bool(m.get("final")), end=bool(m.get("end")),
                config_hash=m.get("config_hash"))
     return out
 
@@ -90,7 +90,8 @@ def cmd_list(args) -> int:
             reps = ", ".join(f"r{k} {v.get('step')}/{v.get('round')}" + ("" if v.get("state") in (None, "training")
                                                                          else f" {v['state']}")
                              for k, v in sorted(r["replicas"].items(), key=lambda kv: int(kv[0])))
-            extra = (f"  vacant {','.join(r['vacant'])}" if r["vacant"] else "") + ("  (final)" if r["final"] else "")
+            extra = (f"  vacant {','.join(r['vacant'])}" if r["vacant"] else "") + ("  (final)" if r["final"] else "") \
+                + ("  (end of the job)" if r.get("end") else "")
             print(f"  {r['step']:>8}  {when}  {r['shards']:>6}  {_size(r['bytes']):>9}  {reps}{extra}")
     if left:
         print(f"  not checkpoints: {len(left)} save(s) in progress or interrupted ({', '.join(left)})")
@@ -106,8 +107,12 @@ def cmd_verify(args) -> int:
             print(f"{one}: not a committed checkpoint (no {storage.MANIFEST})")
             return 1
     results = []
+    bar = _verify_progress(infos)
     for info in reversed(infos):
-        results.append({"step": info.step, "path": info.path, "problems": storage.verify(info.path)})
+        bar.label = f"verifying step {info.step}"
+        results.append({"step": info.step, "path": info.path,
+                        "problems": storage.verify(info.path, on_shard=lambda s: bar.advance(s["bytes"]))})
+    bar.close()
     good = [r for r in results if not r["problems"]]
     usable = good[0]["step"] if good else None
     if args.json:
@@ -125,6 +130,19 @@ def cmd_verify(args) -> int:
         if one is None and results:
             print(f"resume would use step {usable}" if usable is not None else "no checkpoint to resume from")
     return 0 if results and len(good) == len(results) else 1
+
+
+def _verify_progress(infos):
+    """A live line of bytes checked so far (only on a terminal: see crucible.progress)."""
+    from crucible.progress import Progress
+
+    total = 0
+    for info in infos:
+        try:
+            total += sum(s["bytes"] for s in storage.read_manifest(info.path)["shards"])
+        except storage.CheckpointCorrupt:
+            pass
+    return Progress("verifying", total=total or None, unit=" MB", scale=1e6)
 
 
 def _tree_scalars(tree) -> dict:

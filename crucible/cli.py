@@ -1,4 +1,4 @@
-"""The `crucible` command. Only `worker` and the benchmarks import torch."""
+"""The `crucible` command. Only `worker`, `export`, `sample` and the benchmarks import torch."""
 
 from __future__ import annotations
 
@@ -78,6 +78,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--persist", type=float, help="background write time W in seconds")
     p.add_argument("--run-dir", help="take C (and M, when faults were logged) from a run's metrics.jsonl")
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("report", help="write RUN_DIR/report.html with plots of a run (finished or running)")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", help="the HTML file to write (default RUN_DIR/report.html; figures go next to it)")
+    p.add_argument("--json", action="store_true", help="print a summary as JSON")
+
+    p = sub.add_parser("export", help="assemble a checkpoint's stages into one model (safetensors + config.json)")
+    p.add_argument("ckpt", metavar="CKPT", help="run directory, its checkpoints/, or one step_<N>")
+    p.add_argument("--out", required=True, metavar="DIR")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--replica", type=int, help="the replica whose weights to export (default: the first complete one)")
+    g.add_argument("--global", dest="use_global", action="store_true",
+                   help="export θ_global (the weights every replica agreed on at the last outer round)")
+
+    p = sub.add_parser("sample", help="generate text from a checkpoint or an export")
+    p.add_argument("model", metavar="CKPT_OR_EXPORT", help="an export directory, or what `export` takes")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--replica", type=int, help="with a checkpoint: which replica (default: as export)")
+    g.add_argument("--global", dest="use_global", action="store_true", help="with a checkpoint: θ_global")
 
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "soak", "slurm"])
@@ -257,6 +281,16 @@ def _run(args) -> int:
         from crucible.cluster import main as cluster_main
 
         return cluster_main(args)
+
+    if args.cmd == "report":
+        from crucible.report import main as report_main
+
+        return report_main(args)
+
+    if args.cmd in ("export", "sample"):
+        from crucible import export
+
+        return export.main(args)
 
     if args.cmd == "bench":
         import importlib

@@ -138,6 +138,17 @@ class NetConfig:
 
 
 @dataclass
+class MetricsConfig:
+    # The coordinator also writes TensorBoard event files under run_dir/tensorboard
+    # (needs the tensorboard package: pip install 'crucible[report]').
+    tensorboard: bool = False
+    # The coordinator serves Prometheus /metrics over HTTP on this port, on the
+    # interface its gRPC server binds: -1 = off, 0 = any free port (written to
+    # run_dir/prometheus.addr).
+    prometheus_port: int = -1
+
+
+@dataclass
 class DebugConfig:
     dump_grads_step: int = -1        # write each stage's gradients at this step (tests)
     dump_outer: bool = False         # write each stage's global weights after every outer round
@@ -157,6 +168,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     net: NetConfig = field(default_factory=NetConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     # ---- construction -------------------------------------------------
@@ -279,6 +291,8 @@ class Config:
         need(self.fault.probe_timeout > 0, "fault.probe_timeout", "must be > 0")
         need(1 <= self.net.max_message_mb <= 1024, "net.max_message_mb", "must be in 1..1024")
         need(self.net.link_mbps >= 0, "net.link_mbps", "must be >= 0")
+        need(-1 <= self.metrics.prometheus_port <= 65535, "metrics.prometheus_port",
+             "must be -1 (off), 0 (any free port) or a port")
 
     def get(self, dotted: str) -> Any:
         section, _, key = dotted.partition(".")

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from crucible import exits, rpc
+from crucible import exits, extras, rpc
 from crucible.config import Config
 from crucible.slots import slot_name, slot_of
 
@@ -117,6 +117,7 @@ class Launcher:
             if val is not None:
                 self.overrides.append(f"{key}={val}")
         self.cfg = Config.load(args.config, self.overrides)   # fail early, naming the bad key
+        extras.check_config(self.cfg)                          # ... or the missing optional package
         self.stopping = 0                 # the signal that asked us to stop
         self.failure = ""                 # why the job failed (the launcher stops it)
         self.last_status: dict | None = None

@@ -2,7 +2,9 @@
 
 * Every server checks the shared token (``x-crucible-token`` metadata) in an
   interceptor: a call without the right token gets UNAUTHENTICATED before any
-  handler runs.
+  handler runs. The standard health service (``grpc.health.v1.Health``) is
+  the one exception: cluster probes carry no token, and it answers only
+  SERVING / NOT_SERVING (see ``crucible.health``).
 * Handlers are registered with raw-bytes deserializers and parse their request
   themselves, so that a request that is not a valid protobuf gets
   INVALID_ARGUMENT (grpc's own deserializer would answer INTERNAL).
@@ -97,6 +99,9 @@ def make_channel(address: str, max_mb: int = 64) -> grpc.Channel:
     return grpc.insecure_channel(address, options=channel_options(max_mb))
 
 
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
 class _TokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._token = token.encode()
@@ -105,6 +110,8 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None
+        if details.method.startswith(_HEALTH_PREFIX):
+            return handler      # probes carry no token; health tells nothing else (crucible.health)
         supplied = ""
         for key, value in details.invocation_metadata or ():
             if key == TOKEN_KEY:
@@ -199,9 +206,10 @@ def stream_stream(method: str, request_cls, reply_cls, fn: Callable):
 
 
 def make_server(service: str, handlers: dict, token: str, bind: str, max_workers: int,
-                max_mb: int = 64) -> tuple[grpc.Server, int]:
+                max_mb: int = 64, health=None) -> tuple[grpc.Server, int]:
     """Start a server for `service` (full name, e.g. crucible.v1.Stage) on `bind`
-    (host:port; port 0 picks a free one). Returns (server, port)."""
+    (host:port; port 0 picks a free one), with `health` (a crucible.health.Health)
+    as its grpc.health.v1 service. Returns (server, port)."""
     if not token:
         raise ValueError("no token: set CRUCIBLE_TOKEN")
     server = grpc.server(
@@ -215,6 +223,10 @@ def make_server(service: str, handlers: dict, token: str, bind: str, max_workers
         maximum_concurrent_rpcs=max_workers * 4,
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    if health is not None:
+        from grpc_health.v1 import health_pb2_grpc
+
+        health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     port = server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"cannot bind {bind}")

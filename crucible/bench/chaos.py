@@ -91,6 +91,7 @@ import time
 
 from crucible.bench import common
 from crucible.bench.common import progress
+from crucible.progress import Progress
 
 LOSS_WINDOW = 10
 
@@ -238,10 +239,13 @@ def run_one(workdir: str, name: str, policy: str, chaos: str | None, settings: d
         out["startup_s"] = t0 - t_launch
         out["t0"], out["t_end"] = t0, t_end
         progress(f"{name}: training started {t0 - t_launch:.1f}s after the launch; running {settings['budget_s']:g}s")
-        while time.time() < t_end + settings["tail_s"]:
-            if proc.poll() is not None:
-                raise RuntimeError(f"launcher exited with {proc.returncode} during the run")
-            time.sleep(0.25)
+        with Progress(f"{name}", total=settings["budget_s"] + settings["tail_s"], unit=" s") as bar:
+            while time.time() < t_end + settings["tail_s"]:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"launcher exited with {proc.returncode} during the run")
+                bar.update(time.time() - t0, f"{len(common.read_events(metrics, 'fault'))} faults"
+                           if bar.enabled else "")
+                time.sleep(0.25)
         # Keep going (up to a cap) until every kill within the budget has its recovery
         # on record: the next committed step of the victim's replica.
         t_cap = time.time() + settings["recover_cap_s"]

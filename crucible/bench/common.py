@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from typing import Callable, Iterable
+from crucible.progress import Progress
 
 STAGE_FIELDS = ("step_s", "compute_s", "serialize_s", "transport_s", "idle_s",
                 "bytes_out", "raw_bytes_out", "bytes_in", "raw_bytes_in")
@@ -83,15 +84,24 @@ class Child:
         """Wait up to `timeout` s for the leader to exit, calling `poll` meanwhile.
         Returns the exit code, or None on timeout (the process is left running)."""
         t_end = time.monotonic() + timeout
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                return code
-            if time.monotonic() >= t_end:
-                return None
-            if poll is not None:
-                poll()
-            time.sleep(every)
+        with Progress(self.progress_label()) as bar:   # a live line, only on a terminal
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    return code
+                if time.monotonic() >= t_end:
+                    return None
+                if poll is not None:
+                    poll()
+                if bar.enabled:
+                    bar.update(None, self.progress_note())
+                time.sleep(every)
+
+    def progress_label(self) -> str:
+        return " ".join(os.path.basename(a) for a in self.argv[2:5])
+
+    def progress_note(self) -> str:
+        return ""
 
     def close(self, grace: float = 5.0) -> None:
         """SIGTERM the group (the leader's own cleanup runs), then SIGKILL whatever is left."""
@@ -123,12 +133,41 @@ class Launch(Child):
     def __init__(self, run_dir: str, replicas: int, stages: int, steps: int, overrides: Iterable[str] = (),
                  env: dict | None = None):
         self.run_dir = os.path.abspath(run_dir)
+        self.steps = steps
+        self._seen: dict[int, int] = {}     # replica -> latest step (progress line)
+        self._offset = 0
         os.makedirs(self.run_dir, exist_ok=True)
         self.out_path = os.path.join(self.run_dir, "launch.out")
         argv = crucible_argv("launch", "--replicas", str(replicas), "--stages", str(stages), "--steps", str(steps),
                              "--run-dir", self.run_dir, "--respawn-delay", "-1", *overrides)
         with open(self.out_path, "wb") as out:
             super().__init__(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def progress_label(self) -> str:
+        return f"run {os.path.basename(self.run_dir)}"
+
+    def progress_note(self) -> str:
+        """Each replica's latest step, from the new lines of metrics.jsonl."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        steps = self._seen
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return "starting"
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        for line in data[:end].splitlines():
+            if b'"event":"step"' in line:
+                try:
+                    ev = json.loads(line)
+                    steps[ev["replica"]] = ev["step"] + 1
+                except (ValueError, KeyError, TypeError):
+                    pass
+        if not steps:
+            return "starting"
+        return "step " + " | ".join(f"r{r} {s}/{self.steps}" for r, s in sorted(steps.items()))
 
     def pids(self) -> dict:
         """pids.json as the launcher last wrote it ({} before it exists)."""

@@ -90,7 +90,7 @@ import shutil
 import struct
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .policies import CkptInfo
 
@@ -784,12 +784,13 @@ def list_checkpoints(ckpt_root: str | os.PathLike) -> list[CkptInfo]:
     return out
 
 
-def verify(ckpt_path: str | os.PathLike) -> list[str]:
+def verify(ckpt_path: str | os.PathLike, on_shard: Callable[[dict], None] | None = None) -> list[str]:
     """Problems with a committed checkpoint; empty when it is good.
 
     Checks that the manifest parses and names this step, and that every
     listed shard is present with the listed size and checksum (reads every
-    byte).  Extra files are not a problem.
+    byte).  Extra files are not a problem.  ``on_shard(entry)`` is called
+    after each shard's check (progress).
     """
     path = Path(ckpt_path)
     try:
@@ -804,6 +805,8 @@ def verify(ckpt_path: str | os.PathLike) -> list[str]:
         problems.append(f"{MANIFEST}: lists no shards")
     for s in m["shards"]:
         problems.extend(_check_shard_file(path / s["name"], s["bytes"], s["checksum"]))
+        if on_shard is not None:
+            on_shard(s)
     return problems
 
 

@@ -45,6 +45,16 @@ policy), waits for its commit for at most
 ``checkpoint.preemption_timeout_secs``, then answers heartbeats with
 ``stop``: the workers exit 0.
 
+The end of the job. The last step is a cut every worker knows in advance:
+each one snapshots its state right after applying the COMMIT of step
+``train.steps - 1`` (and the outer round it closes), whatever the policy,
+and reports that shard. The coordinator commits them as the *end save*
+(``end`` in its events and manifest): it names it when a replica is within
+the margin of the end (or done, or a shard of the end arrives first: such
+shards are kept until the save is named), so a completed job always leaves a
+committed checkpoint of its last step, however long ago the previous save
+was. ``drain`` (when the job is done) waits for it.
+
 Resume. With ``--resume``, ``prepare`` finds the newest committed checkpoint
 that verifies (a damaged one is reported, ``ckpt_damaged``, and the previous
 one used), and sets each replica's step from its
@@ -90,6 +100,7 @@ class Save:
     vacant: list
     optional: dict = dataclasses.field(default_factory=dict)  # paused replicas' live workers (best effort)
     final: bool = False
+    end: bool = False                   # the end save (train.steps): shards come unasked
     reports: dict = dataclasses.field(default_factory=dict)   # shard name -> report
     required_in_mono: float | None = None   # when every required shard was in
     abort: str | None = None
@@ -115,6 +126,9 @@ class CheckpointManager:
         self.boost = 1.0
         self.samples: collections.deque = collections.deque(maxlen=200)   # (monotonic, highest step)
         self.final_wanted = False
+        self.end_step = int(coord.cfg.train.steps)
+        self.end_started = False                    # the end save was named (once)
+        self.early: dict[str, dict] = {}            # shards of the end save reported before it was named
         self.final_result: int | None = None        # step of the final checkpoint; -1 = none possible
         self.resume_requested = False               # --resume: every worker is new, the job starts afresh
         self.resume_dir: str | None = None
@@ -270,6 +284,11 @@ class CheckpointManager:
             if not _HEX64.match(req.checksum) or req.bytes <= 0:
                 raise ValueError("a shard report needs bytes > 0 and a hex sha256 checksum")
             if not current:
+                if req.ckpt_step == self.end_step and not self.end_started and req.replica_step == self.end_step:
+                    # the end save's shard came before the save was named: kept for it
+                    self.early[name] = self._shard_entry(req, w)
+                    self._wake.set()
+                    return pb.ShardAck(accepted=True)
                 return pb.ShardAck(accepted=False)      # a shard of an aborted or finished save
             expected = req.worker_id in p.required
             frozen = req.worker_id in p.optional
@@ -278,12 +297,16 @@ class CheckpointManager:
                 return pb.ShardAck(accepted=False)
             if req.replica_step != p.step and not (frozen and 0 <= req.replica_step <= p.step):
                 raise ValueError(f"shard of step {req.replica_step} reported for checkpoint {p.step}")
-            p.reports[name] = {"name": name, "bytes": int(req.bytes), "checksum": req.checksum,
-                               "replica": w.replica, "stage": w.stage, "step": int(req.replica_step),
-                               "outer_round": int(req.outer_round), "stall_s": float(req.stall_s),
-                               "persist_s": float(req.persist_s), "worker": w.worker_id}
+            p.reports[name] = self._shard_entry(req, w)
             self._wake.set()
         return pb.ShardAck(accepted=True)
+
+    @staticmethod
+    def _shard_entry(req: pb.ShardReport, w) -> dict:
+        return {"name": storage.shard_name(w.replica, w.stage), "bytes": int(req.bytes), "checksum": req.checksum,
+                "replica": w.replica, "stage": w.stage, "step": int(req.replica_step),
+                "outer_round": int(req.outer_round), "stall_s": float(req.stall_s),
+                "persist_s": float(req.persist_s), "worker": w.worker_id}
 
     # ---- preemption and the end ----------------------------------------------------------
 
@@ -318,7 +341,8 @@ class CheckpointManager:
         with c.cv:
             while time.monotonic() < t_end:
                 busy = [w for w in c.m.workers.values() if w.state in ("alive", "joining")]
-                if self.pending is None and not busy:
+                end_due = self.enabled and self.early and not self.end_started
+                if self.pending is None and not busy and not end_due:
                     return
                 self._wake.set()
                 c.cv.wait(0.1)
@@ -381,7 +405,7 @@ class CheckpointManager:
                 p.committing = True
                 commit = p
             elif self.enabled and not c.stopping.is_set():
-                self._maybe_start(steps, mono)
+                self._start_next(steps, mono)
                 return False
         if commit is not None:
             self._commit(commit)
@@ -406,6 +430,59 @@ class CheckpointManager:
         lead = 2 * self.c.cfg.fault.heartbeat_interval + 2 * TICK_S
         return 2 + int(math.ceil(1.5 * self._rate() * lead * self.boost))
 
+    def _start_next(self, steps: dict[int, int], mono: float) -> None:
+        """Under the lock, no save pending: the end save when it is due, else
+        whatever the policy says."""
+        if not self._maybe_start_end(steps, mono):
+            self._maybe_start(steps, mono)
+
+    def _maybe_start_end(self, steps: dict[int, int], mono: float) -> bool:
+        """Name the end save (step ``train.steps``) once a replica is within the
+        margin of the end, done, or has sent a shard of it. True when it started."""
+        c = self.c
+        end = self.end_step
+        if self.end_started or end <= 0 or not c.job_started:
+            return False
+        if self.latest_committed_step is not None and self.latest_committed_step >= end:
+            return False
+        states = {rep.id: rep.state for rep in c.replicas}
+        if any(s not in ("training", "paused", "done") for s in states.values()):
+            return False
+        live = [r for r, s in states.items() if s in ("training", "done")]
+        if not live:
+            return False
+        near = max(steps.get(r, 0) for r in live) + self._margin() >= end
+        if not (near or self.early or any(s == "done" for s in states.values())):
+            return False
+        required, optional, vacant, replicas = {}, {}, [], {}
+        for rep in c.replicas:
+            route = list(c.routes[rep.id])
+            replicas[rep.id] = {"state": "training" if rep.state == "done" else rep.state, "route": route,
+                                "step": steps[rep.id]}
+            for s in range(c.cfg.job.stages):
+                wid = c.slots[(rep.id, s)]
+                w = c.workers.get(wid) if wid else None
+                if rep.state in ("training", "done") and s in route and w is not None and w.state in ("alive", "done"):
+                    required[wid] = (rep.id, s)
+                elif rep.state == "paused" and w is not None and w.state == "alive":
+                    optional[wid] = (rep.id, s)
+                else:
+                    vacant.append(f"r{rep.id}s{s}")
+        p = Save(step=end, started=time.time(), started_mono=mono, required=required, optional=optional,
+                 replicas=replicas, vacant=vacant, final=self.final_wanted, end=True)
+        for name, rp in self.early.items():
+            if rp["worker"] in required or rp["worker"] in optional:
+                p.reports[name] = rp
+        self.early.clear()
+        self.end_started = True
+        self.pending = p
+        self.last_start = mono
+        c.metrics.write({"event": "ckpt_start", "step": end, "end": True, "final": p.final,
+                         "replica_steps": {str(r): s for r, s in steps.items()},
+                         "shards": len(required), "shards_in": len(p.reports), "vacant": vacant})
+        c.cv.notify_all()
+        return True
+
     def _maybe_start(self, steps: dict[int, int], mono: float) -> None:
         c = self.c
         if not c.job_started or c.finished.is_set():
@@ -425,7 +502,7 @@ class CheckpointManager:
         if isinstance(self.save_policy, FixedIntervalPolicy) and not self.final_wanted:
             n = self.save_policy.steps
             target = -(-target // n) * n
-        if target > c.cfg.train.steps:
+        if target >= c.cfg.train.steps:   # the last step belongs to the end save
             if self.final_wanted:
                 self._final_impossible(f"the job ends (step {c.cfg.train.steps}) before step {target}")
             return
@@ -532,6 +609,7 @@ class CheckpointManager:
             "config": c.cfg.to_dict(),
             "incarnation": c.incarnation,
             "final": p.final,
+            "end": p.end,
             "started": p.started,
             "shard_info": {rp["name"]: {k: rp[k] for k in ("replica", "stage", "step", "outer_round", "stall_s",
                                                             "persist_s")} for rp in reports},
@@ -554,7 +632,7 @@ class CheckpointManager:
             self.last_commit_time = now
             self.committed += 1
             self.boost = max(1.0, self.boost * 0.8)
-            c.metrics.write({"event": "ckpt_commit", "step": p.step, "final": p.final,
+            c.metrics.write({"event": "ckpt_commit", "step": p.step, "final": p.final, "end": p.end,
                              "stall_s": max(stalls), "stall_median_s": statistics.median(stalls),
                              "persist_s": max(persists), "persist_median_s": statistics.median(persists),
                              "bytes": sum(rp["bytes"] for rp in reports), "shards": len(reports), "vacant": vacant,
@@ -565,8 +643,10 @@ class CheckpointManager:
                 self.final_wanted = False
             c.cv.notify_all()
             if self.enabled and not c.stopping.is_set():   # continuous: the next save starts now
-                self._maybe_start(self._replica_steps(), time.monotonic())
+                self._start_next(self._replica_steps(), time.monotonic())
             pending = self.pending.step if self.pending is not None else None
+            if pending is None and not self.end_started and self.latest_committed_step < self.end_step:
+                pending = self.end_step     # shards of the end save may be on their way
         log.info("checkpoint of step %d committed (%d shards, %.1f MB)", p.step, len(reports),
                  sum(rp["bytes"] for rp in reports) / 1e6)
         self._retention()

@@ -5,7 +5,9 @@ queue) and write it on a thread of their own, so no lock is ever held across
 file I/O, and a slow disk delays the file, never a heartbeat.
 
 * ``MetricsLog``: append-only ``metrics.jsonl``, one JSON object a line, each
-  with ``event`` and ``time``; order preserved.
+  with ``event`` and ``time``; order preserved. Its ``exporters``
+  (TensorBoard, Prometheus: ``crucible.coordinator.exporters``) see every
+  event, on the writer thread.
 * ``LatestFile``: a small JSON document rewritten atomically (write, fsync,
   rename); only the newest version matters, so versions queued behind a slow
   write are skipped.
@@ -33,6 +35,7 @@ class MetricsLog:
         self._cv = threading.Condition()
         self._closed = False
         self.dropped = 0
+        self.exporters: list = []
         self._queued = 0        # events queued so far
         self._written = 0       # of those, written to the file
         self._thread = threading.Thread(target=self._run, name="metrics-writer", daemon=True)
@@ -46,7 +49,7 @@ class MetricsLog:
             if len(self._q) >= MAX_QUEUED_EVENTS:
                 self.dropped += 1
                 return self._queued
-            self._q.append(line)
+            self._q.append((line, event))
             self._queued += 1
             self._cv.notify_all()
             return self._queued
@@ -68,9 +71,10 @@ class MetricsLog:
             with self._cv:
                 while not self._q and not self._closed:
                     self._cv.wait()
-                lines = list(self._q)
+                items = list(self._q)
                 self._q.clear()
                 closed = self._closed
+            lines = [line for line, _ in items]
             if lines:
                 try:
                     self._f.write("\n".join(lines) + "\n")
@@ -80,6 +84,11 @@ class MetricsLog:
                 with self._cv:
                     self._written += len(lines)
                     self._cv.notify_all()
+                if self.exporters:
+                    from crucible.coordinator import exporters
+
+                    for _, event in items:
+                        exporters.observe(self.exporters, event)
             if closed:
                 return
 
@@ -88,6 +97,10 @@ class MetricsLog:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout)
+        if self.exporters:
+            from crucible.coordinator import exporters
+
+            exporters.close(self.exporters)
         try:
             self._f.close()
         except OSError:

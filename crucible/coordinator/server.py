@@ -53,6 +53,8 @@ from crucible import PROTOCOL_VERSION, __version__, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
+from crucible.health import Health
+from crucible.coordinator import exporters
 from crucible.coordinator.checkpoints import CheckpointManager
 from crucible.coordinator.membership import Membership, Refused, WorkerInfo
 from crucible.coordinator.outer import OuterRelay
@@ -166,9 +168,11 @@ class Coordinator:
             "OuterExchange": rpc.unary("OuterExchange", pb.OuterRequest, pb.OuterReply, self.outer.exchange),
             "ReportShard": rpc.unary("ReportShard", pb.ShardReport, pb.ShardAck, self.ckpt.report_shard),
         }
-        self.server, self.port = rpc.make_server(SERVICE, handlers, self.token, bind,
-                                                 max_workers=3 * n + 8, max_mb=self.cfg.net.max_message_mb)
+        self.health = Health(SERVICE)
+        self.server, self.port = rpc.make_server(SERVICE, handlers, self.token, bind, max_workers=3 * n + 8,
+                                                 max_mb=self.cfg.net.max_message_mb, health=self.health)
         host = bind.rpartition(":")[0] or "127.0.0.1"
+        self.metrics.exporters = exporters.start(self, host.strip("[]"))
         if host in ("0.0.0.0", "[::]", ""):
             host = "127.0.0.1"
         adv = self.cfg.net.advertise or f"{host}:{self.port}"
@@ -178,10 +182,13 @@ class Coordinator:
                             "restored": self.m.restored, "version": __version__, "config": self.cfg.to_dict()})
         threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
         self.ckpt.start()
+        self.health.set(True)
         log.info("coordinator %s up at %s (incarnation %d)", self.run_dir, adv, self.incarnation)
         return self.port
 
     def stop(self, grace: float = 1.0) -> None:
+        if self.server is not None:
+            self.health.stop()
         self.stopping.set()
         with self.cv:
             self.cv.notify_all()

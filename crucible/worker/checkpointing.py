@@ -19,6 +19,11 @@ of all replicas at step T. A stage 0 that learns T only after committing
 T-1 reports itself late; the coordinator aborts that save and names a later
 target.
 
+The end of the job (``train.steps``) is a cut every worker knows without
+being told: stage 0 marks the COMMIT of the last step, every stage snapshots
+after it (and the outer round it closes) and reports the shard; the
+coordinator commits them as the job's end save.
+
 How (two phases, at most one save in flight):
 
 1. *Snapshot*, on the training thread, at the step boundary: the state's
@@ -251,6 +256,8 @@ class WorkerCheckpointer:
         """Stage 0, about to COMMIT ``step``: should every stage snapshot right
         after it (the coordinator's target is step + 1)?"""
         t = self.target
+        if self.enabled and step + 1 == self.w.cfg.train.steps and step + 1 not in self.handled:
+            return True      # the end of the job: always saved
         if not self.enabled or t <= 0 or t in self.handled:
             return False
         if step + 1 == t:
@@ -282,7 +289,8 @@ class WorkerCheckpointer:
         if not self.enabled:
             return
         step = self.w.step
-        if snapshot or (self.w.stage != 0 and step == self.target and step not in self.handled):
+        heard = step == self.target or step == self.w.cfg.train.steps   # (the end of the job is always a cut)
+        if snapshot or (self.w.stage != 0 and heard and step not in self.handled):
             self.save(step)
 
     # ---- the state ----------------------------------------------------------------

@@ -187,8 +187,8 @@ class StageService:
     def _read(self, frames, stream: "UpstreamStream", peer: str) -> None:
         rt = self.rt
         try:
-            if rt.cfg is None:
-                raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "worker is still registering")
+            if not rt.built:
+                raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "worker is still building its stage")
             hello = next(frames, None)
             if hello is None:
                 return

@@ -49,6 +49,7 @@ from crucible.compress.activations import make_codec
 from crucible.config import Config
 from crucible.slots import slot_name
 from crucible.data import Corpus, eval_batches
+from crucible.health import Health
 from crucible.model import build_stage, tokens_needed
 from crucible.wire import from_wire, to_wire, tokens_to_wire
 from crucible.worker import optim, pulse
@@ -163,6 +164,7 @@ class Worker:
         self.all_routes: list = []
         self.down_epoch, self.down_stage = 0, None
         self.exit_code = 0
+        self.built = False                # the stage is built: the data plane may take frames
         self.pulse = None                 # the liveness process (crucible.worker.pulse)
 
     # ---- what the data plane asks of us ---------------------------------
@@ -219,7 +221,18 @@ class Worker:
 
     def run(self) -> int:
         torch.set_num_threads(1)
-        self.server = None
+        self.service = StageService(self)
+        # The server answers from the start (health: NOT_SERVING until registered,
+        # built and loaded; a Pipe before the stage is built: UNAVAILABLE). Its
+        # receive limit is the largest net.max_message_mb allows; senders keep to
+        # the job's own limit.
+        self.health = Health(SERVICE)
+        self.server, port = rpc.make_server(SERVICE, self.service.handlers(), self.token, self.bind,
+                                            max_workers=8, max_mb=1024, health=self.health)
+        host = self.bind.rpartition(":")[0] or "127.0.0.1"
+        if host in ("0.0.0.0", "[::]"):
+            host = socket.gethostname()
+        self.address = self.advertise or f"{host}:{port}"
         self.ctl = ControlClient(self.coordinator, self.token)
         self.ctl.on_reregister = self._reregister
         try:
@@ -234,6 +247,7 @@ class Worker:
             if reply.replacement:
                 self.step = self.ctl.step = int(reply.replica_step)
                 self.join_as_replacement(int(reply.slot_step))
+            self.health.set(True)
             if self.first:
                 self.drive()
             else:
@@ -261,13 +275,6 @@ class Worker:
         self.name = slot_name(self.replica, self.stage)
         logging.getLogger().name = self.name
         self.ctl.heartbeat_timeout = cfg.fault.heartbeat_timeout
-        self.service = StageService(self)
-        self.server, port = rpc.make_server(SERVICE, self.service.handlers(), self.token, self.bind,
-                                            max_workers=8, max_mb=cfg.net.max_message_mb)
-        host = self.bind.rpartition(":")[0] or "127.0.0.1"
-        if host in ("0.0.0.0", "[::]"):
-            host = socket.gethostname()
-        self.address = self.advertise or f"{host}:{port}"
         self._build()
         reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel)
         log.info("%s registered as %s at %s%s", self.name, reply.worker_id, self.address,
@@ -301,6 +308,7 @@ class Worker:
         self.fwd_codec = boundary_codec(cfg.compress.forward, cfg)
         self.bwd_codec = boundary_codec(cfg.compress.backward, cfg)
         self.ledger = Ledger()
+        self.built = True
         self.last_commit: tuple[int, float] | None = None   # stage 0: (step, coef) of the last COMMIT sent
         if self.first:
             corpus = Corpus(cfg)
@@ -391,6 +399,7 @@ class Worker:
             self.down.send(self._frame(K.COMMIT, step, 0, self.down_epoch, clip_coef=coef))
 
     def shutdown(self) -> None:
+        self.health.stop()
         t0 = time.perf_counter()
         if getattr(self, "ckpt", None) is not None:
             self.ckpt.close()    # finish (and report) the save in flight

@@ -1,0 +1,547 @@
+"""``crucible report RUN_DIR``: what a run did, as ``RUN_DIR/report.html`` with PNG plots.
+
+Reads only ``metrics.jsonl`` (so it works on a finished run, on one still
+running, whose last line may be half written, and on a copy of the file), and
+writes ``RUN_DIR/report.html`` and its figures under ``RUN_DIR/report/``:
+
+    loss.png         training and held-out loss per replica against wall time (top) and
+                     against step (bottom); faults, replacements, route changes,
+                     checkpoints and outer rounds marked (lines in the panels, and one
+                     row each in the event strip under the time panel)
+    throughput.png   tokens/s per replica against wall time (median of 5 steps), faults marked
+    goodput.png      each replica's time ledger (stage 0's: compute, communication,
+                     checkpoint stall, lost work, paused, recovering) as a stacked bar
+    checkpoints.png  per committed save: snapshot stall (the largest of the workers) and
+                     background persist time; aborted saves counted in the title
+    outer.png        bytes per outer round: what each replica sent (summed over its stages)
+                     against the dense fp32 size of the same update
+
+matplotlib (Agg, no display) comes with ``pip install 'crucible[report]'``.
+No torch. ``build(run_dir)`` returns a summary (counts of what was marked,
+the figures written) that ``--json`` prints.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import statistics
+import time
+from collections import defaultdict
+
+REPLICA_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
+MARKS = {   # kind: (label, color, strip marker, strip label)
+    "kill": ("kill injected", "#000000", "1", "kills injected"),
+    "fault": ("worker lost", "#d62728", "x", "workers lost"),
+    "replacement": ("replacement in", "#2ca02c", "^", "replacements in"),
+    "route": ("route change", "#7f7f7f", "|", "route changes"),
+    "checkpoint": ("checkpoint", "#1f3b99", "s", "checkpoints"),
+    "outer": ("outer round", "#9467bd", ".", "outer rounds"),
+}
+LEDGER = [("compute_s", "compute", "#2ca02c"), ("communication_s", "communication", "#1f77b4"),
+          ("checkpoint_stall_s", "checkpoint stall", "#1f3b99"), ("lost_s", "lost work", "#d62728"),
+          ("paused_s", "paused", "#ff7f0e"), ("recovering_s", "recovering", "#bcbd22")]
+
+
+def read_events(path: str) -> tuple[list[dict], int]:
+    """Every complete JSON line of metrics.jsonl; lines that do not parse (the
+    half-written last line of a running job) are skipped and counted."""
+    events, bad = [], 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                ev = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                bad += 1
+                continue
+            if isinstance(ev, dict) and isinstance(ev.get("event"), str) and isinstance(ev.get("time"), (int, float)):
+                events.append(ev)
+    events.sort(key=lambda e: e["time"])
+    return events, bad
+
+
+class Run:
+    """The series of one run, from its events."""
+
+    def __init__(self, events: list[dict]):
+        self.events = events
+        starts = [e for e in events if e["event"] == "coordinator_start"]
+        first = next((e for e in events if e["event"] == "step"), None)
+        # Time 0 is when training began (the start of the first step), not the
+        # coordinator's start: workers may take long to come up.
+        if first is not None:
+            self.t0 = first["time"] - (first.get("step_s") if _num(first.get("step_s")) else 0.0)
+        else:
+            self.t0 = starts[0]["time"] if starts else (events[0]["time"] if events else time.time())
+        self.config = (starts[-1].get("config") or {}) if starts else {}
+        self.incarnations = len(starts)
+        self.steps: dict[int, list[dict]] = defaultdict(list)
+        self.evals: dict[int, list[dict]] = defaultdict(list)
+        self.ledgers: dict[int, dict[str, dict]] = defaultdict(dict)     # replica -> worker -> latest ledger
+        self.faults, self.replacements, self.routes, self.ckpts, self.aborts = [], [], [], [], []
+        self.kills = []                                   # the launcher's --chaos kills
+        self.rounds: dict[int, dict] = {}                 # round -> {"time", "bytes"} (coordinator's outer_round)
+        self.outer_sent: dict[tuple[int, int], dict] = defaultdict(lambda: {"sent": 0, "dense": 0, "time": 0.0})
+        self.done = None
+        for e in events:
+            k, r = e["event"], e.get("replica")
+            if k == "step" and isinstance(r, int) and _num(e.get("loss")):
+                self.steps[r].append(e)
+            elif k == "eval" and isinstance(r, int) and _num(e.get("loss")):
+                self.evals[r].append(e)
+            elif k == "goodput" and isinstance(r, int):
+                self.ledgers[r][str(e.get("worker", ""))] = e
+            elif k == "fault":
+                self.faults.append(e)
+            elif k == "chaos":
+                self.kills.append(e)
+            elif k == "replacement_ready":
+                self.replacements.append(e)
+            elif k == "route_change":
+                self.routes.append(e)
+            elif k == "ckpt_commit" and _num(e.get("step")):
+                self.ckpts.append(e)
+            elif k == "ckpt_abort":
+                self.aborts.append(e)
+            elif k == "outer_round" and isinstance(e.get("round"), int):
+                rd = self.rounds.setdefault(e["round"], {"time": e["time"], "bytes": 0})
+                rd["bytes"] += int(e.get("bytes") or 0)
+                rd["time"] = max(rd["time"], e["time"])
+            elif k == "outer" and isinstance(r, int) and isinstance(e.get("round"), int):
+                acc = self.outer_sent[(r, e["round"])]
+                acc["sent"] += int(e.get("bytes_sent") or 0)
+                acc["dense"] += int(e.get("dense_bytes") or 0)
+                acc["time"] = max(acc["time"], e["time"])
+            elif k == "job_done":
+                self.done = e
+        self.replica_ids = sorted(set(self.steps) | set(self.evals) | set(self.ledgers))
+        R = (self.config.get("job") or {}).get("replicas")
+        if isinstance(R, int) and R > 0:
+            self.replica_ids = sorted(set(self.replica_ids) | set(range(R)))
+        self.last_time = events[-1]["time"] if events else self.t0
+
+    def rel(self, t: float) -> float:
+        return t - self.t0
+
+    def step_at(self, replica: int, t: float) -> float | None:
+        """The replica's step at wall time t (interpolated between its step events)."""
+        pts = self.steps.get(replica) or []
+        if not pts or t < pts[0]["time"] - 30:
+            return None
+        prev = None
+        for e in pts:
+            if e["time"] >= t:
+                if prev is None:
+                    return float(e["step"])
+                span = e["time"] - prev["time"]
+                frac = 0.0 if span <= 0 else (t - prev["time"]) / span
+                return prev["step"] + 1 + frac * (e["step"] - prev["step"])
+            prev = e
+        return float(pts[-1]["step"] + 1)
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _color(r: int) -> str:
+    return REPLICA_COLORS[r % len(REPLICA_COLORS)]
+
+
+def _gapped(pts: list[dict], xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
+    """Break a line where the replica stood still (paused, waiting for a replacement):
+    a gap in wall time of more than 5 s and 10 typical steps, or a step that goes back."""
+    if len(pts) < 3:
+        return xs, ys
+    dts = [b["time"] - a["time"] for a, b in zip(pts, pts[1:])]
+    limit = max(5.0, 10 * statistics.median(dts))
+    ox, oy = [xs[0]], [ys[0]]
+    for i in range(1, len(pts)):
+        if dts[i - 1] > limit or pts[i]["step"] < pts[i - 1]["step"]:
+            ox.append(float("nan"))
+            oy.append(float("nan"))
+        ox.append(xs[i])
+        oy.append(ys[i])
+    return ox, oy
+
+
+def _median_filter(xs: list[float], n: int = 5) -> list[float]:
+    out = []
+    for i in range(len(xs)):
+        lo = max(0, i - n // 2)
+        out.append(statistics.median(xs[lo:lo + n]))
+    return out
+
+
+# ---- figures ------------------------------------------------------------------------------------------
+
+
+def _plt():
+    from crucible.extras import need
+
+    need("matplotlib", "crucible report")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 9, "axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.25,
+                         "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8,
+                         "legend.framealpha": 0.85})
+    return plt
+
+
+def _save(fig, path: str) -> None:
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def _mark_lines(ax, run: Run, xs_of, kinds=("fault", "replacement")) -> None:
+    """Vertical lines for faults and replacements (colored by what happened, dashed)."""
+    for kind in kinds:
+        label, color = MARKS[kind][:2]
+        items = run.faults if kind == "fault" else run.replacements
+        first = True
+        for e in items:
+            x = xs_of(e)
+            if x is None:
+                continue
+            ax.axvline(x, color=color, lw=1.0, ls="--" if kind == "fault" else ":", alpha=0.8,
+                       label=label if first else None, zorder=1)
+            first = False
+
+
+def _legend(ax, **kw) -> None:
+    """A legend when something is labelled; else say there is nothing yet."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kw)
+    else:
+        ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="#777777")
+
+
+def _loss_axes_limits(ax, values: list[float]) -> None:
+    if not values:
+        return
+    lo, hi = min(values), max(values)
+    # The first steps sit near ln(vocab): keep them, but do not let one spike flatten the curve.
+    top = min(hi, statistics.quantiles(values, n=100)[98] if len(values) >= 100 else hi)
+    pad = 0.05 * max(top - lo, 1e-3)
+    ax.set_ylim(lo - pad, top + pad * 2)
+
+
+def fig_loss(run: Run, path: str) -> dict:
+    plt = _plt()
+    fig = plt.figure(figsize=(11, 8.2), layout="constrained")
+    gs = fig.add_gridspec(3, 1, height_ratios=[3.2, 1.1, 3.2])
+    ax_t = fig.add_subplot(gs[0])
+    ax_s = fig.add_subplot(gs[1], sharex=ax_t)
+    ax_step = fig.add_subplot(gs[2])
+    values = []
+    for r in run.replica_ids:
+        c = _color(r)
+        pts = run.steps.get(r, [])
+        if pts:
+            ax_t.plot(*_gapped(pts, [run.rel(e["time"]) for e in pts], [e["loss"] for e in pts]), color=c, lw=0.9,
+                      alpha=0.75, label=f"r{r} train")
+            ax_step.plot(*_gapped(pts, [e["step"] + 1 for e in pts], [e["loss"] for e in pts]), color=c, lw=0.9,
+                         alpha=0.75, label=f"r{r} train")
+            values += [e["loss"] for e in pts]
+        ev = run.evals.get(r, [])
+        if ev:
+            ax_t.plot([run.rel(e["time"]) for e in ev], [e["loss"] for e in ev], color=c, lw=1.6, ls="-",
+                      marker="o", ms=3.5, mec="white", mew=0.6, label=f"r{r} held-out")
+            ax_step.plot([e["step"] for e in ev], [e["loss"] for e in ev], color=c, lw=1.6, marker="o", ms=3.5,
+                         mec="white", mew=0.6, label=f"r{r} held-out")
+            values += [e["loss"] for e in ev]
+    _loss_axes_limits(ax_t, values)
+    _loss_axes_limits(ax_step, values)
+    _mark_lines(ax_t, run, lambda e: run.rel(e["time"]))
+
+    # Faults and replacements on the step axis: at the replica's step when they happened.
+    def at_step(e):
+        r = e.get("replica")
+        return run.step_at(r, e["time"]) if isinstance(r, int) else None
+
+    _mark_lines(ax_step, run, at_step)
+    ck_steps = sorted({int(e["step"]) for e in run.ckpts})
+    if ck_steps:
+        ax_step.plot(ck_steps, [0.0] * len(ck_steps), ls="none", marker=MARKS["checkpoint"][2],
+                     color=MARKS["checkpoint"][1], ms=5, transform=ax_step.get_xaxis_transform(), clip_on=False,
+                     label="checkpoint (step)", zorder=3)
+    H = (run.config.get("outer") or {}).get("H")
+    last_step = max((e["step"] + 1 for pts in run.steps.values() for e in pts), default=0)
+    if isinstance(H, int) and H > 0 and run.rounds:
+        xs = [H * (n + 1) for n in sorted(run.rounds) if H * (n + 1) <= last_step]
+        ax_step.plot(xs, [0.97] * len(xs), ls="none", marker="v", color=MARKS["outer"][1], ms=3.5, alpha=0.7,
+                     transform=ax_step.get_xaxis_transform(), clip_on=False, label="outer round", zorder=3)
+    ax_t.set_ylabel("loss (nats/token)")
+    ax_t.set_title("Loss against wall time")
+    ax_step.set_ylabel("loss (nats/token)")
+    ax_step.set_xlabel("step")
+    ax_step.set_title("Loss against step (faults and replacements at the replica's step when they happened)")
+    _legend(ax_t, loc="upper right", ncol=2)
+    _legend(ax_step, loc="upper right", ncol=2)
+    plt.setp(ax_t.get_xticklabels(), visible=False)
+
+    # The event strip: one row per kind, on the time axis.
+    rows = [("kill", [run.rel(e["time"]) for e in run.kills])] if run.kills else []
+    rows += [("fault", [run.rel(e["time"]) for e in run.faults]),
+            ("replacement", [run.rel(e["time"]) for e in run.replacements]),
+            ("route", [run.rel(e["time"]) for e in run.routes]),
+            ("checkpoint", [run.rel(e["time"]) for e in run.ckpts]),
+            ("outer", [run.rel(rd["time"]) for rd in run.rounds.values()])]
+    for i, (kind, xs) in enumerate(rows):
+        color, marker = MARKS[kind][1:3]
+        y = len(rows) - 1 - i
+        ax_s.plot(xs, [y] * len(xs), ls="none", marker=marker, color=color, ms=7 if marker in "|1" else 5,
+                  mew=1.5 if marker in "x|1" else 0.8)
+    ax_s.set_yticks(range(len(rows)))
+    ax_s.set_yticklabels([f"{MARKS[k][3]} ({sum(1 for x in xs if x >= 0)})" for k, xs in reversed(rows)])
+    ax_s.set_ylim(-0.6, len(rows) - 0.4)
+    ax_s.set_xlabel("wall time since training started (s)")
+    ax_s.grid(axis="y", alpha=0)
+    for a in (ax_t, ax_s):
+        a.set_xlim(left=-0.01 * max(run.rel(run.last_time), 1.0), right=max(run.rel(run.last_time), 1.0) * 1.01)
+    _save(fig, path)
+    marks = {kind: sum(1 for x in xs if x >= 0) for kind, xs in rows}
+    marks.setdefault("kill", 0)
+    return marks
+
+
+def fig_throughput(run: Run, path: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(11, 3.6), layout="constrained")
+    for r in run.replica_ids:
+        pts = [e for e in run.steps.get(r, []) if _num(e.get("step_s")) and e["step_s"] > 0]
+        if not pts:
+            continue
+        tps = _median_filter([e.get("tokens", 0) / e["step_s"] for e in pts])
+        ax.plot(*_gapped(pts, [run.rel(e["time"]) for e in pts], tps), color=_color(r), lw=1.1, label=f"r{r}")
+    _mark_lines(ax, run, lambda e: run.rel(e["time"]))
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(left=-0.01 * max(run.rel(run.last_time), 1.0), right=max(run.rel(run.last_time), 1.0) * 1.01)
+    ax.set_xlabel("wall time since training started (s)")
+    ax.set_ylabel("tokens/s (per replica)")
+    ax.set_title("Throughput (median of 5 steps; a step's time is stage 0's, from its start to its commit)")
+    _legend(ax, loc="lower right", ncol=4)
+    _save(fig, path)
+
+
+def ledger_totals(run: Run) -> dict[int, dict]:
+    """Each replica's ledger: the last one of every stage-0 worker it had, summed."""
+    out = {}
+    for r in run.replica_ids:
+        tot = {k: 0.0 for k, _, _ in LEDGER}
+        tot["wall_s"] = 0.0
+        for ev in run.ledgers.get(r, {}).values():
+            for k in list(tot):
+                if _num(ev.get(k)):
+                    tot[k] += ev[k]
+        out[r] = tot
+    return out
+
+
+def fig_goodput(run: Run, path: str) -> None:
+    plt = _plt()
+    totals = ledger_totals(run)
+    reps = [r for r in run.replica_ids if totals[r]["wall_s"] > 0]
+    fig, ax = plt.subplots(figsize=(11, 1.3 + 0.62 * max(len(reps), 1)), layout="constrained")
+    xmax = max([totals[r]["wall_s"] for r in reps] or [1.0])
+    for i, r in enumerate(reps):
+        left = 0.0
+        for key, label, color in LEDGER:
+            v = totals[r][key]
+            ax.barh(i, v, left=left, color=color, edgecolor="white", lw=0.5, label=label if i == 0 else None)
+            if v > 0.07 * xmax:
+                ax.text(left + v / 2, i, f"{v:.1f}s", ha="center", va="center", color="white", fontsize=8)
+            left += v
+        wall = totals[r]["wall_s"]
+        ax.text(wall * 1.005, i, f" {100 * totals[r]['compute_s'] / wall:.0f}% goodput of {wall:.0f}s",
+                va="center", fontsize=8)
+    ax.set_yticks(range(len(reps)))
+    ax.set_yticklabels([f"r{r}" for r in reps])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds of stage 0's wall time")
+    ax.set_xlim(0, xmax * 1.22)
+    ax.grid(axis="y", alpha=0)
+    ax.set_title("Goodput ledger per replica (where stage 0's wall time went)")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=6, fontsize=8)
+    _save(fig, path)
+
+
+def fig_checkpoints(run: Run, path: str) -> None:
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.4), layout="constrained")
+    cks = run.ckpts
+    xs = [int(e["step"]) for e in cks]
+    stall = [1000 * e.get("stall_s", 0.0) for e in cks]
+    med = [1000 * e.get("stall_median_s", e.get("stall_s", 0.0)) for e in cks]
+    a1.vlines(xs, 0, stall, color=MARKS["checkpoint"][1], lw=2)
+    a1.plot(xs, stall, ls="none", marker="o", ms=4, color=MARKS["checkpoint"][1], label="largest of the workers")
+    a1.plot(xs, med, ls="none", marker="_", ms=9, mew=2, color="#ff7f0e", label="median of the workers")
+    a1.set_ylabel("snapshot stall (ms)")
+    a1.set_ylim(bottom=0)
+    a1.set_title("Stall per save (training waits for the snapshot)")
+    a2.plot(xs, [e.get("persist_s", 0.0) for e in cks], ls="none", marker="o", ms=4, color="#3182bd",
+            label="longest shard write")
+    a2.plot(xs, [e.get("duration_s", 0.0) for e in cks], ls="none", marker="_", ms=9, mew=2, color="#333333",
+            label="start to commit")
+    a2.set_ylabel("seconds")
+    a2.set_title("Background persist per save")
+    if cks and max(e.get("duration_s", 0) for e in cks) > 20 * max(min(e.get("persist_s", 1) for e in cks), 1e-3):
+        a2.set_yscale("log")
+    for e in cks:
+        tag = "end" if e.get("end") else ("final" if e.get("final") else "")
+        if tag:
+            for a, y in ((a1, 1000 * e.get("stall_s", 0.0)), (a2, e.get("duration_s", 0.0))):
+                a.annotate(tag, (int(e["step"]), y), textcoords="offset points", xytext=(0, 6), ha="center",
+                           fontsize=7.5)
+    for a in (a1, a2):
+        a.set_xlabel("checkpoint step")
+        if cks:
+            a.legend(loc="upper right")
+    fig.suptitle(f"{len(cks)} checkpoints committed, {len(run.aborts)} aborted", fontsize=10)
+    if not cks:
+        a1.text(0.5, 0.5, "no checkpoint committed", ha="center", va="center", transform=a1.transAxes)
+    _save(fig, path)
+
+
+def fig_outer(run: Run, path: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(11, 3.4), layout="constrained")
+    for r in run.replica_ids:
+        pts = sorted((rnd, v) for (rr, rnd), v in run.outer_sent.items() if rr == r)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1]["sent"] for p in pts], color=_color(r), marker="o", ms=3, lw=1,
+                    label=f"r{r} sent (its stages in the round)")
+    if run.outer_sent:
+        dense = max(v["dense"] for v in run.outer_sent.values())
+        rounds = sorted({rnd for _, rnd in run.outer_sent})
+        ax.plot([rounds[0], rounds[-1]], [dense, dense], color="#555555", ls="--", lw=1,
+                label="dense fp32 update of the whole model")
+        ratios = [v["dense"] / v["sent"] for v in run.outer_sent.values() if v["sent"] > 0]
+        if ratios:
+            ax.set_title(f"Outer-sync bytes per round and replica: {statistics.median(ratios):.0f}x fewer than the "
+                         f"dense update of the same stages (median)")
+        ax.set_yscale("log")
+        ax.legend(loc="center right")
+    else:
+        ax.set_title("Outer-sync bytes per round")
+        ax.text(0.5, 0.5, "no outer round in this run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("outer round")
+    ax.set_ylabel("bytes")
+    _save(fig, path)
+
+
+# ---- the page -------------------------------------------------------------------------------------------
+
+
+def _fmt(x, nd=3) -> str:
+    return f"{x:.{nd}f}" if _num(x) else "–"
+
+
+def build(run_dir: str, out: str | None = None) -> dict:
+    """Write ``report.html`` (or ``out``) and its figures; returns a summary."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file (is {run_dir} a run directory?)")
+    events, bad = read_events(path)
+    run = Run(events)
+    out = out or os.path.join(run_dir, "report.html")
+    fig_dir = os.path.join(os.path.dirname(os.path.abspath(out)), "report")
+    os.makedirs(fig_dir, exist_ok=True)
+    figs = {}
+    marks = fig_loss(run, os.path.join(fig_dir, "loss.png"))
+    figs["loss"] = "loss.png"
+    fig_throughput(run, os.path.join(fig_dir, "throughput.png"))
+    figs["throughput"] = "throughput.png"
+    fig_goodput(run, os.path.join(fig_dir, "goodput.png"))
+    figs["goodput"] = "goodput.png"
+    fig_checkpoints(run, os.path.join(fig_dir, "checkpoints.png"))
+    figs["checkpoints"] = "checkpoints.png"
+    fig_outer(run, os.path.join(fig_dir, "outer.png"))
+    figs["outer"] = "outer.png"
+
+    job = run.config.get("job") or {}
+    train = run.config.get("train") or {}
+    model = run.config.get("model") or {}
+    totals = ledger_totals(run)
+    rows = []
+    for r in run.replica_ids:
+        pts, ev = run.steps.get(r, []), run.evals.get(r, [])
+        tot = totals.get(r, {})
+        wall = tot.get("wall_s", 0.0)
+        rows.append({"replica": r, "steps": (pts[-1]["step"] + 1) if pts else 0,
+                     "loss": pts[-1]["loss"] if pts else None, "eval_loss": ev[-1]["loss"] if ev else None,
+                     "goodput": tot.get("compute_s", 0.0) / wall if wall > 0 else None})
+    state = "finished" if run.done else "running (or stopped before the end)"
+    summary = {"run_dir": os.path.abspath(run_dir), "report": os.path.abspath(out), "state": state,
+               "events": len(events), "skipped_lines": bad, "elapsed_s": round(run.rel(run.last_time), 3),
+               "replicas": rows, "marks": marks, "checkpoints": len(run.ckpts), "aborted_checkpoints": len(run.aborts),
+               "outer_rounds": len(run.rounds), "figures": [os.path.join(fig_dir, f) for f in figs.values()]}
+    captions = {
+        "loss": "Training loss (thin) and held-out loss (dots) per replica. Top: against wall time, with worker "
+                "losses (red dashed) and replacements entering a route (green dotted); the strip below has one row "
+                "per kind of event. Bottom: against step (checkpoints as squares on the axis, outer rounds as "
+                "triangles at the top).",
+        "throughput": "Tokens per second of each replica (stage 0's step time), faults marked.",
+        "goodput": "Stage 0's time ledger of each replica, summed over the stage-0 workers it had.",
+        "checkpoints": "Per committed save: the snapshot stall (the only time training waits) and the background "
+                       "write; 'end' is the save at the job's last step, 'final' one on a stop signal.",
+        "outer": "Bytes each replica sent per outer round (SparseLoCo payloads, all its stages) against the dense "
+                 "fp32 update.",
+    }
+    table = "".join(
+        f"<tr><td>r{x['replica']}</td><td>{x['steps']}</td><td>{_fmt(x['loss'])}</td><td>{_fmt(x['eval_loss'])}</td>"
+        f"<td>{_fmt(100 * x['goodput'], 0) + '%' if _num(x['goodput']) else '–'}</td></tr>" for x in rows)
+    shape = (f"{job.get('replicas', '?')} replicas x {job.get('stages', '?')} stages, {train.get('steps', '?')} "
+             f"steps; model {model.get('n_layer', '?')} layers, width {model.get('d_model', '?')}")
+    notes = []
+    if bad:
+        notes.append(f"{bad} line(s) of metrics.jsonl did not parse (a line still being written) and were skipped.")
+    if run.incarnations > 1:
+        notes.append(f"The coordinator started {run.incarnations} times (restarts or resumes).")
+    body = "\n".join(
+        f"<h2>{name}</h2><img src='report/{fn}' alt='{name}'><p class='cap'>{html.escape(captions[name])}</p>"
+        for name, fn in figs.items())
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>Crucible run report: {html.escape(os.path.basename(os.path.abspath(run_dir)))}</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:1240px;margin:2em auto;color:#222}}
+img{{max-width:100%;border:1px solid #ddd}}table{{border-collapse:collapse}}td,th{{padding:.2em .8em;border-bottom:1px solid #ddd;text-align:right}}
+.cap{{color:#555;font-size:.9em}}</style></head><body>
+<h1>Run report</h1>
+<p><code>{html.escape(os.path.abspath(run_dir))}</code>: {html.escape(shape)}.<br>
+{html.escape(state)}; {summary['elapsed_s']:.0f} s of wall time; {marks['fault']} worker(s) lost,
+{marks['replacement']} replacement(s), {marks['route']} route change(s), {len(run.ckpts)} checkpoint(s) committed
+({len(run.aborts)} aborted), {len(run.rounds)} outer round(s). Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>
+<table><tr><th>replica</th><th>steps</th><th>last train loss</th><th>last held-out loss</th><th>goodput</th></tr>
+{table}</table>
+<p>{'<br>'.join(html.escape(n) for n in notes)}</p>
+{body}
+</body></html>
+"""
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(page)
+    os.replace(tmp, out)
+    return summary
+
+
+def main(args) -> int:
+    import sys
+
+    try:
+        summary = build(args.run_dir, args.out)
+    except FileNotFoundError as e:
+        print(f"crucible report: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"crucible: wrote {summary['report']} ({len(summary['figures'])} figures, {summary['events']} events"
+              + (f", {summary['skipped_lines']} unparsable line(s) skipped" if summary["skipped_lines"] else "") + ")")
+    return 0
