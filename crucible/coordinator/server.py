@@ -46,6 +46,7 @@ from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
 from crucible.coordinator.checkpoints import CheckpointManager
 from crucible.coordinator.outer import OuterRelay
+from crucible.version import version as crucible_version
 
 log = logging.getLogger("crucible.coordinator")
 
@@ -464,6 +465,7 @@ class Coordinator:
                                 "worker_id": wid, "step": w.step if w else None,
                                 "last_seen_s": round(now - w.last_seen, 3) if w else None})
             return {
+                "version": crucible_version(),
                 "run_dir": self.run_dir,
                 "incarnation": self.incarnation,
                 "epoch": self.epoch,
