@@ -23,10 +23,12 @@ TORCH=${CRUCIBLE_TORCH_VERSION:-2.13.0}
 EXTRAS=test,report,cluster
 TESTS=${CRUCIBLE_PKG_TESTS:-"tests/test_packaging.py tests/test_proto.py tests/test_config.py tests/test_interval.py
   tests/test_data_model.py tests/test_activation_codecs.py tests/test_sparseloco.py tests/test_ckpt_storage.py
-  tests/test_checkpoint_units.py tests/test_launch.py"}
+  tests/test_checkpoint_units.py"}
 PIP=(--disable-pip-version-check --no-input -q)
 T0=$(date +%s)
 step() { echo "packaging [$(( $(date +%s) - T0 ))s] $*"; }
+# pip, without the warnings about this machine's index locations it skips
+pipq() { "$@" 2>&1 | { grep -v "is neither a file nor a directory" || true; }; }
 
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||
     { echo "packaging: $PY is Python $("$PY" -V 2>&1); Crucible needs 3.11+" >&2; exit 2; }
@@ -42,16 +44,16 @@ trap cleanup EXIT
 step "building the wheel"
 mkdir -p "$T/src" "$T/dist" "$T/work"
 git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$T/src"
-"$PY" -m pip wheel "${PIP[@]}" --no-deps -w "$T/dist" "$T/src"
+pipq "$PY" -m pip wheel "${PIP[@]}" --no-deps -w "$T/dist" "$T/src"
 WHEEL=$(ls "$T"/dist/crucible-*.whl)
 "$PY" .ci/check_wheel.py "$WHEEL" "$T/src"
 
 step "fresh venv: torch==$TORCH, then the wheel [$EXTRAS] at the declared minimums"
 "$PY" -m venv "$T/venv"
 V=$T/venv/bin
-"$V/pip" install "${PIP[@]}" --no-compile "torch==$TORCH"
+pipq "$V/pip" install "${PIP[@]}" "torch==$TORCH"
 "$PY" .ci/min_constraints.py --extras "$EXTRAS" --pin "torch==$TORCH" > "$T/min.txt"
-"$V/pip" install "${PIP[@]}" --no-compile -c "$T/min.txt" "$WHEEL[$EXTRAS]"
+pipq "$V/pip" install "${PIP[@]}" -c "$T/min.txt" "$WHEEL[$EXTRAS]"
 "$V/pip" check
 "$V/python" - "$T/min.txt" <<'EOF'
 import sys
@@ -60,7 +62,7 @@ from packaging.version import Version
 bad, pins = [], [line.strip().split("==") for line in open(sys.argv[1]) if line.strip()]
 for name, want in pins:
     got = version(name)
-    if Version(got).release != Version(want).release:
+    if Version(Version(got).public) != Version(want):  # 1.26.0 is 1.26; 2.13.0+cpu is 2.13.0
         bad.append(f"{name} {got} (want {want})")
 print("packaging: installed at the minimum: " + ", ".join(f"{n}=={version(n)}" for n, _ in pins))
 sys.exit(f"packaging: not at the minimum: {', '.join(bad)}" if bad else 0)
@@ -113,8 +115,11 @@ step "optional extras at their minimums"
 "$V/python" .ci/check_extras.py report cluster 2>"$T/extras.err" || { cat "$T/extras.err" >&2; exit 1; }
 
 step "fast tests against the installed package"
-# (test_generated_code_is_fresh regenerates crucible/_pb from the source tree's
-# proto/: the README's test command runs it.)
+# Left to the README's test command: test_generated_code_is_fresh (it
+# regenerates crucible/_pb from the source tree's proto/) and the SIGKILL
+# stress of checkpoint storage (80 s of repeated kills, nothing install-specific).
 # shellcheck disable=SC2086
-"$V/python" -m pytest -q -p no:cacheprovider $TESTS --deselect tests/test_proto.py::test_generated_code_is_fresh
+"$V/python" -m pytest -q -p no:cacheprovider --durations=5 $TESTS \
+    --deselect tests/test_proto.py::test_generated_code_is_fresh \
+    --deselect tests/test_ckpt_storage.py::test_sigkill_leaves_only_verifiable_checkpoints
 step "done"
