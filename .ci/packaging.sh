@@ -48,10 +48,11 @@ pipq "$PY" -m pip wheel "${PIP[@]}" --no-deps -w "$T/dist" "$T/src"
 WHEEL=$(ls "$T"/dist/crucible-*.whl)
 "$PY" .ci/check_wheel.py "$WHEEL" "$T/src"
 
-step "fresh venv: torch==$TORCH, then the wheel [$EXTRAS] at the declared minimums"
+step "fresh venv, torch==$TORCH (the CPU build launch/setup.sh installs)"
 "$PY" -m venv "$T/venv"
 V=$T/venv/bin
 pipq "$V/pip" install "${PIP[@]}" "torch==$TORCH"
+step "the wheel [$EXTRAS], every other dependency at its declared minimum"
 "$PY" .ci/min_constraints.py --extras "$EXTRAS" --pin "torch==$TORCH" > "$T/min.txt"
 pipq "$V/pip" install "${PIP[@]}" -c "$T/min.txt" "$WHEEL[$EXTRAS]"
 "$V/pip" check
