@@ -130,22 +130,6 @@ def _setup_logging(name: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-def _die_with_parent() -> None:
-    """Under `crucible launch`: be killed when the launcher dies (Linux)."""
-    parent = os.environ.get("CRUCIBLE_PDEATHSIG")
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if str(os.getppid()) != parent:  # the launcher died before prctl
-        os._exit(1)
-
-
 def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     if extra:
@@ -218,7 +202,9 @@ def _run(args) -> int:
 
     if args.cmd == "coordinator":
         _setup_logging("coordinator")
-        _die_with_parent()
+        from crucible.procs import die_with_parent
+
+        die_with_parent()
         from crucible import rpc
         from crucible.coordinator.server import serve
 
@@ -238,8 +224,10 @@ def _run(args) -> int:
     if args.cmd == "worker":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         _setup_logging(f"worker r{args.replica}s{args.stage}")
-        _die_with_parent()
-        if os.environ.get("CRUCIBLE_PDEATHSIG"):
+        from crucible.procs import PARENT_ENV, die_with_parent
+
+        die_with_parent()
+        if os.environ.get(PARENT_ENV):
             # Under `launch`, Ctrl-C reaches the whole process group: let the
             # coordinator take its final checkpoint and stop us.
             signal.signal(signal.SIGINT, signal.SIG_IGN)

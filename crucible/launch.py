@@ -33,8 +33,9 @@ import subprocess
 import sys
 import time
 
-from crucible import exits, extras, rpc
+from crucible import exits, extras, metrics, procs, rpc
 from crucible.config import Config
+from crucible.files import atomic_write
 from crucible.slots import slot_name, slot_of
 
 CRASH_LOOP_WINDOW_S = 120.0   # the same error twice within this: the job stops
@@ -131,7 +132,7 @@ class Launcher:
         env[rpc.TOKEN_ENV] = self.token
         env["OMP_NUM_THREADS"] = "1"
         env["MKL_NUM_THREADS"] = "1"
-        env["CRUCIBLE_PDEATHSIG"] = str(os.getpid())
+        env[procs.PARENT_ENV] = str(os.getpid())
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
@@ -195,21 +196,18 @@ class Launcher:
         if self.coord is not None:
             pids["coordinator"] = self.coord.pid
         pids["launcher"] = os.getpid()
-        tmp = os.path.join(self.run_dir, "pids.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(pids, f)
-        os.replace(tmp, os.path.join(self.run_dir, "pids.json"))
+        atomic_write(os.path.join(self.run_dir, "pids.json"), json.dumps(pids), fsync=False)
 
     def _stop_all(self, grace: float = 5.0) -> None:
-        procs = [p for p in list(self.workers.values()) + [self.coord] if p is not None and p.popen is not None]
-        for p in procs:
+        children = [p for p in list(self.workers.values()) + [self.coord] if p is not None and p.popen is not None]
+        for p in children:
             if p.poll() is None:
                 try:
                     p.popen.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         t_end = time.monotonic() + grace
-        for p in procs:
+        for p in children:
             try:
                 p.popen.wait(timeout=max(0.0, t_end - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -289,8 +287,7 @@ class Launcher:
     def _handle_deaths(self, respawn: bool) -> None:
         """Book every process that died since the last look: print its cause, stop
         the job on a crash loop (LaunchFailed), schedule a backed-off restart."""
-        procs = list(self.workers.values()) + [self.coord]
-        for p in procs:
+        for p in list(self.workers.values()) + [self.coord]:
             code = p.poll()
             if code is None or p.restart_at is not None:
                 continue
@@ -388,9 +385,7 @@ class Launcher:
                          "mono": time.monotonic()})
 
     def _log_event(self, ev: dict) -> None:
-        ev.setdefault("time", time.time())
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(ev) + "\n")
+        metrics.append_event(self.run_dir, ev)
 
     def _restart_all(self) -> None:
         """on_stage_failure = restart: the classic way. Every process goes; all come
@@ -411,26 +406,18 @@ class Launcher:
     def _summary(self, ending: str) -> str:
         """How the job ended, then final loss per replica, its time ledger, and the faults seen."""
         steps, losses, ledger, faults = {}, {}, {}, 0
-        path = os.path.join(self.run_dir, "metrics.jsonl")
-        try:
-            with open(path) as f:
-                for line in f:
-                    try:
-                        ev = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    kind = ev.get("event")
-                    if kind == "step":
-                        steps[ev["replica"]] = ev["step"] + 1
-                        losses[ev["replica"]] = ev["loss"]
-                    elif kind == "eval":
-                        losses[f"eval{ev['replica']}"] = ev["loss"]
-                    elif kind == "goodput":
-                        ledger[ev["replica"]] = ev
-                    elif kind == "fault":
-                        faults += 1
-        except OSError:
-            pass
+        path = metrics.path_of(self.run_dir)
+        for ev in metrics.read_events(path):
+            kind = ev.get("event")
+            if kind == "step":
+                steps[ev["replica"]] = ev["step"] + 1
+                losses[ev["replica"]] = ev["loss"]
+            elif kind == "eval":
+                losses[f"eval{ev['replica']}"] = ev["loss"]
+            elif kind == "goodput":
+                ledger[ev["replica"]] = ev
+            elif kind == "fault":
+                faults += 1
         lines = []
         for r in sorted(steps):
             line = f"r{r}: {steps[r]} steps, loss {losses[r]:.3f}"

@@ -23,6 +23,9 @@ the figures written) that ``--json`` prints.
 
 from __future__ import annotations
 
+from crucible import metrics
+from crucible.files import atomic_write
+
 import html
 import json
 import math
@@ -46,18 +49,10 @@ LEDGER = [("compute_s", "compute", "#2ca02c"), ("communication_s", "communicatio
 
 
 def read_events(path: str) -> tuple[list[dict], int]:
-    """Every complete JSON line of metrics.jsonl; lines that do not parse (the
-    half-written last line of a running job) are skipped and counted."""
-    events, bad = [], 0
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                ev = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                bad += 1
-                continue
-            if isinstance(ev, dict) and isinstance(ev.get("event"), str) and isinstance(ev.get("time"), (int, float)):
-                events.append(ev)
+    """Every complete event of metrics.jsonl, in time order, and how many lines
+    did not parse (the half-written last line of a running job)."""
+    events, bad = metrics.read(path)
+    events = [e for e in events if isinstance(e.get("time"), (int, float))]
     events.sort(key=lambda e: e["time"])
     return events, bad
 
@@ -524,10 +519,7 @@ img{{max-width:100%;border:1px solid #ddd}}table{{border-collapse:collapse}}td,t
 {body}
 </body></html>
 """
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(page)
-    os.replace(tmp, out)
+    atomic_write(out, page, fsync=False)
     return summary
 
 

@@ -106,17 +106,10 @@ def _wait_for_commit(job: Job, min_step: int, timeout: float) -> int:
     pytest.fail(f"no checkpoint >= {min_step} within {timeout}s:\n{job.output()}")
 
 
-def _events(run_dir: str, kind: str | None = None) -> list[dict]:
-    out = []
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if kind is None or ev.get("event") == kind:
-                out.append(ev)
-    return out
+def _events(run_dir, kind=None):
+    from crucible.metrics import read_events
+
+    return read_events(run_dir, kind)
 
 
 @pytest.fixture(scope="module")

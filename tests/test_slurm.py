@@ -179,19 +179,9 @@ def _cluster_or_skip():
 
 
 def _events(run_dir, kind=None):
-    out = []
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if kind is None or ev.get("event") == kind:
-                    out.append(ev)
-    except OSError:
-        pass
-    return out
+    from crucible.metrics import read_events
+
+    return read_events(run_dir, kind)
 
 
 class SlurmJob:

@@ -85,10 +85,10 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
+from crucible import procs
 from crucible.bench import common
 from crucible.bench.common import progress
 from crucible.progress import Progress
@@ -197,18 +197,10 @@ def _stop(proc: subprocess.Popen, grace: float) -> None:
 
 
 def _die_with_bench() -> None:
-    """In the launcher's child before exec: SIGKILL it when the bench dies (Linux
-    PR_SET_PDEATHSIG; kept across exec). The launch runs in its own session, so
-    killing the bench's group would not reach it; its own children die with it
-    (they set PR_SET_PDEATHSIG on the launcher)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    """In the launcher's child before exec: SIGKILL it when the bench dies (kept
+    across exec). The launch runs in its own session, so killing the bench's
+    group would not reach it; its own children die with it."""
+    procs.die_with_parent(os.getppid())
 
 
 def run_one(workdir: str, name: str, policy: str, chaos: str | None, settings: dict) -> dict:

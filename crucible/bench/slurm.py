@@ -39,7 +39,6 @@ Measures (per scancel, then summarised):
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil

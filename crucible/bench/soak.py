@@ -51,7 +51,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 

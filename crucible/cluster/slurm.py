@@ -72,6 +72,9 @@ slot, job_id, node), ``slurm_stuck``, ``slurm_down``.
 
 from __future__ import annotations
 
+from crucible.files import atomic_write
+from crucible.metrics import append_event, read_events
+
 import dataclasses
 import fcntl
 import json
@@ -310,13 +313,7 @@ class SlurmRun:
         return [s for s in self.slots if s != COORD]
 
     def save(self) -> None:
-        d = dataclasses.asdict(self)
-        tmp = f"{self.state_path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(d, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.state_path)
+        atomic_write(self.state_path, json.dumps(dataclasses.asdict(self), indent=1))
 
     @classmethod
     def load(cls, run_dir: str) -> "SlurmRun":
@@ -343,17 +340,6 @@ def parse_slot(name: str) -> tuple[int, int]:
     if not m:
         raise ValueError(f"slot {name!r} is not like r0s1")
     return int(m.group(1)), int(m.group(2))
-
-
-def append_event(run_dir: str, event: dict) -> None:
-    """One line appended to metrics.jsonl (O_APPEND: lines from several writers do not interleave)."""
-    event.setdefault("time", time.time())
-    line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
-    fd = os.open(os.path.join(run_dir, "metrics.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
 
 
 JOB_SCRIPT = """#!/bin/bash
@@ -772,7 +758,7 @@ def down(run: SlurmRun, final_checkpoint: bool = True, timeout: float | None = N
             say(f"crucible slurm: the coordinator did not exit in {limit:.0f}s; cancelling everything")
         j = query_jobs([run.job_name(COORD)]).get(coord[0].job_id)
         result["coordinator_exit"] = j.exit_code if j else None
-        commits = [e for e in _events(run.run_dir, "ckpt_commit") if e.get("time", 0) >= t0]
+        commits = [e for e in read_events(run.run_dir, "ckpt_commit") if e.get("time", 0) >= t0]
         if commits:
             result["final_checkpoint"] = commits[-1].get("step")
     elif final_checkpoint:
@@ -790,24 +776,6 @@ def down(run: SlurmRun, final_checkpoint: bool = True, timeout: float | None = N
     result["seconds"] = round(time.time() - t0, 3)
     append_event(run.run_dir, {"event": "slurm_down", **result})
     return result
-
-
-def _events(run_dir: str, kind: str) -> list[dict]:
-    out = []
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for line in f:
-                if f'"{kind}"' not in line:
-                    continue
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if ev.get("event") == kind:
-                    out.append(ev)
-    except OSError:
-        pass
-    return out
 
 
 def cmd_down(args) -> int:

@@ -58,7 +58,8 @@ from crucible.coordinator import exporters
 from crucible.coordinator.checkpoints import CheckpointManager
 from crucible.coordinator.membership import Membership, Refused, WorkerInfo
 from crucible.coordinator.outer import OuterRelay
-from crucible.coordinator.persist import LatestFile, MetricsLog, atomic_write, last_sequence_numbers
+from crucible.coordinator.persist import LatestFile, MetricsLog, last_sequence_numbers
+from crucible.files import atomic_write
 from crucible.slots import slot_name
 
 log = logging.getLogger("crucible.coordinator")
