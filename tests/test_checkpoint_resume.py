@@ -11,7 +11,6 @@ optimizer state and error-feedback buffers of every worker (config
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import subprocess

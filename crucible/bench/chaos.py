@@ -92,6 +92,7 @@ from crucible import procs
 from crucible.bench import common
 from crucible.bench.common import progress
 from crucible.progress import Progress
+from crucible.slots import is_slot_name, slot_of
 
 LOSS_WINDOW = 10
 
@@ -366,12 +367,7 @@ def analyze(events: list[dict], t0: float, t_end: float) -> dict:
 
 
 def _slot(name: str) -> tuple[int, int] | None:
-    if not (name.startswith("r") and "s" in name):
-        return None
-    try:
-        return int(name[1:name.index("s")]), int(name[name.index("s") + 1:])
-    except ValueError:
-        return None
+    return slot_of(name) if is_slot_name(name) else None
 
 
 def kill_recoveries(events: list[dict]) -> list[dict]:

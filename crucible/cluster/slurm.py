@@ -74,6 +74,7 @@ from __future__ import annotations
 
 from crucible.files import atomic_write
 from crucible.metrics import append_event, read_events
+from crucible.slots import slot_of
 
 import dataclasses
 import fcntl
@@ -336,10 +337,7 @@ def slot_names(replicas: int, stages: int) -> list[str]:
 
 
 def parse_slot(name: str) -> tuple[int, int]:
-    m = re.fullmatch(r"r(\d+)s(\d+)", name)
-    if not m:
-        raise ValueError(f"slot {name!r} is not like r0s1")
-    return int(m.group(1)), int(m.group(2))
+    return slot_of(name)
 
 
 JOB_SCRIPT = """#!/bin/bash
