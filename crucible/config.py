@@ -109,19 +109,19 @@ class CheckpointConfig:
     enable_continuous_checkpointing: bool = True
     checkpoint_period: int = 100     # steps; ignored while continuous is on
     max_num_checkpoints_to_keep: int = 10
-    minimum_interval_secs: float = 30.0
+    minimum_interval_s: float = 30.0
     preserve: str = ""               # extra preservation policy spec
     persister: str = "process"       # process | thread: where a shard is written in the background
-    preemption_timeout_secs: float = 60.0   # on SIGTERM: longest wait for the final checkpoint
+    preemption_timeout_s: float = 60.0   # on SIGTERM: longest wait for the final checkpoint
 
 
 @dataclass
 class FaultConfig:
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 2.0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 2.0
     on_stage_failure: str = "skip"   # skip | wait | restart
-    rpc_timeout: float = 10.0        # longest data-plane wait before stage 0 retries a step
-    probe_timeout: float = 0.5       # a suspected worker must answer a probe within this
+    rpc_timeout_s: float = 10.0       # longest data-plane wait before stage 0 retries a step
+    probe_timeout_s: float = 0.5      # a suspected worker must answer a probe within this
 
 
 @dataclass
@@ -270,10 +270,10 @@ class Config:
         need(self.outer.clip in ("median", "none"), "outer.clip", "must be median or none")
         need(self.outer.deadline_s > 0, "outer.deadline_s", "must be > 0")
         need(self.checkpoint.max_num_checkpoints_to_keep >= 1, "checkpoint.max_num_checkpoints_to_keep", "must be >= 1")
-        need(self.checkpoint.minimum_interval_secs >= 0, "checkpoint.minimum_interval_secs", "must be >= 0")
+        need(self.checkpoint.minimum_interval_s >= 0, "checkpoint.minimum_interval_s", "must be >= 0")
         need(self.checkpoint.checkpoint_period >= 1, "checkpoint.checkpoint_period", "must be >= 1")
         need(self.checkpoint.persister in ("process", "thread"), "checkpoint.persister", "must be process or thread")
-        need(self.checkpoint.preemption_timeout_secs > 0, "checkpoint.preemption_timeout_secs", "must be > 0")
+        need(self.checkpoint.preemption_timeout_s > 0, "checkpoint.preemption_timeout_s", "must be > 0")
         need(self.debug.persist_delay_s >= 0, "debug.persist_delay_s", "must be >= 0")
         if self.checkpoint.preserve:
             from crucible.checkpoint.policies import parse_preserve_spec
@@ -282,13 +282,13 @@ class Config:
                 parse_preserve_spec(self.checkpoint.preserve)
             except ValueError as e:
                 raise ConfigError(f"bad value for 'checkpoint.preserve': {e}") from None
-        need(self.fault.heartbeat_interval > 0, "fault.heartbeat_interval", "must be > 0")
-        need(self.fault.heartbeat_timeout > self.fault.heartbeat_interval, "fault.heartbeat_timeout",
-             "must exceed fault.heartbeat_interval")
+        need(self.fault.heartbeat_interval_s > 0, "fault.heartbeat_interval_s", "must be > 0")
+        need(self.fault.heartbeat_timeout_s > self.fault.heartbeat_interval_s, "fault.heartbeat_timeout_s",
+             "must exceed fault.heartbeat_interval_s")
         need(self.fault.on_stage_failure in ("skip", "wait", "restart"), "fault.on_stage_failure",
              "must be skip, wait or restart")
-        need(self.fault.rpc_timeout > 0, "fault.rpc_timeout", "must be > 0")
-        need(self.fault.probe_timeout > 0, "fault.probe_timeout", "must be > 0")
+        need(self.fault.rpc_timeout_s > 0, "fault.rpc_timeout_s", "must be > 0")
+        need(self.fault.probe_timeout_s > 0, "fault.probe_timeout_s", "must be > 0")
         need(1 <= self.net.max_message_mb <= 1024, "net.max_message_mb", "must be in 1..1024")
         need(self.net.link_mbps >= 0, "net.link_mbps", "must be >= 0")
         need(-1 <= self.metrics.prometheus_port <= 65535, "metrics.prometheus_port",

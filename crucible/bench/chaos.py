@@ -106,8 +106,8 @@ COMMON = [
           # Checkpointing as a fault-tolerant run has it (continuous), saving at most
           # every 10 s: `restart` needs a committed checkpoint to resume from. The same
           # in every run, so that its cost is in the failure-free reference too.
-          "checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=10",
-          "checkpoint.preemption_timeout_secs=3"]
+          "checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=10",
+          "checkpoint.preemption_timeout_s=3"]
 
 FULL = {"budget_s": 120.0, "startup_timeout_s": 240.0, "tail_s": 3.0, "recover_cap_s": 45.0, "stop_grace_s": 5.0,
         "replicas": 2, "stages": 4, "model": FULL_MODEL + ["train.eval_every=20", "train.eval_batches=4"], "kill_every_s": 30.0,

@@ -636,7 +636,7 @@ def cmd_up(args) -> int:
                    resume=bool(args.resume), sbatch=sb, coordinator_sbatch=list(args.coordinator_sbatch or []),
                    worker_sbatch=worker_sb, device=device, port=args.port, resubmit_delay=args.resubmit_delay,
                    max_delay=args.max_delay, healthy_after=args.healthy_after, stuck_after=args.stuck_after,
-                   poll=args.poll, preemption_timeout=cfg.checkpoint.preemption_timeout_secs,
+                   poll=args.poll, preemption_timeout=cfg.checkpoint.preemption_timeout_s,
                    metrics_offset=offset, created=time.time(),
                    slots={s: Slot(s) for s in slot_names(cfg.job.replicas, cfg.job.stages)})
     os.makedirs(run.dir, exist_ok=True)
@@ -828,6 +828,6 @@ def add_parser(sub) -> None:
     d.add_argument("--run-dir", required=True)
     d.add_argument("--now", action="store_true", help="no final checkpoint: cancel at once")
     d.add_argument("--timeout", type=float, help="longest wait for the final checkpoint (default: "
-                                                  "checkpoint.preemption_timeout_secs + 30)")
+                                                  "checkpoint.preemption_timeout_s + 30)")
     d.set_defaults(func=cmd_down)
 

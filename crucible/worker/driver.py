@@ -125,7 +125,7 @@ class Driver:
                 self.links.send_down(st, K.FORWARD, step, fwd, h, targets=ys[fwd], tokens=xs[fwd])
                 fwd += 1
                 continue
-            ev = self.links.next_event(st, epoch, timeout=self.cfg.fault.rpc_timeout)
+            ev = self.links.next_event(st, epoch, timeout=self.cfg.fault.rpc_timeout_s)
             if ev.kind != K.BACKWARD or ev.step != step or ev.micro != bwd:
                 continue  # a late answer of an aborted attempt
             t0 = time.perf_counter()
@@ -150,7 +150,7 @@ class Driver:
             else:
                 self.links.send_down(st, K.EVAL, s, i, h, targets=y, tokens=x)
         while len(losses) < len(self.evals):
-            ev = self.links.next_event(st, epoch, timeout=self.cfg.fault.rpc_timeout)
+            ev = self.links.next_event(st, epoch, timeout=self.cfg.fault.rpc_timeout_s)
             if ev.kind == K.EVAL_RESULT and ev.step == s:
                 losses.append(ev.loss)
         loss = sum(losses) / len(losses)

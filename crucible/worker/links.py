@@ -220,7 +220,7 @@ class Links:
         dropped. A failed neighbour is reported as a suspect; the wait goes on
         until the coordinator's route change (or `timeout`)."""
         t0 = time.perf_counter()
-        timeout = timeout if timeout is not None else max(60.0, 4 * self.cfg.fault.rpc_timeout)
+        timeout = timeout if timeout is not None else max(60.0, 4 * self.cfg.fault.rpc_timeout_s)
         while True:
             try:
                 ev = self.inbox.get(timeout=0.2)
@@ -237,7 +237,7 @@ class Links:
                     break
                 if what == "neighbour_failed" and epoch is not None:
                     # do not wait longer than it takes to declare the neighbour dead
-                    timeout = min(timeout, time.perf_counter() - t0 + 2 * self.cfg.fault.heartbeat_timeout)
+                    timeout = min(timeout, time.perf_counter() - t0 + 2 * self.cfg.fault.heartbeat_timeout_s)
                 continue
             if ev.epoch != (epoch if epoch is not None else self.route_epoch()):
                 continue  # a frame of another route epoch: stale

@@ -10,13 +10,13 @@ when it wakes, and no other thread can hold its interpreter lock. So no
 training work, import, snapshot or garbage collection of the worker can delay
 a beat.
 
-What it says. Every ``fault.heartbeat_interval`` it sends a ``Heartbeat``
+What it says. Every ``fault.heartbeat_interval_s`` it sends a ``Heartbeat``
 with state ``pulse`` for the worker's id: the coordinator takes it as
 liveness only (the worker's own heartbeat thread still carries its step,
 state and commands). It beats only while its worker is running: it reads the
 worker's state from ``/proc`` before each beat and stays silent while the
 worker is stopped (SIGSTOP: the coordinator then declares it dead within
-``fault.heartbeat_timeout``, as it should), and exits when the worker is gone
+``fault.heartbeat_timeout_s``, as it should), and exits when the worker is gone
 (it also asks the kernel to kill it with its parent: ``PR_SET_PDEATHSIG``).
 Where ``/proc`` does not exist the worker starts no pulse.
 

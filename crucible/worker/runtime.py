@@ -139,16 +139,16 @@ class Worker:
         self.first = self.stage == 0
         self.name = slot_name(self.replica, self.stage)
         logging.getLogger().name = self.name
-        self.ctl.heartbeat_timeout = cfg.fault.heartbeat_timeout
+        self.ctl.heartbeat_timeout = cfg.fault.heartbeat_timeout_s
         self._build()
         reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel)
         log.info("%s registered as %s at %s%s", self.name, reply.worker_id, self.address,
                  " (replacement)" if reply.replacement else "")
         self._wire()
-        self.pulse = pulse.start(self.coordinator, reply.worker_id, cfg.fault.heartbeat_interval,
-                                 cfg.fault.heartbeat_timeout)
+        self.pulse = pulse.start(self.coordinator, reply.worker_id, cfg.fault.heartbeat_interval_s,
+                                 cfg.fault.heartbeat_timeout_s)
         self.ctl.start_reporting()
-        threading.Thread(target=self.ctl.heartbeat_loop, args=(cfg.fault.heartbeat_interval, self.on_command),
+        threading.Thread(target=self.ctl.heartbeat_loop, args=(cfg.fault.heartbeat_interval_s, self.on_command),
                          kwargs={"on_reply": self.ckpt.on_heartbeat}, daemon=True, name="heartbeat").start()
         return reply
 
@@ -189,7 +189,7 @@ class Worker:
                                       self.stage, self.debug, self.replacement.resync)
         self.service.ready(self.links, self.decoder,
                            lambda stage: weight_chunks(self.outer, stage, self.stage, self.progress.step),
-                           lambda: self.progress.step, cfg.fault.rpc_timeout)
+                           lambda: self.progress.step, cfg.fault.rpc_timeout_s)
         if self.first:
             self.driver = Driver(self.stage_step, self.links, self.progress, cfg, self.reader, self.evals, self.ledger,
                                  self._report, self.ckpt.commit_flag, self._committed, self.debug, self.name)
@@ -226,8 +226,8 @@ class Worker:
         reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel, deadline_s=30.0,
                                   rejoin=True)
         pulse.stop(self.pulse)
-        self.pulse = pulse.start(self.coordinator, reply.worker_id, self.cfg.fault.heartbeat_interval,
-                                 self.cfg.fault.heartbeat_timeout)
+        self.pulse = pulse.start(self.coordinator, reply.worker_id, self.cfg.fault.heartbeat_interval_s,
+                                 self.cfg.fault.heartbeat_timeout_s)
 
     # ---- stopping ------------------------------------------------------------------
 
