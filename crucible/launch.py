@@ -308,15 +308,14 @@ class Launcher:
 
     def _supervise(self) -> int:
         from crucible.chaos import Chaos
-        from crucible.status import StatusClient, format_progress
+        from crucible.status import StatusClient
 
         client = StatusClient(self.addr, self.token)
-        chaos = Chaos.parse(self.args.chaos) if self.args.chaos else None
-        t_start = time.monotonic()
+        self.chaos = Chaos.parse(self.args.chaos) if self.args.chaos else None
+        self.t_start, self.stopped = time.monotonic(), {}
         last_print, last_status = 0.0, 0.0
         tty = sys.stdout.isatty()
         respawn = self.args.respawn_delay is not None and self.args.respawn_delay >= 0
-        stopped: dict[str, float] = {}
         while not self.stopping:
             time.sleep(0.1)
             if any(w.poll() == exits.RESTART for w in self.workers.values()):
@@ -324,13 +323,7 @@ class Launcher:
                 client = StatusClient(self.addr, self.token)
                 continue
             self._handle_deaths(respawn)
-            now = time.monotonic()
-            for name, w in self.workers.items():
-                if w.restart_at is not None and now >= w.restart_at:
-                    w.restarts += 1
-                    self._start_worker(*slot_of(name))
-            if self.coord.restart_at is not None and now >= self.coord.restart_at:
-                self.addr = self._start_coordinator("restart")
+            if self._restart_due():
                 client = StatusClient(self.addr, self.token)
             if not respawn and not self._all_done() and all(w.poll() is not None for w in self.workers.values()):
                 raise LaunchFailed("every worker has exited and --respawn-delay is negative (no respawn)")
@@ -340,27 +333,14 @@ class Launcher:
                 except subprocess.TimeoutExpired:
                     pass
                 break
+            now = time.monotonic()
             if now - last_status >= 0.5:
                 last_status = now
                 self.last_status = client.get(timeout=1.0) or self.last_status
-            st = self.last_status
-            for name, t in list(stopped.items()):
-                if now >= t:
-                    self._signal(name, signal.SIGCONT, "CONT")
-                    del stopped[name]
-            if chaos is not None:
-                steps = {r["id"]: r["step"] for r in st["replicas"]} if st else {}
-                live = [n for n, w in self.workers.items() if w.poll() is None and n not in stopped]
-                for victim, sig in chaos.due(now - t_start, steps, live, self.cfg.job.stages):
-                    if sig == "STOP":
-                        self._signal(victim, signal.SIGSTOP, "STOP")
-                        stopped[victim] = now + 5.0
-                    else:
-                        self._signal(victim, signal.SIGKILL, "KILL")
-            if st is not None and now - last_print >= (1.0 if tty else 5.0):
+            self._chaos_tick(now)
+            if self.last_status is not None and now - last_print >= (1.0 if tty else 5.0):
                 last_print = now
-                line = format_progress(st)
-                print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
+                self._show_progress(tty)
         if tty:
             print()
         if self.stopping:
@@ -368,6 +348,42 @@ class Launcher:
             return exits.interrupted(self.stopping)
         print(self._summary("finished"), flush=True)
         return exits.OK
+
+    def _restart_due(self) -> bool:
+        """Start the processes whose back-off is over; True when the coordinator was."""
+        now = time.monotonic()
+        for name, w in self.workers.items():
+            if w.restart_at is not None and now >= w.restart_at:
+                w.restarts += 1
+                self._start_worker(*slot_of(name))
+        if self.coord.restart_at is not None and now >= self.coord.restart_at:
+            self.addr = self._start_coordinator("restart")
+            return True
+        return False
+
+    def _chaos_tick(self, now: float) -> None:
+        """--chaos: SIGCONT what is due, then fire the faults that are due."""
+        for name, t in list(self.stopped.items()):
+            if now >= t:
+                self._signal(name, signal.SIGCONT, "CONT")
+                del self.stopped[name]
+        if self.chaos is None:
+            return
+        st = self.last_status
+        steps = {r["id"]: r["step"] for r in st["replicas"]} if st else {}
+        live = [n for n, w in self.workers.items() if w.poll() is None and n not in self.stopped]
+        for victim, sig in self.chaos.due(now - self.t_start, steps, live, self.cfg.job.stages):
+            if sig == "STOP":
+                self._signal(victim, signal.SIGSTOP, "STOP")
+                self.stopped[victim] = now + 5.0
+            else:
+                self._signal(victim, signal.SIGKILL, "KILL")
+
+    def _show_progress(self, tty: bool) -> None:
+        from crucible.status import format_progress
+
+        line = format_progress(self.last_status)
+        print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
 
     def _all_done(self) -> bool:
         return all(w.poll() == 0 for w in self.workers.values())

@@ -445,7 +445,7 @@ class CheckpointManager:
             return False
         if self.latest_committed_step is not None and self.latest_committed_step >= end:
             return False
-        states = {rep.id: rep.state for rep in c.replicas}
+        states = {rep.id: rep.state for rep in c.m.replicas}
         if any(s not in ("training", "paused", "done") for s in states.values()):
             return False
         live = [r for r, s in states.items() if s in ("training", "done")]
@@ -455,13 +455,13 @@ class CheckpointManager:
         if not (near or self.early or any(s == "done" for s in states.values())):
             return False
         required, optional, vacant, replicas = {}, {}, [], {}
-        for rep in c.replicas:
-            route = list(c.routes[rep.id])
+        for rep in c.m.replicas:
+            route = list(c.m.routes[rep.id])
             replicas[rep.id] = {"state": "training" if rep.state == "done" else rep.state, "route": route,
                                 "step": steps[rep.id]}
             for s in range(c.cfg.job.stages):
-                wid = c.slots[(rep.id, s)]
-                w = c.workers.get(wid) if wid else None
+                wid = c.m.slots[(rep.id, s)]
+                w = c.m.workers.get(wid) if wid else None
                 if rep.state in ("training", "done") and s in route and w is not None and w.state in ("alive", "done"):
                     required[wid] = (rep.id, s)
                 elif rep.state == "paused" and w is not None and w.state == "alive":
