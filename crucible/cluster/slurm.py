@@ -589,8 +589,62 @@ def supervisor_alive(run: SlurmRun) -> int | None:
 
 # ---- commands -------------------------------------------------------------------------------------
 
-def cmd_up(args) -> int:
+def _refuse_if_up(run_dir: str, shown: str) -> None:
+    if not os.path.exists(os.path.join(run_dir, "slurm", "state.json")):
+        return
+    old = SlurmRun.load(run_dir)
+    pid = supervisor_alive(old)
+    active = [j for j in query_jobs(old.names()).values() if j.active]
+    if pid or active:
+        raise SystemExit(f"crucible slurm: {run_dir} is up already ({len(active)} jobs in the queue, "
+                         f"supervisor {pid or 'not running'}): `crucible slurm down --run-dir {shown}` first")
+
+
+def _prepare_run_dir(run_dir: str, resume: bool) -> None:
+    """Folders, the token (kept on --resume), no stale address or stop file."""
     from crucible import rpc
+
+    os.makedirs(os.path.join(run_dir, "logs", "slurm"), exist_ok=True)
+    os.makedirs(os.path.join(run_dir, "slurm"), exist_ok=True)
+    token = rpc.read_token(run_dir) if resume else ""
+    rpc.write_token(run_dir, token or rpc.new_token())
+    for stale in ("coordinator.addr", os.path.join("slurm", "stop")):
+        try:
+            os.unlink(os.path.join(run_dir, stale))
+        except FileNotFoundError:
+            pass
+
+
+def _sbatch_options(args) -> tuple[list[str], list[str], str]:
+    """(sbatch options of every job, of worker jobs, the workers' device)."""
+    sb = list(args.sbatch or [])
+    for opt, val in (("--partition", args.partition), ("--account", args.account), ("--time", args.time),
+                     ("--cpus-per-task", args.cpus_per_slot)):
+        if val:
+            sb.append(f"{opt}={val}")
+    worker_sb = list(args.worker_sbatch or [])
+    if args.gpus_per_slot:
+        worker_sb.append(f"--gres=gpu:{args.gpus_per_slot}")
+    return sb, worker_sb, args.device or ("cuda:0" if args.gpus_per_slot else "cpu")
+
+
+def _new_run(args, run_dir: str, cfg, config: str, overrides: list[str]) -> "SlurmRun":
+    sb, worker_sb, device = _sbatch_options(args)
+    try:
+        offset = os.path.getsize(os.path.join(run_dir, "metrics.jsonl"))
+    except OSError:
+        offset = 0
+    return SlurmRun(run_dir=run_dir, run_id=secrets.token_hex(3), python=args.python or sys.executable,
+                    replicas=cfg.job.replicas, stages=cfg.job.stages, config=config, overrides=overrides,
+                    resume=bool(args.resume), sbatch=sb, coordinator_sbatch=list(args.coordinator_sbatch or []),
+                    worker_sbatch=worker_sb, device=device, port=args.port, resubmit_delay=args.resubmit_delay,
+                    max_delay=args.max_delay, healthy_after=args.healthy_after, stuck_after=args.stuck_after,
+                    poll=args.poll, preemption_timeout=cfg.checkpoint.preemption_timeout_s,
+                    metrics_offset=offset, created=time.time(),
+                    slots={s: Slot(s) for s in slot_names(cfg.job.replicas, cfg.job.stages)})
+
+
+def cmd_up(args) -> int:
     from crucible.config import Config
 
     run_dir = os.path.abspath(args.run_dir)
@@ -600,45 +654,9 @@ def cmd_up(args) -> int:
             overrides.append(f"{key}={val}")
     config = os.path.abspath(args.config) if args.config else ""
     cfg = Config.load(config or None, overrides)   # a bad key fails here, named
-    state_path = os.path.join(run_dir, "slurm", "state.json")
-    if os.path.exists(state_path):
-        old = SlurmRun.load(run_dir)
-        pid = supervisor_alive(old)
-        active = [j for j in query_jobs(old.names()).values() if j.active]
-        if pid or active:
-            raise SystemExit(f"crucible slurm: {run_dir} is up already ({len(active)} jobs in the queue, "
-                             f"supervisor {pid or 'not running'}): `crucible slurm down --run-dir {args.run_dir}` "
-                             f"first")
-    os.makedirs(os.path.join(run_dir, "logs", "slurm"), exist_ok=True)
-    os.makedirs(os.path.join(run_dir, "slurm"), exist_ok=True)
-    token = rpc.read_token(run_dir) if args.resume else ""
-    rpc.write_token(run_dir, token or rpc.new_token())
-    for stale in ("coordinator.addr", os.path.join("slurm", "stop")):
-        try:
-            os.unlink(os.path.join(run_dir, stale))
-        except FileNotFoundError:
-            pass
-    sb = list(args.sbatch or [])
-    for opt, val in (("--partition", args.partition), ("--account", args.account), ("--time", args.time),
-                     ("--cpus-per-task", args.cpus_per_slot)):
-        if val:
-            sb.append(f"{opt}={val}")
-    worker_sb = list(args.worker_sbatch or [])
-    if args.gpus_per_slot:
-        worker_sb.append(f"--gres=gpu:{args.gpus_per_slot}")
-    device = args.device or ("cuda:0" if args.gpus_per_slot else "cpu")
-    try:
-        offset = os.path.getsize(os.path.join(run_dir, "metrics.jsonl"))
-    except OSError:
-        offset = 0
-    run = SlurmRun(run_dir=run_dir, run_id=secrets.token_hex(3), python=args.python or sys.executable,
-                   replicas=cfg.job.replicas, stages=cfg.job.stages, config=config, overrides=overrides,
-                   resume=bool(args.resume), sbatch=sb, coordinator_sbatch=list(args.coordinator_sbatch or []),
-                   worker_sbatch=worker_sb, device=device, port=args.port, resubmit_delay=args.resubmit_delay,
-                   max_delay=args.max_delay, healthy_after=args.healthy_after, stuck_after=args.stuck_after,
-                   poll=args.poll, preemption_timeout=cfg.checkpoint.preemption_timeout_s,
-                   metrics_offset=offset, created=time.time(),
-                   slots={s: Slot(s) for s in slot_names(cfg.job.replicas, cfg.job.stages)})
+    _refuse_if_up(run_dir, args.run_dir)
+    _prepare_run_dir(run_dir, args.resume)
+    run = _new_run(args, run_dir, cfg, config, overrides)
     os.makedirs(run.dir, exist_ok=True)
     write_scripts(run)
     run.save()
