@@ -1,6 +1,6 @@
 """SparseLoCo outer-sync math on flat fp32 tensors (one flat vector per stage).
 
-See DESIGN.md, "Outer round"::
+See docs/architecture.md, "Outer rounds"::
 
     Δ = θ_global − θ_local;  e ← β·e + Δ;  Δ̂ = Q(TopK_chunk(e));  e ← e − Δ̂
 

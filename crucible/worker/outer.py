@@ -1,4 +1,4 @@
-"""A stage's outer state and its side of an outer round (DESIGN.md, "Outer round").
+"""A stage's outer state and its side of an outer round (docs/architecture.md, "Outer rounds").
 
 Every H inner steps, for this stage, across the replicas that hold it::
 
