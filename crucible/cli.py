@@ -130,7 +130,10 @@ def _add_bench(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from crucible.cluster import add_parsers   # crucible slurm ..., crucible k8s render
 
+    from crucible.version import VersionAction
+
     ap = argparse.ArgumentParser(prog="crucible", description="Fault-tolerant pipelined, data-parallel training.")
+    ap.add_argument("--version", action=VersionAction)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for add in (_add_launch, _add_check, _add_coordinator, _add_worker, _add_inspection, _add_results,
                 _add_bench, add_parsers):

@@ -31,6 +31,8 @@ from crucible.files import atomic_write
 from crucible.metrics import read_events  # noqa: F401  (the benchmarks read the run's events)
 from crucible.progress import Progress
 
+from crucible.version import version as crucible_version
+
 STAGE_FIELDS = ("step_s", "compute_s", "serialize_s", "transport_s", "idle_s",
                 "bytes_out", "raw_bytes_out", "bytes_in", "raw_bytes_in")
 
@@ -444,6 +446,7 @@ def environment() -> dict:
         "cpu_model": _cpu_model(),
         "cores": os.cpu_count(),
         "usable_cores": usable_cores(),
+        "crucible": crucible_version(),
         "python": platform.python_version(),
         "torch": _version("torch"),
         "grpcio": _version("grpcio"),
