@@ -23,6 +23,8 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from crucible.slots import is_slot_name, slot_of
+
 
 @dataclass
 class Rule:
@@ -57,14 +59,16 @@ class Chaos:
                 else:
                     out.rules.append(Rule("any", mtbf=float(val)))
                 continue
-            m = re.fullmatch(r"(r\d+s\d+|coordinator|inner|any)(?::(stop))?@(step|t|every)=([0-9.]+)", raw)
+            m = re.fullmatch(r"(\w+)(?::(stop))?@(step|t|every)=([0-9.]+)", raw)
+            if m and not (is_slot_name(m.group(1)) or m.group(1) in ("coordinator", "inner", "any")):
+                m = None
             if not m:
                 raise ValueError(f"bad chaos item {raw!r}: expected e.g. r1s2@step=50, inner@every=30, mtbf=60, "
                                  "count=20, seed=7")
             target, sig, kind, val = m.groups()
             rule = Rule(target, signal="STOP" if sig else "KILL")
             if kind == "step":
-                if not re.fullmatch(r"r\d+s\d+", target):
+                if not is_slot_name(target):
                     raise ValueError(f"bad chaos item {raw!r}: @step needs a worker name like r1s2")
                 rule.at_step = int(float(val))
             elif kind == "t":
@@ -82,7 +86,7 @@ class Chaos:
             if rule.done or (self.count is not None and self.kills >= self.count):
                 continue
             if rule.at_step is not None:
-                r = int(rule.target[1:rule.target.index("s")])
+                r = slot_of(rule.target)[0]
                 if steps.get(r, 0) >= rule.at_step:
                     rule.done = True
                     fire.append((rule.target, rule.signal))
@@ -97,7 +101,7 @@ class Chaos:
                     gap = rule.every if rule.every else self.rng.expovariate(1.0 / rule.mtbf)
                     rule.next_time = elapsed + gap
                     pool = [n for n in live if rule.target == "any" or
-                            (rule.target == "inner" and 0 < int(n[n.index("s") + 1:]) < stages - 1)]
+                            (rule.target == "inner" and 0 < slot_of(n)[1] < stages - 1)]
                     if pool:
                         fire.append((self.rng.choice(sorted(pool)), rule.signal))
         self.kills += len(fire)

@@ -18,13 +18,7 @@ def _common_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="configuration overrides, e.g. train.lr=1e-3")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from crucible.version import VersionAction
-
-    ap = argparse.ArgumentParser(prog="crucible", description="Fault-tolerant pipelined, data-parallel training.")
-    ap.add_argument("--version", action=VersionAction)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
+def _add_launch(sub) -> None:
     p = sub.add_parser("launch", help="run a coordinator and R x S workers on this machine")
     _common_job_args(p)
     p.add_argument("--run-dir", help="run directory (default runs/run-<time>)")
@@ -33,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chaos", help="fault-injection spec (see README)")
     p.add_argument("--no-check", action="store_true", help="skip the pre-flight checks (crucible check)")
 
+
+def _add_check(sub) -> None:
     p = sub.add_parser("check", help="pre-flight: check the configuration, data and model without training")
     _common_job_args(p)
     p.add_argument("--run-dir", help="also check the run directory (refused if it holds checkpoints "
@@ -40,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="where to run the test microbatch (cpu or cuda:N)")
     p.add_argument("--quiet", action="store_true", help="print nothing when every check passes")
 
+
+def _add_coordinator(sub) -> None:
     p = sub.add_parser("coordinator", help="run the coordinator")
     _common_job_args(p)
     p.add_argument("--run-dir", required=True)
@@ -49,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-sigterm", choices=["stop", "leave"], default="stop",
                    help="stop: final checkpoint, then every worker stops; leave: exit, workers wait for the next")
 
+
+def _add_worker(sub) -> None:
     p = sub.add_parser("worker", help="run one stage worker")
     p.add_argument("--coordinator", required=True, help="coordinator host:port")
     p.add_argument("--replica", type=int, default=-1)
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default="", help="host:port other workers dial (default: the bound one)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
 
+
+def _add_inspection(sub) -> None:
+    """status, kill, ckpt, interval."""
     p = sub.add_parser("status", help="show a running job")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--run-dir")
@@ -82,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="take C (and M, when faults were logged) from a run's metrics.jsonl")
     p.add_argument("--json", action="store_true")
 
+
+def _add_results(sub) -> None:
+    """report, export, sample."""
     p = sub.add_parser("report", help="write RUN_DIR/report.html with plots of a run (finished or running)")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--out", help="the HTML file to write (default RUN_DIR/report.html; figures go next to it)")
@@ -106,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--replica", type=int, help="with a checkpoint: which replica (default: as export)")
     g.add_argument("--global", dest="use_global", action="store_true", help="with a checkpoint: θ_global")
 
+
+def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "soak", "slurm"])
     p.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -118,9 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stress", type=int, help="bench soak: spinning processes next to the job (default: one a core)")
     p.add_argument("--outer", choices=["sparseloco", "diloco"], help="bench soak: outer mode (default sparseloco)")
 
+
+def build_parser() -> argparse.ArgumentParser:
     from crucible.cluster import add_parsers   # crucible slurm ..., crucible k8s render
 
-    add_parsers(sub)
+    from crucible.version import VersionAction
+
+    ap = argparse.ArgumentParser(prog="crucible", description="Fault-tolerant pipelined, data-parallel training.")
+    ap.add_argument("--version", action=VersionAction)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for add in (_add_launch, _add_check, _add_coordinator, _add_worker, _add_inspection, _add_results,
+                _add_bench, add_parsers):
+        add(sub)
     return ap
 
 
@@ -131,22 +148,6 @@ def _setup_logging(name: str) -> None:
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     # `kill -USR1 <pid>` writes every thread's stack to the log: what a stuck process is doing.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-
-def _die_with_parent() -> None:
-    """Under `crucible launch`: be killed when the launcher dies (Linux)."""
-    parent = os.environ.get("CRUCIBLE_PDEATHSIG")
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if str(os.getppid()) != parent:  # the launcher died before prctl
-        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,97 +211,82 @@ def _check(args) -> int:
     return exits.OK
 
 
+def _launch(args) -> int:
+    from crucible.launch import Launcher
+
+    return Launcher(args, args.overrides).run()
+
+
+def _coordinator(args) -> int:
+    _setup_logging("coordinator")
+    from crucible import rpc
+    from crucible.coordinator.server import serve
+    from crucible.procs import die_with_parent
+
+    die_with_parent()
+    cfg = _job_config(args)
+    os.makedirs(args.run_dir, exist_ok=True)
+    token = rpc.read_token(args.run_dir)
+    if not token:
+        token = rpc.new_token()
+        path = rpc.write_token(args.run_dir, token)
+        print(f"crucible: no CRUCIBLE_TOKEN given; generated one in {path}", file=sys.stderr)
+    try:
+        return serve(cfg, args.run_dir, args.bind, token, resume=args.resume, fresh=args.fresh,
+                     on_sigterm=args.on_sigterm)
+    except Exception as e:  # noqa: BLE001
+        return _fatal("coordinator", e)
+
+
+def _worker(args) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _setup_logging(f"worker r{args.replica}s{args.stage}")
+    from crucible import exits, rpc
+    from crucible.procs import PARENT_ENV, die_with_parent
+
+    die_with_parent()
+    if os.environ.get(PARENT_ENV):
+        # Under `launch`, Ctrl-C reaches the whole process group: let the
+        # coordinator take its final checkpoint and stop us.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    token = rpc.read_token()
+    if not token:
+        print("crucible worker: set CRUCIBLE_TOKEN to the job's token", file=sys.stderr)
+        return exits.USAGE
+    try:
+        from crucible.worker.runtime import Worker
+
+        return Worker(args.coordinator, token, args.replica, args.stage, args.bind, args.advertise,
+                      args.device).run()
+    except Exception as e:  # noqa: BLE001
+        return _fatal("worker", e)
+
+
+def _bench(args) -> int:
+    import importlib
+
+    return importlib.import_module(f"crucible.bench.{args.what}").main(args)
+
+
+# The other commands: "module:function", called with the parsed arguments.
+_ELSEWHERE = {"status": "crucible.status:main", "ckpt": "crucible.ckpt_cli:main",
+              "interval": "crucible.ckpt_cli:interval_main", "slurm": "crucible.cluster:main",
+              "k8s": "crucible.cluster:main", "report": "crucible.report:main", "export": "crucible.export:main",
+              "sample": "crucible.export:main"}
+
+
 def _run(args) -> int:
-    if args.cmd == "launch":
-        from crucible.launch import Launcher
-
-        return Launcher(args, args.overrides).run()
-
-    if args.cmd == "check":
-        return _check(args)
-
-    if args.cmd == "coordinator":
-        _setup_logging("coordinator")
-        _die_with_parent()
-        from crucible import rpc
-        from crucible.coordinator.server import serve
-
-        cfg = _job_config(args)
-        os.makedirs(args.run_dir, exist_ok=True)
-        token = rpc.read_token(args.run_dir)
-        if not token:
-            token = rpc.new_token()
-            path = rpc.write_token(args.run_dir, token)
-            print(f"crucible: no CRUCIBLE_TOKEN given; generated one in {path}", file=sys.stderr)
-        try:
-            return serve(cfg, args.run_dir, args.bind, token, resume=args.resume, fresh=args.fresh,
-                         on_sigterm=args.on_sigterm)
-        except Exception as e:  # noqa: BLE001
-            return _fatal("coordinator", e)
-
-    if args.cmd == "worker":
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        _setup_logging(f"worker r{args.replica}s{args.stage}")
-        _die_with_parent()
-        if os.environ.get("CRUCIBLE_PDEATHSIG"):
-            # Under `launch`, Ctrl-C reaches the whole process group: let the
-            # coordinator take its final checkpoint and stop us.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        from crucible import rpc
-
-        token = rpc.read_token()
-        if not token:
-            print("crucible worker: set CRUCIBLE_TOKEN to the job's token", file=sys.stderr)
-            return 2
-        try:
-            from crucible.worker.runtime import Worker
-
-            return Worker(args.coordinator, token, args.replica, args.stage, args.bind, args.advertise,
-                          args.device).run()
-        except Exception as e:  # noqa: BLE001
-            return _fatal("worker", e)
-
-    if args.cmd == "status":
-        from crucible.status import main as status_main
-
-        return status_main(args)
-
+    here = {"launch": _launch, "check": _check, "coordinator": _coordinator, "worker": _worker, "bench": _bench}
+    if args.cmd in here:
+        return here[args.cmd](args)
     if args.cmd == "kill":
         from crucible.kill import kill
 
         return kill(args.run_dir, args.worker)
+    import importlib
 
-    if args.cmd == "ckpt":
-        from crucible.ckpt_cli import main as ckpt_main
-
-        return ckpt_main(args)
-
-    if args.cmd == "interval":
-        from crucible.ckpt_cli import interval_main
-
-        return interval_main(args)
-
-    if args.cmd in ("slurm", "k8s"):
-        from crucible.cluster import main as cluster_main
-
-        return cluster_main(args)
-
-    if args.cmd == "report":
-        from crucible.report import main as report_main
-
-        return report_main(args)
-
-    if args.cmd in ("export", "sample"):
-        from crucible import export
-
-        return export.main(args)
-
-    if args.cmd == "bench":
-        import importlib
-
-        mod = importlib.import_module(f"crucible.bench.{args.what}")
-        return mod.main(args)
-    return 2
+    module, _, fn = _ELSEWHERE[args.cmd].partition(":")
+    return getattr(importlib.import_module(module), fn)(args)
 
 
 if __name__ == "__main__":

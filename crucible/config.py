@@ -109,19 +109,19 @@ class CheckpointConfig:
     enable_continuous_checkpointing: bool = True
     checkpoint_period: int = 100     # steps; ignored while continuous is on
     max_num_checkpoints_to_keep: int = 10
-    minimum_interval_secs: float = 30.0
+    minimum_interval_s: float = 30.0
     preserve: str = ""               # extra preservation policy spec
     persister: str = "process"       # process | thread: where a shard is written in the background
-    preemption_timeout_secs: float = 60.0   # on SIGTERM: longest wait for the final checkpoint
+    preemption_timeout_s: float = 60.0   # on SIGTERM: longest wait for the final checkpoint
 
 
 @dataclass
 class FaultConfig:
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 2.0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 2.0
     on_stage_failure: str = "skip"   # skip | wait | restart
-    rpc_timeout: float = 10.0        # longest data-plane wait before stage 0 retries a step
-    probe_timeout: float = 0.5       # a suspected worker must answer a probe within this
+    rpc_timeout_s: float = 10.0       # longest data-plane wait before stage 0 retries a step
+    probe_timeout_s: float = 0.5      # a suspected worker must answer a probe within this
 
 
 @dataclass
@@ -229,66 +229,84 @@ class Config:
     # ---- validation -----------------------------------------------------
 
     def validate(self) -> None:
-        def need(ok: bool, key: str, msg: str) -> None:
-            if not ok:
-                raise ConfigError(f"bad value for '{key}': {msg} (got {self.get(key)!r})")
+        """Every value on its own and against the others; ConfigError names the key."""
+        for check in (self._check_model, self._check_train, self._check_outer, self._check_checkpoint,
+                      self._check_fault_and_net):
+            check()
 
+    def _need(self, ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"bad value for '{key}': {msg} (got {self.get(key)!r})")
+
+    def _check_model(self) -> None:
+        need, m = self._need, self.model
         need(self.job.replicas >= 1, "job.replicas", "must be >= 1")
         need(self.job.stages >= 1, "job.stages", "must be >= 1")
-        need(self.model.d_model >= 1, "model.d_model", "must be >= 1")
-        need(self.model.n_head >= 1 and self.model.d_model % self.model.n_head == 0,
-             "model.n_head", "must divide model.d_model")
-        if not self.model.builder:
-            need(self.model.n_layer >= self.job.stages, "model.n_layer",
+        need(m.d_model >= 1, "model.d_model", "must be >= 1")
+        need(m.n_head >= 1 and m.d_model % m.n_head == 0, "model.n_head", "must divide model.d_model")
+        if not m.builder:
+            need(m.n_layer >= self.job.stages, "model.n_layer",
                  f"needs at least one block per stage ({self.job.stages} stages)")
-        need(1 <= self.model.vocab_size <= 65536, "model.vocab_size", "must be in 1..65536")
-        need(0 <= self.model.subspace_rank <= self.model.d_model, "model.subspace_rank", "must be in 0..d_model")
-        need(self.model.subspace_token_shift >= 0, "model.subspace_token_shift", "must be >= 0")
+        need(1 <= m.vocab_size <= 65536, "model.vocab_size", "must be in 1..65536")
+        need(0 <= m.subspace_rank <= m.d_model, "model.subspace_rank", "must be in 0..d_model")
+        need(m.subspace_token_shift >= 0, "model.subspace_token_shift", "must be >= 0")
         need(0.0 < self.data.eval_fraction < 0.5, "data.eval_fraction", "must be in (0, 0.5)")
-        need(self.train.steps >= 0, "train.steps", "must be >= 0")
-        need(self.train.microbatches >= 1, "train.microbatches", "must be >= 1")
-        need(self.train.batch_size >= 1 and self.train.batch_size % self.train.microbatches == 0,
-             "train.batch_size", "must be a positive multiple of train.microbatches")
-        need(self.train.seq_len >= 1, "train.seq_len", "must be >= 1")
-        need(self.train.lr > 0, "train.lr", "must be > 0")
-        need(0 <= self.train.min_lr <= self.train.lr, "train.min_lr", "must be in [0, train.lr]")
-        need(self.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-        need(self.train.grad_clip >= 0, "train.grad_clip", "must be >= 0")
-        need(self.train.eval_every >= 0, "train.eval_every", "must be >= 0")
-        need(self.train.schedule in ("1f1b", "gpipe"), "train.schedule", "must be 1f1b or gpipe")
         for key in ("compress.forward", "compress.backward"):
             name = str(self.get(key)).split(":")[0].strip().lower()
             need(name in ACTIVATION_CODECS, key, f"codec must be one of {', '.join(ACTIVATION_CODECS)}")
-            need(name != "subspace" or self.model.subspace_rank > 0, key,
+            need(name != "subspace" or m.subspace_rank > 0, key,
                  "the subspace codec needs model.subspace_rank > 0 (a model that keeps its residual "
                  "stream in the subspace)")
-        need(self.outer.mode in ("sparseloco", "diloco", "none"), "outer.mode", "must be sparseloco, diloco or none")
-        need(self.outer.H >= 1, "outer.H", "must be >= 1")
-        need(1 <= self.outer.chunk <= 4096, "outer.chunk", "must be in 1..4096 (12-bit indices)")
-        need(1 <= self.outer.k <= self.outer.chunk, "outer.k", "must be in 1..outer.chunk")
-        need(self.outer.value_bits in (2, 8, 32), "outer.value_bits", "must be 2, 8 or 32")
-        need(self.outer.clip in ("median", "none"), "outer.clip", "must be median or none")
-        need(self.outer.deadline_s > 0, "outer.deadline_s", "must be > 0")
-        need(self.checkpoint.max_num_checkpoints_to_keep >= 1, "checkpoint.max_num_checkpoints_to_keep", "must be >= 1")
-        need(self.checkpoint.minimum_interval_secs >= 0, "checkpoint.minimum_interval_secs", "must be >= 0")
-        need(self.checkpoint.checkpoint_period >= 1, "checkpoint.checkpoint_period", "must be >= 1")
-        need(self.checkpoint.persister in ("process", "thread"), "checkpoint.persister", "must be process or thread")
-        need(self.checkpoint.preemption_timeout_secs > 0, "checkpoint.preemption_timeout_secs", "must be > 0")
+
+    def _check_train(self) -> None:
+        need, t = self._need, self.train
+        need(t.steps >= 0, "train.steps", "must be >= 0")
+        need(t.microbatches >= 1, "train.microbatches", "must be >= 1")
+        need(t.batch_size >= 1 and t.batch_size % t.microbatches == 0,
+             "train.batch_size", "must be a positive multiple of train.microbatches")
+        need(t.seq_len >= 1, "train.seq_len", "must be >= 1")
+        need(t.lr > 0, "train.lr", "must be > 0")
+        need(0 <= t.min_lr <= t.lr, "train.min_lr", "must be in [0, train.lr]")
+        need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0")
+        need(t.eval_every >= 0, "train.eval_every", "must be >= 0")
+        need(t.schedule in ("1f1b", "gpipe"), "train.schedule", "must be 1f1b or gpipe")
+
+    def _check_outer(self) -> None:
+        need, o = self._need, self.outer
+        need(o.mode in ("sparseloco", "diloco", "none"), "outer.mode", "must be sparseloco, diloco or none")
+        need(o.H >= 1, "outer.H", "must be >= 1")
+        need(1 <= o.chunk <= 4096, "outer.chunk", "must be in 1..4096 (12-bit indices)")
+        need(1 <= o.k <= o.chunk, "outer.k", "must be in 1..outer.chunk")
+        need(o.value_bits in (2, 8, 32), "outer.value_bits", "must be 2, 8 or 32")
+        need(o.clip in ("median", "none"), "outer.clip", "must be median or none")
+        need(o.deadline_s > 0, "outer.deadline_s", "must be > 0")
+
+    def _check_checkpoint(self) -> None:
+        need, c = self._need, self.checkpoint
+        need(c.max_num_checkpoints_to_keep >= 1, "checkpoint.max_num_checkpoints_to_keep", "must be >= 1")
+        need(c.minimum_interval_s >= 0, "checkpoint.minimum_interval_s", "must be >= 0")
+        need(c.checkpoint_period >= 1, "checkpoint.checkpoint_period", "must be >= 1")
+        need(c.persister in ("process", "thread"), "checkpoint.persister", "must be process or thread")
+        need(c.preemption_timeout_s > 0, "checkpoint.preemption_timeout_s", "must be > 0")
         need(self.debug.persist_delay_s >= 0, "debug.persist_delay_s", "must be >= 0")
-        if self.checkpoint.preserve:
+        if c.preserve:
             from crucible.checkpoint.policies import parse_preserve_spec
 
             try:
-                parse_preserve_spec(self.checkpoint.preserve)
+                parse_preserve_spec(c.preserve)
             except ValueError as e:
                 raise ConfigError(f"bad value for 'checkpoint.preserve': {e}") from None
-        need(self.fault.heartbeat_interval > 0, "fault.heartbeat_interval", "must be > 0")
-        need(self.fault.heartbeat_timeout > self.fault.heartbeat_interval, "fault.heartbeat_timeout",
-             "must exceed fault.heartbeat_interval")
-        need(self.fault.on_stage_failure in ("skip", "wait", "restart"), "fault.on_stage_failure",
+
+    def _check_fault_and_net(self) -> None:
+        need, f = self._need, self.fault
+        need(f.heartbeat_interval_s > 0, "fault.heartbeat_interval_s", "must be > 0")
+        need(f.heartbeat_timeout_s > f.heartbeat_interval_s, "fault.heartbeat_timeout_s",
+             "must exceed fault.heartbeat_interval_s")
+        need(f.on_stage_failure in ("skip", "wait", "restart"), "fault.on_stage_failure",
              "must be skip, wait or restart")
-        need(self.fault.rpc_timeout > 0, "fault.rpc_timeout", "must be > 0")
-        need(self.fault.probe_timeout > 0, "fault.probe_timeout", "must be > 0")
+        need(f.rpc_timeout_s > 0, "fault.rpc_timeout_s", "must be > 0")
+        need(f.probe_timeout_s > 0, "fault.probe_timeout_s", "must be > 0")
         need(1 <= self.net.max_message_mb <= 1024, "net.max_message_mb", "must be in 1..1024")
         need(self.net.link_mbps >= 0, "net.link_mbps", "must be >= 0")
         need(-1 <= self.metrics.prometheus_port <= 65535, "metrics.prometheus_port",

@@ -22,6 +22,8 @@ import os
 import signal
 import traceback
 
+from crucible.files import atomic_write
+
 OK = 0
 ERROR = 1
 USAGE = 2
@@ -58,10 +60,7 @@ def write_error(line: str) -> None:
     if not path:
         return
     try:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(line.strip() + "\n")
-        os.replace(tmp, path)
+        atomic_write(path, line.strip() + "\n", fsync=False)
     except OSError:
         pass
 

@@ -41,11 +41,12 @@ No torch here: this module runs anywhere (``crucible interval``).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
 from typing import Any
+
+from crucible import metrics
 
 __all__ = [
     "young_interval",
@@ -214,63 +215,46 @@ def from_run_dir(
     Unparseable lines (e.g. a last line cut by a crash) are skipped and
     counted in the notes.
     """
-    path = os.path.join(os.fspath(run_dir), "metrics.jsonl")
+    path = os.path.join(os.fspath(run_dir), metrics.FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no metrics log in this run directory")
+    events, bad = metrics.read(path)
     out = _empty(source="run_dir")
     out["run_dir"] = os.fspath(run_dir)
     out["restart_s"] = float(restart_s)
-    times: list[float] = []
-    stalls: list[float] = []
-    persists: list[float] = []
-    commit_times: list[float] = []
-    fault_times: list[float] = []
-    bad = 0
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no metrics log in this run directory") from None
-    with f:
-        for raw in f:
-            if not raw.strip():
-                continue
-            try:
-                ev = json.loads(raw)
-            except ValueError:
-                bad += 1
-                continue
-            if not isinstance(ev, dict):
-                bad += 1
-                continue
-            t = _num(ev.get("time"))
-            if t is not None:
-                times.append(t)
-            kind = ev.get("event")
-            if kind == "ckpt_commit":
-                s = _num(ev.get("stall_s"))
-                if s is not None and s >= 0:
-                    stalls.append(s)
-                p = _num(ev.get("persist_s"))
-                if p is not None and p >= 0:
-                    persists.append(p)
-                if t is not None:
-                    commit_times.append(t)
-            elif kind == "fault" and t is not None:
-                fault_times.append(t)
-    notes = out["notes"]
     if bad:
-        notes.append(f"skipped {bad} unparseable line(s) in metrics.jsonl")
+        out["notes"].append(f"skipped {bad} unparseable line(s) in metrics.jsonl")
+    times = [t for t in (_num(ev.get("time")) for ev in events) if t is not None]
+    commits = [ev for ev in events if ev["event"] == "ckpt_commit"]
+    stalls = [s for s in (_num(ev.get("stall_s")) for ev in commits) if s is not None and s >= 0]
+    persists = [p for p in (_num(ev.get("persist_s")) for ev in commits) if p is not None and p >= 0]
+    commit_times = [t for t in (_num(ev.get("time")) for ev in commits) if t is not None]
+    fault_times = [t for t in (_num(ev.get("time")) for ev in events if ev["event"] == "fault") if t is not None]
     span = (max(times) - min(times)) if times else 0.0
     out["span_s"] = span
     out["faults"] = len(fault_times)
+    _observed_cost(out, stalls, persists, commit_times)
+    _observed_mtbf(out, fault_times, span, node_mtbf_s, nodes)
+    _fill(out)
+    return out
+
+
+def _observed_cost(out: dict, stalls: list[float], persists: list[float], commit_times: list[float]) -> None:
     if stalls:
         out["cost_s"] = statistics.median(stalls)
         out["cost_samples"] = len(stalls)
     else:
-        notes.append("no ckpt_commit event with stall_s: checkpoint cost unknown")
+        out["notes"].append("no ckpt_commit event with stall_s: checkpoint cost unknown")
     if persists:
         out["persist_s"] = statistics.median(persists)
     if len(commit_times) >= 2:
         ct = sorted(commit_times)
         out["current_interval_s"] = statistics.median(b - a for a, b in zip(ct, ct[1:]))
+
+
+def _observed_mtbf(out: dict, fault_times: list[float], span: float, node_mtbf_s: float | None,
+                   nodes: int) -> None:
+    notes = out["notes"]
     if fault_times and span > 0:
         out["mtbf_s"] = span / len(fault_times)
         out["mtbf_source"] = f"observed: {len(fault_times)} fault(s) in {span:.0f} s"
@@ -281,8 +265,6 @@ def from_run_dir(
         if node_mtbf_s is not None:
             out["mtbf_s"] = job_mtbf(node_mtbf_s, nodes)
             out["mtbf_source"] = f"node MTBF {node_mtbf_s:g} s / {nodes} node(s)"
-    _fill(out)
-    return out
 
 
 def _secs(v: float | None) -> str:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 
+from crucible.slots import is_slot_name
+
 
 def kill(run_dir: str, name: str, sig: int = signal.SIGKILL) -> int:
-    if name != "coordinator" and not re.fullmatch(r"r\d+s\d+", name):
+    if name != "coordinator" and not is_slot_name(name):
         print(f"crucible kill: {name!r} is not a worker name like r1s2 (or 'coordinator')", file=sys.stderr)
         return 2
     try:

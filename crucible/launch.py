@@ -33,8 +33,9 @@ import subprocess
 import sys
 import time
 
-from crucible import exits, extras, rpc
+from crucible import exits, extras, metrics, procs, rpc
 from crucible.config import Config
+from crucible.files import atomic_write
 from crucible.slots import slot_name, slot_of
 
 CRASH_LOOP_WINDOW_S = 120.0   # the same error twice within this: the job stops
@@ -131,7 +132,7 @@ class Launcher:
         env[rpc.TOKEN_ENV] = self.token
         env["OMP_NUM_THREADS"] = "1"
         env["MKL_NUM_THREADS"] = "1"
-        env["CRUCIBLE_PDEATHSIG"] = str(os.getpid())
+        env[procs.PARENT_ENV] = str(os.getpid())
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
@@ -195,21 +196,18 @@ class Launcher:
         if self.coord is not None:
             pids["coordinator"] = self.coord.pid
         pids["launcher"] = os.getpid()
-        tmp = os.path.join(self.run_dir, "pids.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(pids, f)
-        os.replace(tmp, os.path.join(self.run_dir, "pids.json"))
+        atomic_write(os.path.join(self.run_dir, "pids.json"), json.dumps(pids), fsync=False)
 
     def _stop_all(self, grace: float = 5.0) -> None:
-        procs = [p for p in list(self.workers.values()) + [self.coord] if p is not None and p.popen is not None]
-        for p in procs:
+        children = [p for p in list(self.workers.values()) + [self.coord] if p is not None and p.popen is not None]
+        for p in children:
             if p.poll() is None:
                 try:
                     p.popen.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         t_end = time.monotonic() + grace
-        for p in procs:
+        for p in children:
             try:
                 p.popen.wait(timeout=max(0.0, t_end - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -289,8 +287,7 @@ class Launcher:
     def _handle_deaths(self, respawn: bool) -> None:
         """Book every process that died since the last look: print its cause, stop
         the job on a crash loop (LaunchFailed), schedule a backed-off restart."""
-        procs = list(self.workers.values()) + [self.coord]
-        for p in procs:
+        for p in list(self.workers.values()) + [self.coord]:
             code = p.poll()
             if code is None or p.restart_at is not None:
                 continue
@@ -311,15 +308,14 @@ class Launcher:
 
     def _supervise(self) -> int:
         from crucible.chaos import Chaos
-        from crucible.status import StatusClient, format_progress
+        from crucible.status import StatusClient
 
         client = StatusClient(self.addr, self.token)
-        chaos = Chaos.parse(self.args.chaos) if self.args.chaos else None
-        t_start = time.monotonic()
+        self.chaos = Chaos.parse(self.args.chaos) if self.args.chaos else None
+        self.t_start, self.stopped = time.monotonic(), {}
         last_print, last_status = 0.0, 0.0
         tty = sys.stdout.isatty()
         respawn = self.args.respawn_delay is not None and self.args.respawn_delay >= 0
-        stopped: dict[str, float] = {}
         while not self.stopping:
             time.sleep(0.1)
             if any(w.poll() == exits.RESTART for w in self.workers.values()):
@@ -327,13 +323,7 @@ class Launcher:
                 client = StatusClient(self.addr, self.token)
                 continue
             self._handle_deaths(respawn)
-            now = time.monotonic()
-            for name, w in self.workers.items():
-                if w.restart_at is not None and now >= w.restart_at:
-                    w.restarts += 1
-                    self._start_worker(*slot_of(name))
-            if self.coord.restart_at is not None and now >= self.coord.restart_at:
-                self.addr = self._start_coordinator("restart")
+            if self._restart_due():
                 client = StatusClient(self.addr, self.token)
             if not respawn and not self._all_done() and all(w.poll() is not None for w in self.workers.values()):
                 raise LaunchFailed("every worker has exited and --respawn-delay is negative (no respawn)")
@@ -343,27 +333,14 @@ class Launcher:
                 except subprocess.TimeoutExpired:
                     pass
                 break
+            now = time.monotonic()
             if now - last_status >= 0.5:
                 last_status = now
                 self.last_status = client.get(timeout=1.0) or self.last_status
-            st = self.last_status
-            for name, t in list(stopped.items()):
-                if now >= t:
-                    self._signal(name, signal.SIGCONT, "CONT")
-                    del stopped[name]
-            if chaos is not None:
-                steps = {r["id"]: r["step"] for r in st["replicas"]} if st else {}
-                live = [n for n, w in self.workers.items() if w.poll() is None and n not in stopped]
-                for victim, sig in chaos.due(now - t_start, steps, live, self.cfg.job.stages):
-                    if sig == "STOP":
-                        self._signal(victim, signal.SIGSTOP, "STOP")
-                        stopped[victim] = now + 5.0
-                    else:
-                        self._signal(victim, signal.SIGKILL, "KILL")
-            if st is not None and now - last_print >= (1.0 if tty else 5.0):
+            self._chaos_tick(now)
+            if self.last_status is not None and now - last_print >= (1.0 if tty else 5.0):
                 last_print = now
-                line = format_progress(st)
-                print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
+                self._show_progress(tty)
         if tty:
             print()
         if self.stopping:
@@ -371,6 +348,42 @@ class Launcher:
             return exits.interrupted(self.stopping)
         print(self._summary("finished"), flush=True)
         return exits.OK
+
+    def _restart_due(self) -> bool:
+        """Start the processes whose back-off is over; True when the coordinator was."""
+        now = time.monotonic()
+        for name, w in self.workers.items():
+            if w.restart_at is not None and now >= w.restart_at:
+                w.restarts += 1
+                self._start_worker(*slot_of(name))
+        if self.coord.restart_at is not None and now >= self.coord.restart_at:
+            self.addr = self._start_coordinator("restart")
+            return True
+        return False
+
+    def _chaos_tick(self, now: float) -> None:
+        """--chaos: SIGCONT what is due, then fire the faults that are due."""
+        for name, t in list(self.stopped.items()):
+            if now >= t:
+                self._signal(name, signal.SIGCONT, "CONT")
+                del self.stopped[name]
+        if self.chaos is None:
+            return
+        st = self.last_status
+        steps = {r["id"]: r["step"] for r in st["replicas"]} if st else {}
+        live = [n for n, w in self.workers.items() if w.poll() is None and n not in self.stopped]
+        for victim, sig in self.chaos.due(now - self.t_start, steps, live, self.cfg.job.stages):
+            if sig == "STOP":
+                self._signal(victim, signal.SIGSTOP, "STOP")
+                self.stopped[victim] = now + 5.0
+            else:
+                self._signal(victim, signal.SIGKILL, "KILL")
+
+    def _show_progress(self, tty: bool) -> None:
+        from crucible.status import format_progress
+
+        line = format_progress(self.last_status)
+        print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
 
     def _all_done(self) -> bool:
         return all(w.poll() == 0 for w in self.workers.values())
@@ -388,9 +401,7 @@ class Launcher:
                          "mono": time.monotonic()})
 
     def _log_event(self, ev: dict) -> None:
-        ev.setdefault("time", time.time())
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(ev) + "\n")
+        metrics.append_event(self.run_dir, ev)
 
     def _restart_all(self) -> None:
         """on_stage_failure = restart: the classic way. Every process goes; all come
@@ -411,26 +422,18 @@ class Launcher:
     def _summary(self, ending: str) -> str:
         """How the job ended, then final loss per replica, its time ledger, and the faults seen."""
         steps, losses, ledger, faults = {}, {}, {}, 0
-        path = os.path.join(self.run_dir, "metrics.jsonl")
-        try:
-            with open(path) as f:
-                for line in f:
-                    try:
-                        ev = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    kind = ev.get("event")
-                    if kind == "step":
-                        steps[ev["replica"]] = ev["step"] + 1
-                        losses[ev["replica"]] = ev["loss"]
-                    elif kind == "eval":
-                        losses[f"eval{ev['replica']}"] = ev["loss"]
-                    elif kind == "goodput":
-                        ledger[ev["replica"]] = ev
-                    elif kind == "fault":
-                        faults += 1
-        except OSError:
-            pass
+        path = metrics.path_of(self.run_dir)
+        for ev in metrics.read_events(path):
+            kind = ev.get("event")
+            if kind == "step":
+                steps[ev["replica"]] = ev["step"] + 1
+                losses[ev["replica"]] = ev["loss"]
+            elif kind == "eval":
+                losses[f"eval{ev['replica']}"] = ev["loss"]
+            elif kind == "goodput":
+                ledger[ev["replica"]] = ev
+            elif kind == "fault":
+                faults += 1
         lines = []
         for r in sorted(steps):
             line = f"r{r}: {steps[r]} steps, loss {losses[r]:.3f}"

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from crucible.compress.activations import projection
+from crucible.subspace import project, projection
 
 
 @dataclass
@@ -76,11 +76,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.proj(F.gelu(self.fc(x)))
-
-
-def project(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
-    """The orthogonal projection of x (last dim) onto span(P)."""
-    return (x @ P) @ P.T
 
 
 class Block(nn.Module):

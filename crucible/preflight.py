@@ -81,66 +81,77 @@ def check_model(cfg: Config, corpus, device: str = "cpu") -> str:
     the split, one stage at a time; returns a summary line."""
     import torch
 
-    from crucible.model import build_stage, tokens_needed
-
     S, M = cfg.job.stages, cfg.train.microbatches
-    mb, T, d = cfg.train.batch_size // M, cfg.train.seq_len, cfg.model.d_model
-    who = f"model.builder {cfg.model.builder!r}" if cfg.model.builder else "the built-in model"
+    mb = cfg.train.batch_size // M
+    boundary = (mb, cfg.train.seq_len, cfg.model.d_model)
     x_ids, y = corpus.reader(cfg, 0).batch_at(0, mb)
     x_ids, y = x_ids.to(device), y.to(device)
-    with_tokens = tokens_needed(cfg)
-    boundary = (mb, T, d)
-    params, numels = 0, []
-    h_in = None
+    numels, h, loss = [], None, None
     for s in range(S):
-        where = f"{who}, stage {s} of {S}"
-        try:
-            module = build_stage(cfg, s, S)
-        except ValueError as e:   # the builder does not import
-            raise CheckFailed(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - a user's builder may raise anything
-            raise CheckFailed(f"{where}: building it raised {type(e).__name__}: {e}") from None
-        if not isinstance(module, torch.nn.Module):
-            raise CheckFailed(f"{where}: the builder returned {type(module).__name__}, not a torch.nn.Module")
-        module = module.to(device)
-        numel = sum(p.numel() for p in module.parameters())
-        params += numel
+        x = x_ids if s == 0 else h.detach().requires_grad_(True)
+        numel, h, loss = _check_stage(cfg, s, x, x_ids, y, boundary, torch.device(device))
         numels.append(numel)
-        last = s == S - 1
-        if last and not callable(getattr(module, "loss", None)):
-            raise CheckFailed(f"{where}: the last stage has no loss(h, targets) method")
-        x = x_ids if s == 0 else h_in.detach().requires_grad_(True)
-        try:
-            h = module(x) if s == 0 or not with_tokens else module(x, tokens=x_ids)
-        except Exception as e:  # noqa: BLE001
-            raise CheckFailed(f"{where}: forward on input {_describe(x)} raised {type(e).__name__}: {e}") from None
-        if not isinstance(h, torch.Tensor) or tuple(h.shape) != boundary or h.dtype != torch.float32:
-            raise CheckFailed(f"{where}: forward returned {_describe(h)}; a stage boundary must be "
-                              f"{boundary} float32 [batch_size/microbatches, train.seq_len, model.d_model]")
-        try:
-            if last:
-                out = module.loss(h, y)
-                if not isinstance(out, torch.Tensor) or out.dim() != 0 or not math.isfinite(float(out.detach())):
-                    raise CheckFailed(f"{where}: loss(h, targets) returned {_describe(out)} "
-                                      f"({out!r:.60}); it must be a finite scalar tensor")
-                loss_value = float(out.detach())
-            else:
-                out = (h * torch.randn_like(h)).sum()
-            if out.requires_grad:
-                out.backward()
-        except CheckFailed:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise CheckFailed(f"{where}: backward raised {type(e).__name__}: {e}") from None
-        if s > 0 and (x.grad is None or tuple(x.grad.shape) != boundary):
-            raise CheckFailed(f"{where}: backward gave its input no gradient of shape {boundary} "
-                              f"(got {_describe(x.grad) if x.grad is not None else 'none'}): is the input "
-                              f"detached inside the stage?")
-        h_in = h
-        del module
     _check_sizes(cfg, boundary, numels)
-    return (f"model: {params:,} parameters in {S} stage(s); one microbatch forward and backward, "
-            f"boundaries {boundary}, loss {loss_value:.3f}")
+    return (f"model: {sum(numels):,} parameters in {S} stage(s); one microbatch forward and backward, "
+            f"boundaries {boundary}, loss {loss:.3f}")
+
+
+def _check_stage(cfg: Config, s: int, x, x_ids, y, boundary: tuple, device):
+    """Build stage s, run x forward (and, on the last stage, the loss) and
+    backward; returns (its parameter count, its output, the loss or None)."""
+    import torch
+
+    from crucible.model import build_stage, tokens_needed
+
+    S = cfg.job.stages
+    who = f"model.builder {cfg.model.builder!r}" if cfg.model.builder else "the built-in model"
+    where = f"{who}, stage {s} of {S}"
+    try:
+        module = build_stage(cfg, s, S)
+    except ValueError as e:   # the builder does not import
+        raise CheckFailed(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a user's builder may raise anything
+        raise CheckFailed(f"{where}: building it raised {type(e).__name__}: {e}") from None
+    if not isinstance(module, torch.nn.Module):
+        raise CheckFailed(f"{where}: the builder returned {type(module).__name__}, not a torch.nn.Module")
+    module = module.to(device)
+    last = s == S - 1
+    if last and not callable(getattr(module, "loss", None)):
+        raise CheckFailed(f"{where}: the last stage has no loss(h, targets) method")
+    try:
+        h = module(x) if s == 0 or not tokens_needed(cfg) else module(x, tokens=x_ids)
+    except Exception as e:  # noqa: BLE001
+        raise CheckFailed(f"{where}: forward on input {_describe(x)} raised {type(e).__name__}: {e}") from None
+    if not isinstance(h, torch.Tensor) or tuple(h.shape) != boundary or h.dtype != torch.float32:
+        raise CheckFailed(f"{where}: forward returned {_describe(h)}; a stage boundary must be "
+                          f"{boundary} float32 [batch_size/microbatches, train.seq_len, model.d_model]")
+    loss = _backward(module, h, y, last, where)
+    if s > 0 and (x.grad is None or tuple(x.grad.shape) != boundary):
+        raise CheckFailed(f"{where}: backward gave its input no gradient of shape {boundary} "
+                          f"(got {_describe(x.grad) if x.grad is not None else 'none'}): is the input "
+                          f"detached inside the stage?")
+    return sum(p.numel() for p in module.parameters()), h, loss
+
+
+def _backward(module, h, y, last: bool, where: str) -> float | None:
+    """The last stage's loss (a finite scalar) and a backward pass through the stage."""
+    import torch
+
+    try:
+        if last:
+            out = module.loss(h, y)
+            if not isinstance(out, torch.Tensor) or out.dim() != 0 or not math.isfinite(float(out.detach())):
+                raise CheckFailed(f"{where}: loss(h, targets) returned {_describe(out)} "
+                                  f"({out!r:.60}); it must be a finite scalar tensor")
+        else:
+            out = (h * torch.randn_like(h)).sum()
+        if out.requires_grad:
+            out.backward()
+    except CheckFailed:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise CheckFailed(f"{where}: backward raised {type(e).__name__}: {e}") from None
+    return float(out.detach()) if last else None
 
 
 def _check_sizes(cfg: Config, boundary: tuple[int, int, int], numels: list[int]) -> None:

@@ -23,6 +23,9 @@ the figures written) that ``--json`` prints.
 
 from __future__ import annotations
 
+from crucible import metrics
+from crucible.files import atomic_write
+
 import html
 import json
 import math
@@ -46,18 +49,10 @@ LEDGER = [("compute_s", "compute", "#2ca02c"), ("communication_s", "communicatio
 
 
 def read_events(path: str) -> tuple[list[dict], int]:
-    """Every complete JSON line of metrics.jsonl; lines that do not parse (the
-    half-written last line of a running job) are skipped and counted."""
-    events, bad = [], 0
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                ev = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                bad += 1
-                continue
-            if isinstance(ev, dict) and isinstance(ev.get("event"), str) and isinstance(ev.get("time"), (int, float)):
-                events.append(ev)
+    """Every complete event of metrics.jsonl, in time order, and how many lines
+    did not parse (the half-written last line of a running job)."""
+    events, bad = metrics.read(path)
+    events = [e for e in events if isinstance(e.get("time"), (int, float))]
     events.sort(key=lambda e: e["time"])
     return events, bad
 
@@ -234,12 +229,33 @@ def _loss_axes_limits(ax, values: list[float]) -> None:
 
 
 def fig_loss(run: Run, path: str) -> dict:
+    """Loss against wall time (with an event strip below it) and against step; returns
+    how many of each kind of event it marked."""
     plt = _plt()
     fig = plt.figure(figsize=(11, 8.2), layout="constrained")
     gs = fig.add_gridspec(3, 1, height_ratios=[3.2, 1.1, 3.2])
     ax_t = fig.add_subplot(gs[0])
     ax_s = fig.add_subplot(gs[1], sharex=ax_t)
     ax_step = fig.add_subplot(gs[2])
+    _loss_curves(run, ax_t, ax_step)
+    _mark_lines(ax_t, run, lambda e: run.rel(e["time"]))
+    _step_marks(run, ax_step)
+    ax_t.set_ylabel("loss (nats/token)")
+    ax_t.set_title("Loss against wall time")
+    ax_step.set_ylabel("loss (nats/token)")
+    ax_step.set_xlabel("step")
+    ax_step.set_title("Loss against step (faults and replacements at the replica's step when they happened)")
+    _legend(ax_t, loc="upper right", ncol=2)
+    _legend(ax_step, loc="upper right", ncol=2)
+    plt.setp(ax_t.get_xticklabels(), visible=False)
+    marks = _event_strip(run, ax_s)
+    for a in (ax_t, ax_s):
+        a.set_xlim(left=-0.01 * max(run.rel(run.last_time), 1.0), right=max(run.rel(run.last_time), 1.0) * 1.01)
+    _save(fig, path)
+    return marks
+
+
+def _loss_curves(run: Run, ax_t, ax_step) -> None:
     values = []
     for r in run.replica_ids:
         c = _color(r)
@@ -259,9 +275,11 @@ def fig_loss(run: Run, path: str) -> dict:
             values += [e["loss"] for e in ev]
     _loss_axes_limits(ax_t, values)
     _loss_axes_limits(ax_step, values)
-    _mark_lines(ax_t, run, lambda e: run.rel(e["time"]))
 
-    # Faults and replacements on the step axis: at the replica's step when they happened.
+
+def _step_marks(run: Run, ax_step) -> None:
+    """Faults and replacements at the replica's step when they happened; checkpoints
+    on the axis; outer rounds at the top."""
     def at_step(e):
         r = e.get("replica")
         return run.step_at(r, e["time"]) if isinstance(r, int) else None
@@ -278,22 +296,16 @@ def fig_loss(run: Run, path: str) -> dict:
         xs = [H * (n + 1) for n in sorted(run.rounds) if H * (n + 1) <= last_step]
         ax_step.plot(xs, [0.97] * len(xs), ls="none", marker="v", color=MARKS["outer"][1], ms=3.5, alpha=0.7,
                      transform=ax_step.get_xaxis_transform(), clip_on=False, label="outer round", zorder=3)
-    ax_t.set_ylabel("loss (nats/token)")
-    ax_t.set_title("Loss against wall time")
-    ax_step.set_ylabel("loss (nats/token)")
-    ax_step.set_xlabel("step")
-    ax_step.set_title("Loss against step (faults and replacements at the replica's step when they happened)")
-    _legend(ax_t, loc="upper right", ncol=2)
-    _legend(ax_step, loc="upper right", ncol=2)
-    plt.setp(ax_t.get_xticklabels(), visible=False)
 
-    # The event strip: one row per kind, on the time axis.
+
+def _event_strip(run: Run, ax_s) -> dict:
+    """One row per kind of event, on the time axis; returns the counts."""
     rows = [("kill", [run.rel(e["time"]) for e in run.kills])] if run.kills else []
     rows += [("fault", [run.rel(e["time"]) for e in run.faults]),
-            ("replacement", [run.rel(e["time"]) for e in run.replacements]),
-            ("route", [run.rel(e["time"]) for e in run.routes]),
-            ("checkpoint", [run.rel(e["time"]) for e in run.ckpts]),
-            ("outer", [run.rel(rd["time"]) for rd in run.rounds.values()])]
+             ("replacement", [run.rel(e["time"]) for e in run.replacements]),
+             ("route", [run.rel(e["time"]) for e in run.routes]),
+             ("checkpoint", [run.rel(e["time"]) for e in run.ckpts]),
+             ("outer", [run.rel(rd["time"]) for rd in run.rounds.values()])]
     for i, (kind, xs) in enumerate(rows):
         color, marker = MARKS[kind][1:3]
         y = len(rows) - 1 - i
@@ -304,9 +316,6 @@ def fig_loss(run: Run, path: str) -> dict:
     ax_s.set_ylim(-0.6, len(rows) - 0.4)
     ax_s.set_xlabel("wall time since training started (s)")
     ax_s.grid(axis="y", alpha=0)
-    for a in (ax_t, ax_s):
-        a.set_xlim(left=-0.01 * max(run.rel(run.last_time), 1.0), right=max(run.rel(run.last_time), 1.0) * 1.01)
-    _save(fig, path)
     marks = {kind: sum(1 for x in xs if x >= 0) for kind, xs in rows}
     marks.setdefault("kill", 0)
     return marks
@@ -444,31 +453,31 @@ def _fmt(x, nd=3) -> str:
     return f"{x:.{nd}f}" if _num(x) else "–"
 
 
-def build(run_dir: str, out: str | None = None) -> dict:
-    """Write ``report.html`` (or ``out``) and its figures; returns a summary."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file (is {run_dir} a run directory?)")
-    events, bad = read_events(path)
-    run = Run(events)
-    out = out or os.path.join(run_dir, "report.html")
-    fig_dir = os.path.join(os.path.dirname(os.path.abspath(out)), "report")
-    os.makedirs(fig_dir, exist_ok=True)
-    figs = {}
-    marks = fig_loss(run, os.path.join(fig_dir, "loss.png"))
-    figs["loss"] = "loss.png"
-    fig_throughput(run, os.path.join(fig_dir, "throughput.png"))
-    figs["throughput"] = "throughput.png"
-    fig_goodput(run, os.path.join(fig_dir, "goodput.png"))
-    figs["goodput"] = "goodput.png"
-    fig_checkpoints(run, os.path.join(fig_dir, "checkpoints.png"))
-    figs["checkpoints"] = "checkpoints.png"
-    fig_outer(run, os.path.join(fig_dir, "outer.png"))
-    figs["outer"] = "outer.png"
+CAPTIONS = {
+    "loss": "Training loss (thin) and held-out loss (dots) per replica. Top: against wall time, with worker "
+            "losses (red dashed) and replacements entering a route (green dotted); the strip below has one row "
+            "per kind of event. Bottom: against step (checkpoints as squares on the axis, outer rounds as "
+            "triangles at the top).",
+    "throughput": "Tokens per second of each replica (stage 0's step time), faults marked.",
+    "goodput": "Stage 0's time ledger of each replica, summed over the stage-0 workers it had.",
+    "checkpoints": "Per committed save: the snapshot stall (the only time training waits) and the background "
+                   "write; 'end' is the save at the job's last step, 'final' one on a stop signal.",
+    "outer": "Bytes each replica sent per outer round (SparseLoCo payloads, all its stages) against the dense "
+             "fp32 update.",
+}
 
-    job = run.config.get("job") or {}
-    train = run.config.get("train") or {}
-    model = run.config.get("model") or {}
+
+def _figures(run: "Run", fig_dir: str) -> tuple[dict, dict]:
+    """Every figure as a PNG in fig_dir: ({name: file}, the loss figure's marks)."""
+    os.makedirs(fig_dir, exist_ok=True)
+    marks = fig_loss(run, os.path.join(fig_dir, "loss.png"))
+    for name, draw in (("throughput", fig_throughput), ("goodput", fig_goodput), ("checkpoints", fig_checkpoints),
+                       ("outer", fig_outer)):
+        draw(run, os.path.join(fig_dir, f"{name}.png"))
+    return {name: f"{name}.png" for name in CAPTIONS}, marks
+
+
+def _replica_rows(run: "Run") -> list[dict]:
     totals = ledger_totals(run)
     rows = []
     for r in run.replica_ids:
@@ -478,23 +487,34 @@ def build(run_dir: str, out: str | None = None) -> dict:
         rows.append({"replica": r, "steps": (pts[-1]["step"] + 1) if pts else 0,
                      "loss": pts[-1]["loss"] if pts else None, "eval_loss": ev[-1]["loss"] if ev else None,
                      "goodput": tot.get("compute_s", 0.0) / wall if wall > 0 else None})
+    return rows
+
+
+def build(run_dir: str, out: str | None = None) -> dict:
+    """Write ``report.html`` (or ``out``) and its figures; returns a summary."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file (is {run_dir} a run directory?)")
+    events, bad = read_events(path)
+    run = Run(events)
+    out = out or os.path.join(run_dir, "report.html")
+    fig_dir = os.path.join(os.path.dirname(os.path.abspath(out)), "report")
+    figs, marks = _figures(run, fig_dir)
+    rows = _replica_rows(run)
     state = "finished" if run.done else "running (or stopped before the end)"
     summary = {"run_dir": os.path.abspath(run_dir), "report": os.path.abspath(out), "state": state,
                "events": len(events), "skipped_lines": bad, "elapsed_s": round(run.rel(run.last_time), 3),
                "replicas": rows, "marks": marks, "checkpoints": len(run.ckpts), "aborted_checkpoints": len(run.aborts),
                "outer_rounds": len(run.rounds), "figures": [os.path.join(fig_dir, f) for f in figs.values()]}
-    captions = {
-        "loss": "Training loss (thin) and held-out loss (dots) per replica. Top: against wall time, with worker "
-                "losses (red dashed) and replacements entering a route (green dotted); the strip below has one row "
-                "per kind of event. Bottom: against step (checkpoints as squares on the axis, outer rounds as "
-                "triangles at the top).",
-        "throughput": "Tokens per second of each replica (stage 0's step time), faults marked.",
-        "goodput": "Stage 0's time ledger of each replica, summed over the stage-0 workers it had.",
-        "checkpoints": "Per committed save: the snapshot stall (the only time training waits) and the background "
-                       "write; 'end' is the save at the job's last step, 'final' one on a stop signal.",
-        "outer": "Bytes each replica sent per outer round (SparseLoCo payloads, all its stages) against the dense "
-                 "fp32 update.",
-    }
+    atomic_write(out, _page(run, run_dir, summary, figs, bad), fsync=False)
+    return summary
+
+
+def _page(run: "Run", run_dir: str, summary: dict, figs: dict, bad: int) -> str:
+    job = run.config.get("job") or {}
+    train = run.config.get("train") or {}
+    model = run.config.get("model") or {}
+    marks, rows = summary["marks"], summary["replicas"]
     table = "".join(
         f"<tr><td>r{x['replica']}</td><td>{x['steps']}</td><td>{_fmt(x['loss'])}</td><td>{_fmt(x['eval_loss'])}</td>"
         f"<td>{_fmt(100 * x['goodput'], 0) + '%' if _num(x['goodput']) else '–'}</td></tr>" for x in rows)
@@ -506,16 +526,16 @@ def build(run_dir: str, out: str | None = None) -> dict:
     if run.incarnations > 1:
         notes.append(f"The coordinator started {run.incarnations} times (restarts or resumes).")
     body = "\n".join(
-        f"<h2>{name}</h2><img src='report/{fn}' alt='{name}'><p class='cap'>{html.escape(captions[name])}</p>"
+        f"<h2>{name}</h2><img src='report/{fn}' alt='{name}'><p class='cap'>{html.escape(CAPTIONS[name])}</p>"
         for name, fn in figs.items())
-    page = f"""<!doctype html>
+    return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Crucible run report: {html.escape(os.path.basename(os.path.abspath(run_dir)))}</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:1240px;margin:2em auto;color:#222}}
 img{{max-width:100%;border:1px solid #ddd}}table{{border-collapse:collapse}}td,th{{padding:.2em .8em;border-bottom:1px solid #ddd;text-align:right}}
 .cap{{color:#555;font-size:.9em}}</style></head><body>
 <h1>Run report</h1>
 <p><code>{html.escape(os.path.abspath(run_dir))}</code>: {html.escape(shape)}.<br>
-{html.escape(state)}; {summary['elapsed_s']:.0f} s of wall time; {marks['fault']} worker(s) lost,
+{html.escape(summary['state'])}; {summary['elapsed_s']:.0f} s of wall time; {marks['fault']} worker(s) lost,
 {marks['replacement']} replacement(s), {marks['route']} route change(s), {len(run.ckpts)} checkpoint(s) committed
 ({len(run.aborts)} aborted), {len(run.rounds)} outer round(s). Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>
 <table><tr><th>replica</th><th>steps</th><th>last train loss</th><th>last held-out loss</th><th>goodput</th></tr>
@@ -524,11 +544,6 @@ img{{max-width:100%;border:1px solid #ddd}}table{{border-collapse:collapse}}td,t
 {body}
 </body></html>
 """
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(page)
-    os.replace(tmp, out)
-    return summary
 
 
 def main(args) -> int:

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+from crucible.files import atomic_write
+
 import hmac
 import logging
 import os
@@ -65,10 +67,7 @@ def read_token(run_dir: str | None = None) -> str:
 
 def write_token(run_dir: str, token: str) -> str:
     path = os.path.join(run_dir, "token")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(path, 0o600)
+    atomic_write(path, token + "\n", mode=0o600)
     return path
 
 

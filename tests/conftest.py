@@ -98,19 +98,9 @@ class Job:
         pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{self.output()}")
 
     def events(self, kind: str | None = None) -> list[dict]:
-        out = []
-        try:
-            with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
-                for line in f:
-                    try:
-                        ev = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if kind is None or ev.get("event") == kind:
-                        out.append(ev)
-        except OSError:
-            pass
-        return out
+        from crucible.metrics import read_events
+
+        return read_events(self.run_dir, kind)
 
     def kill(self) -> None:
         try:

@@ -588,9 +588,3 @@ def test_decode_device_argument():
     t = rand((2, c.rank)) @ c.basis().T
     out = c.decode(c.encode(t), t.shape, device="cpu")
     assert out.device.type == "cpu"
-
-
-def test_benchmark_runs():
-    rows = A.benchmark(("none", "int4", "subspace"), shape=(2, 8, D), repeat=1)
-    assert [r["codec"].split(":")[0] for r in rows] == ["none", "int4", "subspace"]
-    assert all(r["encode_MBps"] > 0 and r["decode_MBps"] > 0 for r in rows)

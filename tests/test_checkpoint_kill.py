@@ -57,9 +57,9 @@ def _check(root: Path, shards: int | None = 4) -> int:
 
 
 def test_sigkill_persister_at_20_random_moments(tmp_path):
-    overrides = TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=0",
+    overrides = TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=0",
                         "debug.persist_delay_s=0.3", "outer.H=3",
-                        "fault.heartbeat_interval=0.2", "fault.heartbeat_timeout=6"]
+                        "fault.heartbeat_interval_s=0.2", "fault.heartbeat_timeout_s=6"]
     job = Job(str(tmp_path / "run"), ["--replicas", "2", "--stages", "2", "--steps", "1000000",
                                       "--respawn-delay", "-1"], overrides)
     root = Path(job.run_dir) / "checkpoints"

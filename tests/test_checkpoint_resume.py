@@ -11,7 +11,6 @@ optimizer state and error-feedback buffers of every worker (config
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -24,8 +23,8 @@ from conftest import ROOT, TINY, Job, child_env, crucible_cmd
 from crucible.checkpoint import storage
 
 N = 150
-CKPT = TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=0", "outer.H=3",
-               "debug.dump_final=true", "fault.heartbeat_interval=0.2", "fault.heartbeat_timeout=6"]
+CKPT = TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=0", "outer.H=3",
+               "debug.dump_final=true", "fault.heartbeat_interval_s=0.2", "fault.heartbeat_timeout_s=6"]
 ARGS = ["--replicas", "2", "--stages", "2", "--steps", str(N), "--respawn-delay", "-1"]
 
 
@@ -106,17 +105,10 @@ def _wait_for_commit(job: Job, min_step: int, timeout: float) -> int:
     pytest.fail(f"no checkpoint >= {min_step} within {timeout}s:\n{job.output()}")
 
 
-def _events(run_dir: str, kind: str | None = None) -> list[dict]:
-    out = []
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if kind is None or ev.get("event") == kind:
-                out.append(ev)
-    return out
+def _events(run_dir, kind=None):
+    from crucible.metrics import read_events
+
+    return read_events(run_dir, kind)
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +181,7 @@ def test_corrupted_shard_is_caught_and_resume_falls_back(reference, sigkilled_an
 
 def test_sigterm_takes_a_final_checkpoint_and_resume_continues_there(reference, tmp_path):
     run_dir = str(tmp_path / "run")
-    overrides = CKPT + ["checkpoint.minimum_interval_secs=0.5"]
+    overrides = CKPT + ["checkpoint.minimum_interval_s=0.5"]
     job = _start(run_dir, overrides=overrides)
     try:
         _wait_for_commit(job, 1, 240)

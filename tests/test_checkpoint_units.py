@@ -122,7 +122,7 @@ def _coordinator(tmp_path, **overrides):
     from crucible.coordinator.membership import Membership, WorkerInfo
 
     cfg = Config.load(None, {"job.replicas": 2, "job.stages": 2, "train.steps": 1000,
-                             "checkpoint.minimum_interval_secs": 0, "checkpoint.max_num_checkpoints_to_keep": 2,
+                             "checkpoint.minimum_interval_s": 0, "checkpoint.max_num_checkpoints_to_keep": 2,
                              **overrides})
     m = Membership(2, 2)
     for r in range(2):

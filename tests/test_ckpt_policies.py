@@ -45,14 +45,14 @@ def test_policies_module_does_not_import_torch():
 
 
 def test_continuous_first_save_and_in_flight():
-    p = ContinuousPolicy(minimum_interval_secs=10)
+    p = ContinuousPolicy(minimum_interval_s=10)
     assert p.should_save(1, now=100.0, last_save_start=None, save_in_flight=False)
     # a save in flight always blocks the next one, however long ago it started
     assert not p.should_save(5, now=1000.0, last_save_start=100.0, save_in_flight=True)
 
 
 def test_continuous_respects_minimum_interval():
-    p = ContinuousPolicy(minimum_interval_secs=10)
+    p = ContinuousPolicy(minimum_interval_s=10)
     assert not p.should_save(5, now=109.9, last_save_start=100.0, save_in_flight=False)
     assert p.should_save(5, now=110.0, last_save_start=100.0, save_in_flight=False)
     p0 = ContinuousPolicy(0)
@@ -222,7 +222,7 @@ def test_policy_from_config_invalid_count():
 def test_save_policy_from_config():
     assert save_policy_from_config({"enable_checkpointing": False}) is None
     assert save_policy_from_config(
-        {"enable_continuous_checkpointing": True, "minimum_interval_secs": "30", "checkpoint_period": 7}
+        {"enable_continuous_checkpointing": True, "minimum_interval_s": "30", "checkpoint_period": 7}
     ) == ContinuousPolicy(30.0)
     assert save_policy_from_config({"checkpoint_period": 100}) == FixedIntervalPolicy(100)
     with pytest.raises(ValueError, match="checkpoint_period"):

@@ -21,7 +21,7 @@ from conftest import TINY
 
 STEPS = 48
 OVERRIDES = [o for o in TINY if not o.startswith(("checkpoint.", "model.n_layer"))] + [
-    "model.n_layer=3", "outer.mode=sparseloco", "outer.H=2", "checkpoint.minimum_interval_secs=0",
+    "model.n_layer=3", "outer.mode=sparseloco", "outer.H=2", "checkpoint.minimum_interval_s=0",
     "debug.dump_final=true"]
 ARGS = ["--replicas", "2", "--stages", "3", "--steps", str(STEPS), "--respawn-delay", "1"]
 

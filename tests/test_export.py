@@ -29,7 +29,7 @@ from crucible.model import build_stage  # noqa: E402
 
 STEPS = 200
 TRAINED = [o for o in TINY if not o.startswith("checkpoint.enable_checkpointing")] + [
-    "train.lr=1e-2", "train.min_lr=1e-3", "fault.heartbeat_timeout=6"]
+    "train.lr=1e-2", "train.min_lr=1e-3", "fault.heartbeat_timeout_s=6"]
 
 
 @pytest.fixture(scope="module")

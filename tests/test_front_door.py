@@ -108,7 +108,7 @@ def trained(tmp_path_factory):
     """A run directory holding committed checkpoints of a short real job."""
     base = tmp_path_factory.mktemp("front")
     job = Job(base / "run", ["--replicas", "1", "--stages", "2", "--steps", "12"],
-              SMALL + ["checkpoint.minimum_interval_secs=0"])
+              SMALL + ["checkpoint.minimum_interval_s=0"])
     try:
         assert job.wait(120) == 0, job.output()
     finally:

@@ -39,7 +39,7 @@ def manifests(tmp_path_factory):
     cfg = tmp / "job.toml"
     cfg.write_text('[train]\nsteps = 500\n\n[model]\nn_layer = 3\n')
     p, out = render(tmp, "--replicas", "2", "--stages", "3", "--config", str(cfg), "--namespace", "training",
-                    "--gpus-per-slot", "1", "--storage-class", "nfs", "fault.heartbeat_timeout=5")
+                    "--gpus-per-slot", "1", "--storage-class", "nfs", "fault.heartbeat_timeout_s=5")
     assert p.returncode == 0, p.stderr
     return out, load(out)
 
@@ -107,7 +107,7 @@ def test_one_restartable_job_per_slot_wired_to_service_secret_volume(manifests):
     (cc,) = coord["spec"]["template"]["spec"]["containers"]
     assert svc["spec"]["ports"][0]["targetPort"] == cc["ports"][0]["name"]
     assert "--on-sigterm" in cc["args"] and cc["args"][cc["args"].index("--on-sigterm") + 1] == "leave"
-    assert "fault.heartbeat_timeout=5" in cc["args"] and "--config" in cc["args"]
+    assert "fault.heartbeat_timeout_s=5" in cc["args"] and "--config" in cc["args"]
     addr = f"{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"
     for name, w in workers.items():
         (c,) = w["spec"]["template"]["spec"]["containers"]

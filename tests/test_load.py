@@ -49,5 +49,5 @@ def test_no_false_eviction_at_4x_and_real_faults_still_found(start_job, tmp_path
             found = job.wait_for(lambda st: _fault_of(job, stopped), 30, "the SIGSTOP found")[0]
         finally:
             os.kill(stopped, signal.SIGCONT)
-        assert found["time"] - t0 <= 2.0 + 0.5, found     # fault.heartbeat_timeout, + one beat and a tick
+        assert found["time"] - t0 <= 2.0 + 0.5, found     # fault.heartbeat_timeout_s, + one beat and a tick
         assert {e["pid"] for e in job.events("fault")} == {killed, stopped}

@@ -5,7 +5,6 @@ Coordinator object without its gRPC server)."""
 from __future__ import annotations
 
 import threading
-import types
 
 import grpc
 import pytest

@@ -33,7 +33,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 OBSERVED = [o for o in TINY if not o.startswith(("checkpoint.enable_checkpointing", "train.eval_every"))] + [
     "train.eval_every=10", "metrics.tensorboard=true", "metrics.prometheus_port=0",
-    "checkpoint.minimum_interval_secs=2", "fault.heartbeat_timeout=6"]
+    "checkpoint.minimum_interval_s=2", "fault.heartbeat_timeout_s=6"]
 
 
 def _check(address: str, service: str = "") -> int:

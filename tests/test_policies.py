@@ -89,12 +89,12 @@ def _checkpoint_works(job, timeout: float) -> dict | None:
 def test_restart_policy_restarts_everything_from_the_checkpoint(start_job):
     job = start_job(["--replicas", "2", "--stages", "3", "--steps", "1000000", "--respawn-delay", "1"],
                     TINY + ["outer.H=4", "fault.on_stage_failure=restart", "checkpoint.enable_checkpointing=true",
-                            "checkpoint.minimum_interval_secs=1", "checkpoint.preemption_timeout_secs=5",
+                            "checkpoint.minimum_interval_s=1", "checkpoint.preemption_timeout_s=5",
                             # A longer heartbeat timeout than the default 2 s: on a loaded 2-core machine a
                             # worker still building its stage after a restart can miss heartbeats for 2 s,
                             # and under `restart` that restarts everything again (and again). The SIGKILL
                             # itself is found by its neighbours' failed streams and a probe, not by a timeout.
-                            "fault.heartbeat_timeout=6"])
+                            "fault.heartbeat_timeout_s=6"])
     job.wait_for(lambda st: all(r["step"] >= 3 for r in st["replicas"]) and _healthy(st), 90,
                  "both replicas training on a full route")
     if _checkpoint_works(job, 45) is None:

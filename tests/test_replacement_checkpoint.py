@@ -21,7 +21,7 @@ from crucible.checkpoint import storage
 
 def test_lost_stage_of_a_lone_replica_rolls_the_job_back_to_the_checkpoint(start_job):
     job = start_job(["--replicas", "1", "--stages", "3", "--steps", "1000000", "--respawn-delay", "0.5"],
-                    TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=100000"])
+                    TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=100000"])
     job.wait_for(lambda st: st["replicas"][0]["step"] >= 8 and job.events("ckpt_commit"), 120,
                  "training past a committed checkpoint")
     ck_step = job.events("ckpt_commit")[0]["step"]

@@ -31,9 +31,9 @@ from crucible.cluster import slurm
 SCRIPT = os.path.join(ROOT, "launch", "slurm-dev.sh")
 FULL = [0, 1, 2]
 UP_ARGS = ["--replicas", "2", "--stages", "3", "--steps", "1000000", "--resubmit-delay", "0.5", "--partition=debug",
-           *TINY, "model.n_layer=3", "checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=3",
-           "fault.heartbeat_timeout=5",   # 2 s evicts workers of a machine loaded far past its 2 cores
-           "checkpoint.preemption_timeout_secs=150",   # down's final save on a loaded machine
+           *TINY, "model.n_layer=3", "checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=3",
+           "fault.heartbeat_timeout_s=5",   # 2 s evicts workers of a machine loaded far past its 2 cores
+           "checkpoint.preemption_timeout_s=150",   # down's final save on a loaded machine
            "outer.H=5"]
 
 
@@ -179,19 +179,9 @@ def _cluster_or_skip():
 
 
 def _events(run_dir, kind=None):
-    out = []
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if kind is None or ev.get("event") == kind:
-                    out.append(ev)
-    except OSError:
-        pass
-    return out
+    from crucible.metrics import read_events
+
+    return read_events(run_dir, kind)
 
 
 class SlurmJob:

@@ -74,14 +74,14 @@ LINK_STEPS, LINK_WARMUP = 20, 5
 LINK_ROUNDS = 2
 API_SHAPE = (4, 128, 128)
 
-# heartbeat_timeout: only failure detection; a long one keeps a loaded 2-core machine from declaring a
+# fault.heartbeat_timeout_s: only failure detection; a long one keeps a loaded 2-core machine from declaring a
 # starved worker dead (which would skip its stage and change what is trained).
 BASE = ["checkpoint.enable_checkpointing=false", f"train.eval_batches={EVAL_BATCHES}",
-        "fault.heartbeat_timeout=10"]
+        "fault.heartbeat_timeout_s=10"]
 QUICK_MODEL = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "train.seq_len=32",
                "train.batch_size=8", "train.microbatches=4", "data.max_bytes=2000000",
                "checkpoint.enable_checkpointing=false", "train.eval_batches=2",
-               "fault.heartbeat_timeout=10"]   # runs share 2 cores at once: no false deaths
+               "fault.heartbeat_timeout_s=10"]   # runs share 2 cores at once: no false deaths
 QUICK_RANKS = (2,)
 QUICK_STEPS = 3
 

@@ -85,13 +85,14 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
+from crucible import procs
 from crucible.bench import common
 from crucible.bench.common import progress
 from crucible.progress import Progress
+from crucible.slots import is_slot_name, slot_of
 
 LOSS_WINDOW = 10
 
@@ -105,8 +106,8 @@ COMMON = [
           # Checkpointing as a fault-tolerant run has it (continuous), saving at most
           # every 10 s: `restart` needs a committed checkpoint to resume from. The same
           # in every run, so that its cost is in the failure-free reference too.
-          "checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_secs=10",
-          "checkpoint.preemption_timeout_secs=3"]
+          "checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=10",
+          "checkpoint.preemption_timeout_s=3"]
 
 FULL = {"budget_s": 120.0, "startup_timeout_s": 240.0, "tail_s": 3.0, "recover_cap_s": 45.0, "stop_grace_s": 5.0,
         "replicas": 2, "stages": 4, "model": FULL_MODEL + ["train.eval_every=20", "train.eval_batches=4"], "kill_every_s": 30.0,
@@ -197,18 +198,10 @@ def _stop(proc: subprocess.Popen, grace: float) -> None:
 
 
 def _die_with_bench() -> None:
-    """In the launcher's child before exec: SIGKILL it when the bench dies (Linux
-    PR_SET_PDEATHSIG; kept across exec). The launch runs in its own session, so
-    killing the bench's group would not reach it; its own children die with it
-    (they set PR_SET_PDEATHSIG on the launcher)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    """In the launcher's child before exec: SIGKILL it when the bench dies (kept
+    across exec). The launch runs in its own session, so killing the bench's
+    group would not reach it; its own children die with it."""
+    procs.die_with_parent(os.getppid())
 
 
 def run_one(workdir: str, name: str, policy: str, chaos: str | None, settings: dict) -> dict:
@@ -374,12 +367,7 @@ def analyze(events: list[dict], t0: float, t_end: float) -> dict:
 
 
 def _slot(name: str) -> tuple[int, int] | None:
-    if not (name.startswith("r") and "s" in name):
-        return None
-    try:
-        return int(name[1:name.index("s")]), int(name[name.index("s") + 1:])
-    except ValueError:
-        return None
+    return slot_of(name) if is_slot_name(name) else None
 
 
 def kill_recoveries(events: list[dict]) -> list[dict]:

@@ -18,7 +18,7 @@ saves of each, after one warm-up save, reporting medians:
                 future completes.
 
 Part 2: real jobs of the default model (2 replicas x 4 stages, 300 steps)
-with checkpointing off and continuous at ``minimum_interval_secs`` = 0, 5
+with checkpointing off and continuous at ``minimum_interval_s`` = 0, 5
 and 30 (the default), twice each, interleaved; the slowdown of the median
 step time against checkpointing off, and the share of stage 0's wall time
 the checkpoint stalls took (the goodput ledger). ``--quick``: a tiny model,
@@ -222,7 +222,7 @@ def bench_runs(quick: bool) -> dict:
         settings = [("off", None), ("continuous_0s", 0.0), ("continuous_5s", 5.0), ("continuous_30s_default", None)]
     from crucible.config import CheckpointConfig
 
-    default_interval = CheckpointConfig.minimum_interval_secs
+    default_interval = CheckpointConfig.minimum_interval_s
     samples: dict[str, dict] = {name: {"step_s": [], "wall": [], "commits": [], "aborts": 0, "ledger": [],
                                         "cpu": []} for name, _ in settings}
     root = tempfile.mkdtemp(prefix="crucible-bench-ckpt-runs-", dir=os.environ.get("CRUCIBLE_BENCH_DIR"))
@@ -231,11 +231,11 @@ def bench_runs(quick: bool) -> dict:
             for name, interval in settings:
                 # A long heartbeat timeout: on a loaded machine a worker still importing torch
                 # must not be declared dead (the bench's jobs have no respawn).
-                ov = list(size) + ["train.eval_every=0", "fault.heartbeat_timeout=10"]
+                ov = list(size) + ["train.eval_every=0", "fault.heartbeat_timeout_s=10"]
                 if name == "off":
                     ov.append("checkpoint.enable_checkpointing=false")
                 else:
-                    ov.append(f"checkpoint.minimum_interval_secs={default_interval if interval is None else interval}")
+                    ov.append(f"checkpoint.minimum_interval_s={default_interval if interval is None else interval}")
                 progress(f"run {name} #{rep + 1}: {replicas}x{stages}, {steps} steps")
                 run_dir = os.path.join(root, f"{name}-{rep}")
                 ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -270,7 +270,7 @@ def bench_runs(quick: bool) -> dict:
         commits = [c for run in sm["commits"] for c in run]
         gaps = [b["time"] - a["time"] for run in sm["commits"] for a, b in zip(run, run[1:])]
         runs[name] = {
-            "minimum_interval_secs": None if name == "off" else (default_interval if interval is None else interval),
+            "minimum_interval_s": None if name == "off" else (default_interval if interval is None else interval),
             "runs": repeats,
             "median_step_s": statistics.median(sm["step_s"]),
             "mean_step_s": statistics.mean(sm["step_s"]),

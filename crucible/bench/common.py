@@ -26,6 +26,9 @@ import subprocess
 import sys
 import time
 from typing import Callable, Iterable
+
+from crucible.files import atomic_write
+from crucible.metrics import read_events  # noqa: F401  (the benchmarks read the run's events)
 from crucible.progress import Progress
 
 from crucible.version import version as crucible_version
@@ -197,23 +200,6 @@ class Launch(Child):
                 continue
             out.append(f"--- {os.path.basename(p)}\n{text[-n:]}")
         return "\n".join(out)
-
-
-def read_events(path: str, kind: str | None = None) -> list[dict]:
-    """The events of a metrics.jsonl (a torn last line is skipped)."""
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(ev, dict) and (kind is None or ev.get("event") == kind):
-                    out.append(ev)
-    except OSError:
-        pass
-    return out
 
 
 def _mean(xs: list[float]) -> float:
@@ -484,10 +470,7 @@ def round_floats(x, nd: int = 6):
 def write_out(result: dict, out: str) -> None:
     """The result as JSON in the file ``out`` (atomically: write, then rename)."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    atomic_write(out, json.dumps(result, indent=2) + "\n", fsync=False)
 
 
 def emit(result: dict, args) -> None:

@@ -432,7 +432,7 @@ def main(args) -> int:
     base = [f"train.eval_every={steps}", f"train.eval_batches={cfg['eval_batches']}",
             "checkpoint.enable_checkpointing=false", f"outer.H={H}",
             # other jobs on the same cores must not get a slow worker declared dead
-            "fault.heartbeat_timeout=10", *cfg["extra"]]
+            "fault.heartbeat_timeout_s=10", *cfg["extra"]]
     timeout = 120 if quick else 60 + 5.0 * steps
     t_start = time.monotonic()
     deadline = t_start + cfg["time_budget_s"]

@@ -15,7 +15,7 @@ Measures (per scancel, then summarised):
 * ``route_change_s``: scancel to the ``route_change`` that drops the slot's
   stage from its replica's route (an inner stage) or pauses the replica (a
   first or last stage). Target for an inner slot:
-  ``<= fault.heartbeat_timeout + 0.5 s``.
+  ``<= fault.heartbeat_timeout_s + 0.5 s``.
 * ``resubmit_s``: scancel to the supervisor's ``slurm_submit`` of the slot;
   ``job_start_to_route_s``: the new job's ``slurm_job_start`` (written by the
   job's first process) to the ``route_change`` that has the slot's stage back
@@ -30,7 +30,7 @@ Measures (per scancel, then summarised):
 * ``jobs_left_after_down`` (target 0), down's final checkpoint and whether
   it verifies (``crucible ckpt verify``). Every replica is cut at the same
   step, so the final save waits until a replica that lags (it paused while
-  its stage 0 was replaced) reaches it: ``checkpoint.preemption_timeout_secs``
+  its stage 0 was replaced) reaches it: ``checkpoint.preemption_timeout_s``
   is 240 s here.
 * ``submissions`` per scancel: the slot's ``slurm_submit`` events until the
   next scancel; more than 1 when the replacement itself was lost (on a loaded
@@ -39,7 +39,6 @@ Measures (per scancel, then summarised):
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -58,7 +57,7 @@ MODEL = ["model.n_layer=3", "model.d_model=64", "model.n_head=2", "train.seq_len
 # A save cuts every replica at the same step: after a replica paused for its stage 0's
 # replacement, it lags the other by many steps, and down's final checkpoint waits until
 # it catches up, so the preemption timeout is longer than the default 60 s.
-COMMON = ["checkpoint.minimum_interval_secs=5", "outer.H=10", "checkpoint.preemption_timeout_secs=240"]
+COMMON = ["checkpoint.minimum_interval_s=5", "outer.H=10", "checkpoint.preemption_timeout_s=240"]
 FULL = {"replicas": 2, "stages": 3, "scancels": 10, "seed": 1}
 QUICK = {"replicas": 2, "stages": 3, "scancels": 2, "seed": 1}
 HEALTHY_TIMEOUT = 300.0

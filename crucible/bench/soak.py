@@ -51,7 +51,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -63,10 +62,10 @@ from crucible.testing.stress import cpu_hogs, oversubscribe
 KINDS = ("kill", "stop", "coordinator", "persister", "in_round", "in_save")
 MODEL = ["model.n_layer=4", "model.d_model=64", "model.n_head=4", "train.seq_len=64", "train.batch_size=16",
          "train.microbatches=4", "train.eval_every=20", "train.eval_batches=4", "data.max_bytes=8000000",
-         "checkpoint.minimum_interval_secs=5", "outer.H=5", "train.warmup_steps=20"]
+         "checkpoint.minimum_interval_s=5", "outer.H=5", "train.warmup_steps=20"]
 QUICK_MODEL = ["model.n_layer=3", "model.d_model=32", "model.n_head=2", "train.seq_len=32", "train.batch_size=8",
                "train.microbatches=4", "train.eval_every=10", "train.eval_batches=2", "data.max_bytes=2000000",
-               "checkpoint.minimum_interval_secs=2", "outer.H=3"]
+               "checkpoint.minimum_interval_s=2", "outer.H=3"]
 DEFINITIONS = {
     "injected": "faults sent, per kind",
     "detected": "a worker kill/stop: its fault event (same pid) within 30 s; a coordinator kill: the next "

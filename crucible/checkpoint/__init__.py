@@ -1,4 +1,4 @@
-"""Continuous checkpointing (see DESIGN.md, "Continuous checkpointing").
+"""Continuous checkpointing (docs/architecture.md, "Checkpoints").
 
 * ``policies``  when to save and which checkpoints to keep (no torch);
 * ``storage``   the on-disk format: shards, manifest, crash-safe commit,

@@ -17,11 +17,11 @@ save_in_flight) -> bool``:
 * ``save_in_flight``  whether the previous save is still being persisted or
                       has not been committed yet.
 
-``ContinuousPolicy(minimum_interval_secs)`` starts the next save as soon as
+``ContinuousPolicy(minimum_interval_s)`` starts the next save as soon as
 the previous one is committed (nothing in flight), but never sooner than
-``minimum_interval_secs`` after the previous save *started*.  Under it the
+``minimum_interval_s`` after the previous save *started*.  Under it the
 checkpoint interval adapts to the write time: it is
-``max(minimum_interval_secs, persist time)``.
+``max(minimum_interval_s, persist time)``.
 
 ``FixedIntervalPolicy(steps)`` saves at every step that is a multiple of
 ``steps`` (step 0 excluded).  It does not skip a save because one is in
@@ -101,14 +101,14 @@ class SavePolicy(Protocol):
 @dataclasses.dataclass(frozen=True)
 class ContinuousPolicy:
     """Save again as soon as the previous save is committed, but not sooner
-    than ``minimum_interval_secs`` after the previous save started."""
+    than ``minimum_interval_s`` after the previous save started."""
 
-    minimum_interval_secs: float = 0.0
+    minimum_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not _is_finite_number(self.minimum_interval_secs) or self.minimum_interval_secs < 0:
+        if not _is_finite_number(self.minimum_interval_s) or self.minimum_interval_s < 0:
             raise ValueError(
-                f"minimum_interval_secs must be a finite number >= 0, got {self.minimum_interval_secs!r}"
+                f"minimum_interval_s must be a finite number >= 0, got {self.minimum_interval_s!r}"
             )
 
     def should_save(
@@ -118,7 +118,7 @@ class ContinuousPolicy:
             return False
         if last_save_start is None:
             return True
-        return now - last_save_start >= self.minimum_interval_secs
+        return now - last_save_start >= self.minimum_interval_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,11 +423,11 @@ def save_policy_from_config(cfg: Mapping[str, Any]) -> SavePolicy | None:
     if not _parse_bool(cfg.get("enable_checkpointing", True)):
         return None
     if _parse_bool(cfg.get("enable_continuous_checkpointing", False)):
-        secs = cfg.get("minimum_interval_secs", 0.0)
+        secs = cfg.get("minimum_interval_s", 0.0)
         try:
             secs = float(secs)
         except (TypeError, ValueError):
-            raise ValueError(f"minimum_interval_secs: {secs!r} is not a number") from None
+            raise ValueError(f"minimum_interval_s: {secs!r} is not a number") from None
         return ContinuousPolicy(secs)
     period = cfg.get("checkpoint_period")
     if period is None:

@@ -93,6 +93,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from .policies import CkptInfo
+from crucible.slots import slot_name
 
 
 class _LazyModule:
@@ -164,7 +165,7 @@ class CheckpointCorrupt(Exception):
 
 def shard_name(replica: int, stage: int) -> str:
     """The shard file name of the worker at (replica, stage): ``r{R}s{S}.shard``."""
-    return f"r{int(replica)}s{int(stage)}.shard"
+    return f"{slot_name(int(replica), int(stage))}.shard"
 
 
 def step_dir(ckpt_root: str | os.PathLike, step: int) -> Path:

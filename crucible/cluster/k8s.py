@@ -199,7 +199,7 @@ def render(o, cfg, token: str, config_text: str | None) -> dict[str, list[dict]]
         cargs.append("--resume")
     cargs += list(o.overrides) + [f"net.advertise={coord_addr}"]
     coord_pod = _pod(o, "coordinator", None, cargs, COORD_PORT, "grpc",
-                     grace=int(cfg.checkpoint.preemption_timeout_secs) + 30, resources=_resources("1", "1Gi", 0))
+                     grace=int(cfg.checkpoint.preemption_timeout_s) + 30, resources=_resources("1", "1Gi", 0))
     files["coordinator.yaml"] = [_job(o, f"{o.name}-coordinator", "coordinator", None, coord_pod)]
     device = o.device or ("cuda:0" if o.gpus_per_slot else "cpu")
     for r in range(R):

@@ -72,6 +72,10 @@ slot, job_id, node), ``slurm_stuck``, ``slurm_down``.
 
 from __future__ import annotations
 
+from crucible.files import atomic_write
+from crucible.metrics import append_event, read_events
+from crucible.slots import slot_of
+
 import dataclasses
 import fcntl
 import json
@@ -310,13 +314,7 @@ class SlurmRun:
         return [s for s in self.slots if s != COORD]
 
     def save(self) -> None:
-        d = dataclasses.asdict(self)
-        tmp = f"{self.state_path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(d, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.state_path)
+        atomic_write(self.state_path, json.dumps(dataclasses.asdict(self), indent=1))
 
     @classmethod
     def load(cls, run_dir: str) -> "SlurmRun":
@@ -339,21 +337,7 @@ def slot_names(replicas: int, stages: int) -> list[str]:
 
 
 def parse_slot(name: str) -> tuple[int, int]:
-    m = re.fullmatch(r"r(\d+)s(\d+)", name)
-    if not m:
-        raise ValueError(f"slot {name!r} is not like r0s1")
-    return int(m.group(1)), int(m.group(2))
-
-
-def append_event(run_dir: str, event: dict) -> None:
-    """One line appended to metrics.jsonl (O_APPEND: lines from several writers do not interleave)."""
-    event.setdefault("time", time.time())
-    line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
-    fd = os.open(os.path.join(run_dir, "metrics.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    return slot_of(name)
 
 
 JOB_SCRIPT = """#!/bin/bash
@@ -605,8 +589,62 @@ def supervisor_alive(run: SlurmRun) -> int | None:
 
 # ---- commands -------------------------------------------------------------------------------------
 
-def cmd_up(args) -> int:
+def _refuse_if_up(run_dir: str, shown: str) -> None:
+    if not os.path.exists(os.path.join(run_dir, "slurm", "state.json")):
+        return
+    old = SlurmRun.load(run_dir)
+    pid = supervisor_alive(old)
+    active = [j for j in query_jobs(old.names()).values() if j.active]
+    if pid or active:
+        raise SystemExit(f"crucible slurm: {run_dir} is up already ({len(active)} jobs in the queue, "
+                         f"supervisor {pid or 'not running'}): `crucible slurm down --run-dir {shown}` first")
+
+
+def _prepare_run_dir(run_dir: str, resume: bool) -> None:
+    """Folders, the token (kept on --resume), no stale address or stop file."""
     from crucible import rpc
+
+    os.makedirs(os.path.join(run_dir, "logs", "slurm"), exist_ok=True)
+    os.makedirs(os.path.join(run_dir, "slurm"), exist_ok=True)
+    token = rpc.read_token(run_dir) if resume else ""
+    rpc.write_token(run_dir, token or rpc.new_token())
+    for stale in ("coordinator.addr", os.path.join("slurm", "stop")):
+        try:
+            os.unlink(os.path.join(run_dir, stale))
+        except FileNotFoundError:
+            pass
+
+
+def _sbatch_options(args) -> tuple[list[str], list[str], str]:
+    """(sbatch options of every job, of worker jobs, the workers' device)."""
+    sb = list(args.sbatch or [])
+    for opt, val in (("--partition", args.partition), ("--account", args.account), ("--time", args.time),
+                     ("--cpus-per-task", args.cpus_per_slot)):
+        if val:
+            sb.append(f"{opt}={val}")
+    worker_sb = list(args.worker_sbatch or [])
+    if args.gpus_per_slot:
+        worker_sb.append(f"--gres=gpu:{args.gpus_per_slot}")
+    return sb, worker_sb, args.device or ("cuda:0" if args.gpus_per_slot else "cpu")
+
+
+def _new_run(args, run_dir: str, cfg, config: str, overrides: list[str]) -> "SlurmRun":
+    sb, worker_sb, device = _sbatch_options(args)
+    try:
+        offset = os.path.getsize(os.path.join(run_dir, "metrics.jsonl"))
+    except OSError:
+        offset = 0
+    return SlurmRun(run_dir=run_dir, run_id=secrets.token_hex(3), python=args.python or sys.executable,
+                    replicas=cfg.job.replicas, stages=cfg.job.stages, config=config, overrides=overrides,
+                    resume=bool(args.resume), sbatch=sb, coordinator_sbatch=list(args.coordinator_sbatch or []),
+                    worker_sbatch=worker_sb, device=device, port=args.port, resubmit_delay=args.resubmit_delay,
+                    max_delay=args.max_delay, healthy_after=args.healthy_after, stuck_after=args.stuck_after,
+                    poll=args.poll, preemption_timeout=cfg.checkpoint.preemption_timeout_s,
+                    metrics_offset=offset, created=time.time(),
+                    slots={s: Slot(s) for s in slot_names(cfg.job.replicas, cfg.job.stages)})
+
+
+def cmd_up(args) -> int:
     from crucible.config import Config
 
     run_dir = os.path.abspath(args.run_dir)
@@ -616,45 +654,9 @@ def cmd_up(args) -> int:
             overrides.append(f"{key}={val}")
     config = os.path.abspath(args.config) if args.config else ""
     cfg = Config.load(config or None, overrides)   # a bad key fails here, named
-    state_path = os.path.join(run_dir, "slurm", "state.json")
-    if os.path.exists(state_path):
-        old = SlurmRun.load(run_dir)
-        pid = supervisor_alive(old)
-        active = [j for j in query_jobs(old.names()).values() if j.active]
-        if pid or active:
-            raise SystemExit(f"crucible slurm: {run_dir} is up already ({len(active)} jobs in the queue, "
-                             f"supervisor {pid or 'not running'}): `crucible slurm down --run-dir {args.run_dir}` "
-                             f"first")
-    os.makedirs(os.path.join(run_dir, "logs", "slurm"), exist_ok=True)
-    os.makedirs(os.path.join(run_dir, "slurm"), exist_ok=True)
-    token = rpc.read_token(run_dir) if args.resume else ""
-    rpc.write_token(run_dir, token or rpc.new_token())
-    for stale in ("coordinator.addr", os.path.join("slurm", "stop")):
-        try:
-            os.unlink(os.path.join(run_dir, stale))
-        except FileNotFoundError:
-            pass
-    sb = list(args.sbatch or [])
-    for opt, val in (("--partition", args.partition), ("--account", args.account), ("--time", args.time),
-                     ("--cpus-per-task", args.cpus_per_slot)):
-        if val:
-            sb.append(f"{opt}={val}")
-    worker_sb = list(args.worker_sbatch or [])
-    if args.gpus_per_slot:
-        worker_sb.append(f"--gres=gpu:{args.gpus_per_slot}")
-    device = args.device or ("cuda:0" if args.gpus_per_slot else "cpu")
-    try:
-        offset = os.path.getsize(os.path.join(run_dir, "metrics.jsonl"))
-    except OSError:
-        offset = 0
-    run = SlurmRun(run_dir=run_dir, run_id=secrets.token_hex(3), python=args.python or sys.executable,
-                   replicas=cfg.job.replicas, stages=cfg.job.stages, config=config, overrides=overrides,
-                   resume=bool(args.resume), sbatch=sb, coordinator_sbatch=list(args.coordinator_sbatch or []),
-                   worker_sbatch=worker_sb, device=device, port=args.port, resubmit_delay=args.resubmit_delay,
-                   max_delay=args.max_delay, healthy_after=args.healthy_after, stuck_after=args.stuck_after,
-                   poll=args.poll, preemption_timeout=cfg.checkpoint.preemption_timeout_secs,
-                   metrics_offset=offset, created=time.time(),
-                   slots={s: Slot(s) for s in slot_names(cfg.job.replicas, cfg.job.stages)})
+    _refuse_if_up(run_dir, args.run_dir)
+    _prepare_run_dir(run_dir, args.resume)
+    run = _new_run(args, run_dir, cfg, config, overrides)
     os.makedirs(run.dir, exist_ok=True)
     write_scripts(run)
     run.save()
@@ -772,7 +774,7 @@ def down(run: SlurmRun, final_checkpoint: bool = True, timeout: float | None = N
             say(f"crucible slurm: the coordinator did not exit in {limit:.0f}s; cancelling everything")
         j = query_jobs([run.job_name(COORD)]).get(coord[0].job_id)
         result["coordinator_exit"] = j.exit_code if j else None
-        commits = [e for e in _events(run.run_dir, "ckpt_commit") if e.get("time", 0) >= t0]
+        commits = [e for e in read_events(run.run_dir, "ckpt_commit") if e.get("time", 0) >= t0]
         if commits:
             result["final_checkpoint"] = commits[-1].get("step")
     elif final_checkpoint:
@@ -790,24 +792,6 @@ def down(run: SlurmRun, final_checkpoint: bool = True, timeout: float | None = N
     result["seconds"] = round(time.time() - t0, 3)
     append_event(run.run_dir, {"event": "slurm_down", **result})
     return result
-
-
-def _events(run_dir: str, kind: str) -> list[dict]:
-    out = []
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for line in f:
-                if f'"{kind}"' not in line:
-                    continue
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if ev.get("event") == kind:
-                    out.append(ev)
-    except OSError:
-        pass
-    return out
 
 
 def cmd_down(args) -> int:
@@ -862,6 +846,6 @@ def add_parser(sub) -> None:
     d.add_argument("--run-dir", required=True)
     d.add_argument("--now", action="store_true", help="no final checkpoint: cancel at once")
     d.add_argument("--timeout", type=float, help="longest wait for the final checkpoint (default: "
-                                                  "checkpoint.preemption_timeout_secs + 30)")
+                                                  "checkpoint.preemption_timeout_s + 30)")
     d.set_defaults(func=cmd_down)
 

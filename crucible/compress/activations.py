@@ -98,26 +98,11 @@ too, so a subspace boundary costs nothing but the constraint on the model.
 
 Models for the subspace codec
 -----------------------------
-Use ``P = projection(d_model, rank, seed)`` with the run's seed, as a non-
-persistent buffer (not a parameter), the same on every stage, and keep the
-residual stream inside ``span(P)``:
-
-* project the embedding output: ``x = (wte(tokens) + wpe(pos)) @ P @ P.T``;
-* project every write into the residual stream: ``x = x + f(ln(x)) @ P @ P.T``
-  for the attention and MLP outputs of each block (equivalently, constrain the
-  output projection ``W_o`` to ``W_o @ P @ P.T``);
-* reads (LayerNorm, attention, MLP inputs, final head) need nothing.
-
-Then every boundary tensor is in ``span(P)`` and ``subspace`` is exact to
-coefficient rounding, forward and backward. ``crucible.model`` does this for
-``model.subspace_rank > 0`` (it uses ``projection`` itself), and the codec's ``rank`` must equal
-``model.subspace_rank``. By default it adds the variant of Ramasinghe et al.
-("Protocol Models", 2025): a fixed, untrained token embedding ``S`` kept
-*outside* ``span(P)`` (``model.subspace_token_shift``), so the residual stream
-is ``S[tokens] + s`` with ``s`` in ``span(P)``. This codec then carries ``s``
-(``S[tokens] @ P`` is zero to float32 rounding) and the receiving stage adds
-``S[tokens]`` back from the token ids it gets with the frame; the gradient
-statement above holds unchanged, because ``S`` is a constant.
+The codec is exact only for a model whose residual stream stays in
+``span(P)`` for ``P = projection(d_model, rank, seed)`` (``crucible.subspace``,
+the run's seed): ``crucible.model`` builds such a model for
+``model.subspace_rank > 0`` (its docstring says how), and the codec's ``rank``
+must equal ``model.subspace_rank``.
 
 Payload layout (version 1, all little-endian)
 ---------------------------------------------
@@ -164,15 +149,15 @@ import math
 import struct
 import sys
 import threading
-import time
 import zlib
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 import zstandard
+
+from crucible.subspace import shared_projection, projection, validate_rank as _validate_rank  # noqa: F401
 
 __all__ = [
     "CODECS",
@@ -186,7 +171,6 @@ __all__ = [
     "read_header",
     "wire_stats",
     "WireStats",
-    "benchmark",
 ]
 
 
@@ -404,39 +388,6 @@ def wire_stats(t_or_shape_or_raw, payload) -> WireStats:
     """Raw float32 bytes vs the payload's bytes (header and steps included)."""
     raw = t_or_shape_or_raw if isinstance(t_or_shape_or_raw, int) else raw_nbytes(t_or_shape_or_raw)
     return WireStats(raw_nbytes=raw, wire_nbytes=memoryview(payload).nbytes)
-
-
-# ------------------------------------------------------------------ projection
-
-@lru_cache(maxsize=32)
-def _projection_cached(d_model: int, rank: int, seed: int) -> torch.Tensor:
-    # crucible.model constrains its residual stream with this very basis.
-    g = torch.Generator().manual_seed(seed ^ 0x5EED)
-    q, _ = torch.linalg.qr(torch.randn(d_model, rank, generator=g, dtype=torch.float64))
-    p = q.to(torch.float32).contiguous()
-    p.requires_grad_(False)
-    return p
-
-
-def projection(d_model: int, rank: int, seed: int = 0) -> torch.Tensor:
-    """The fixed orthonormal basis ``P`` [d_model, rank] (float32) of a run.
-
-    Deterministic in ``(d_model, rank, seed)`` for a given torch build (float64
-    Gaussian from a generator seeded with ``seed ^ 0x5EED``, reduced QR, cast to
-    float32; ``P.T @ P = I`` to ~1e-7). The same for every stage and boundary.
-    A model that keeps its residual stream in ``span(P)`` (project embeddings
-    and every residual write through ``P @ P.T``) is carried exactly by the
-    ``subspace`` codec. Returns a fresh copy.
-    """
-    _validate_rank(d_model, rank)
-    return _projection_cached(int(d_model), int(rank), int(seed)).clone()
-
-
-def _validate_rank(d_model: int, rank: int) -> None:
-    if not (isinstance(d_model, int) and d_model >= 1):
-        raise ValueError(f"d_model must be a positive int, got {d_model!r}")
-    if not (isinstance(rank, int) and 1 <= rank <= d_model):
-        raise ValueError(f"subspace rank must be in 1..d_model={d_model}, got {rank!r}")
 
 
 # ---------------------------------------------------------------------- codecs
@@ -734,7 +685,7 @@ class SubspaceCodec(Codec):
         dev = torch.device(device) if device is not None else torch.device("cpu")
         p = self._P.get(dev)
         if p is None:
-            p = _projection_cached(self.d_model, self.rank, self.seed).to(dev)
+            p = shared_projection(self.d_model, self.rank, self.seed).to(dev)
             self._P[dev] = p
         return p
 
@@ -841,40 +792,3 @@ def make_codec(spec: str, d_model: int, seed: int = 0) -> Codec:
     if name == "int4":
         return Int4Codec(d_model, **params)
     return SubspaceCodec(d_model, seed=seed, **params)
-
-
-# ------------------------------------------------------------------- benchmark
-
-def benchmark(specs=CODECS, shape=(4, 128, 256), repeat: int = 20, seed: int = 0) -> list[dict]:
-    """Ratio and encode/decode throughput (MB/s of raw float32) on Gaussian data."""
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randn(shape, generator=g)
-    rows = []
-    for spec in specs:
-        codec = make_codec(spec, shape[-1], seed=seed)
-        x = t
-        if codec.kind == "subspace":   # a tensor the codec carries exactly
-            p = codec.basis()
-            x = ((t @ p) @ p.T).contiguous()
-        payload = codec.encode(x)
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            codec.encode(x)
-        enc = (time.perf_counter() - t0) / repeat
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            codec.decode(payload, shape)
-        dec = (time.perf_counter() - t0) / repeat
-        st = wire_stats(x, payload)
-        rows.append(dict(codec=codec.spec, raw_nbytes=st.raw_nbytes, wire_nbytes=st.wire_nbytes,
-                         ratio=st.ratio, encode_MBps=st.raw_nbytes / enc / 1e6,
-                         decode_MBps=st.raw_nbytes / dec / 1e6))
-    return rows
-
-
-if __name__ == "__main__":  # python -m crucible.compress.activations
-    torch.set_num_threads(1)
-    for r in benchmark(("none", "bf16", "int8", "int4", "int4:zstd=1", "subspace",
-                        "subspace:dtype=fp16")):
-        print(f"{r['codec']:<32} {r['wire_nbytes']:>8} B  {r['ratio']:6.2f}x  "
-              f"enc {r['encode_MBps']:8.0f} MB/s  dec {r['decode_MBps']:8.0f} MB/s")

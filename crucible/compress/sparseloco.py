@@ -1,6 +1,6 @@
 """SparseLoCo outer-sync math on flat fp32 tensors (one flat vector per stage).
 
-See DESIGN.md, "Outer round"::
+See docs/architecture.md, "Outer rounds"::
 
     Δ = θ_global − θ_local;  e ← β·e + Δ;  Δ̂ = Q(TopK_chunk(e));  e ← e − Δ̂
 
@@ -294,6 +294,88 @@ def _select(x: torch.Tensor, n: int, chunk: int, k: int):
     return idx, valid
 
 
+def _quantize8(xv: torch.Tensor, valid: torch.Tensor, scales: torch.Tensor, c: int, kk: int):
+    """8-bit: symmetric absmax per chunk. Returns (sent, codes)."""
+    m = xv.abs().to(torch.float64)
+    nz = valid & (m > 0)
+    neg = xv < 0
+    absmax = torch.where(nz, xv.abs(), torch.zeros((), dtype=torch.float32)).amax(dim=1)
+    step = absmax / 127.0
+    scales[:, 0] = step
+    step64 = step.to(torch.float64)[:, None]
+    safe = torch.where(step64 > 0, step64, torch.ones((), dtype=torch.float64))
+    mag_code = torch.round(m / safe).clamp_(0, 127)
+    mag_code = torch.where(step64 > 0, mag_code, torch.zeros((), dtype=torch.float64))
+    codes = torch.where(neg, -mag_code, mag_code).to(torch.int8)
+    chunk_of = torch.arange(c, dtype=torch.int64)[:, None].expand(c, kk)
+    qa = _values(8, codes, scales, chunk_of).abs().to(torch.float64)
+    return nz & (qa > 0) & (2 * qa >= m) & (qa <= 2 * m), codes
+
+
+def _quantize2(xv: torch.Tensor, valid: torch.Tensor, scales: torch.Tensor):
+    """2-bit: sign and one of two magnitudes per chunk (the means of its larger
+    and smaller half). Returns (sent, codes)."""
+    m = xv.abs().to(torch.float64)
+    nz = valid & (m > 0)
+    neg = xv < 0
+    # rank of each entry by decreasing magnitude within its chunk
+    # (nz entries come first: zeros and invalid ones sort last).
+    order_key = torch.where(nz, m, torch.full((), -1.0, dtype=torch.float64))
+    rank = torch.argsort(torch.argsort(order_key, dim=1, descending=True, stable=True), dim=1)
+    cnt = nz.sum(dim=1, keepdim=True)
+    h = (cnt + 1) // 2
+    hi_mask = rank < h
+    lo_mask = nz & ~hi_mask
+    zero64 = torch.zeros((), dtype=torch.float64)
+    m_hi = torch.where(hi_mask, m, zero64).sum(dim=1, keepdim=True) / h.clamp(min=1)
+    m_lo = torch.where(lo_mask, m, zero64).sum(dim=1, keepdim=True) / (cnt - h).clamp(min=1)
+    m_lo = torch.where(cnt - h > 0, m_lo, m_hi)
+    s_hi = m_hi.to(torch.float32)
+    # progress guarantee: the chunk's largest entry must be
+    # sendable; if hi < max/2 (an outlier), hi = max exactly.
+    mx = torch.where(nz, m, zero64).amax(dim=1, keepdim=True)
+    s_hi = torch.where(2 * s_hi.to(torch.float64) < mx, mx.to(torch.float32), s_hi)
+    s_lo = m_lo.to(torch.float32)
+    scales[:, 0:1] = s_lo
+    scales[:, 1:2] = s_hi
+    h64 = s_hi.to(torch.float64)
+    l64 = s_lo.to(torch.float64)
+    ok_hi = (2 * h64 >= m) & (h64 <= 2 * m) & (h64 > 0)
+    ok_lo = (2 * l64 >= m) & (l64 <= 2 * m) & (l64 > 0)
+    prefer_hi = m * m >= l64 * h64
+    is_hi = torch.where(prefer_hi, ok_hi | ~ok_lo, ~ok_lo)
+    return nz & (ok_hi | ok_lo), (neg.to(torch.uint8) << 1) | is_hi.to(torch.uint8)
+
+
+def _sparsify(xc: torch.Tensor, n: int, chunk: int, k: int, value_bits: int):
+    """Top-k per chunk, quantized: (counts, scales, loc, codes, chunk_of, pos)."""
+    c = -(-n // chunk)
+    s = _SCALES_PER_CHUNK[value_bits]
+    if not n:
+        empty = torch.zeros(0, dtype=torch.int64)
+        codes = torch.zeros(0, dtype={2: torch.uint8, 8: torch.int8, 32: torch.float32}[value_bits])
+        return empty, torch.zeros((0, s), dtype=torch.float32), empty, codes, empty, empty
+    idx, valid = _select(xc, n, chunk, k)
+    kk = idx.shape[1]
+    base = torch.arange(c, dtype=torch.int64)[:, None] * chunk
+    gpos = torch.where(valid, base + idx, torch.zeros((), dtype=torch.int64))
+    xv = xc[gpos]  # [C, kk] fp32 (junk where not valid)
+    scales = torch.zeros((c, s), dtype=torch.float32)
+    if value_bits == 32:
+        sent, codes_all = valid, xv
+    elif value_bits == 8:
+        sent, codes_all = _quantize8(xv, valid, scales, c, kk)
+    else:
+        sent, codes_all = _quantize2(xv, valid, scales)
+    counts = sent.sum(dim=1)
+    if s:
+        scales[counts == 0] = 0.0
+    loc = idx[sent]  # row-major: chunk order, ascending within a chunk
+    codes = codes_all[sent]
+    chunk_of = torch.repeat_interleave(torch.arange(c, dtype=torch.int64), counts)
+    return counts, scales, loc, codes, chunk_of, chunk_of * chunk + loc
+
+
 def encode(x: torch.Tensor, chunk: int = 4096, k: int = 64, value_bits: int = 2) -> tuple[bytes, torch.Tensor]:
     """Encode flat fp32 ``x``; returns ``(payload, x_hat)``.
 
@@ -308,78 +390,7 @@ def encode(x: torch.Tensor, chunk: int = 4096, k: int = 64, value_bits: int = 2)
     n = xc.numel()
     c = -(-n // chunk)
     s = _SCALES_PER_CHUNK[value_bits]
-
-    if n:
-        idx, valid = _select(xc, n, chunk, k)
-        kk = idx.shape[1]
-        base = torch.arange(c, dtype=torch.int64)[:, None] * chunk
-        gpos = torch.where(valid, base + idx, torch.zeros((), dtype=torch.int64))
-        xv = xc[gpos]  # [C, kk] fp32 (junk where not valid)
-        scales = torch.zeros((c, s), dtype=torch.float32)
-        if value_bits == 32:
-            sent = valid
-            codes_all = xv
-        else:
-            m = xv.abs().to(torch.float64)
-            nz = valid & (m > 0)
-            neg = xv < 0
-            if value_bits == 8:
-                absmax = torch.where(nz, xv.abs(), torch.zeros((), dtype=torch.float32)).amax(dim=1)
-                step = absmax / 127.0
-                scales[:, 0] = step
-                step64 = step.to(torch.float64)[:, None]
-                safe = torch.where(step64 > 0, step64, torch.ones((), dtype=torch.float64))
-                mag_code = torch.round(m / safe).clamp_(0, 127)
-                mag_code = torch.where(step64 > 0, mag_code, torch.zeros((), dtype=torch.float64))
-                codes_all = torch.where(neg, -mag_code, mag_code).to(torch.int8)
-                chunk_of = torch.arange(c, dtype=torch.int64)[:, None].expand(c, kk)
-                q = _values(8, codes_all, scales, chunk_of)
-                qa = q.abs().to(torch.float64)
-                sent = nz & (qa > 0) & (2 * qa >= m) & (qa <= 2 * m)
-            else:
-                # rank of each entry by decreasing magnitude within its chunk
-                # (nz entries come first: zeros and invalid ones sort last).
-                order_key = torch.where(nz, m, torch.full((), -1.0, dtype=torch.float64))
-                rank = torch.argsort(torch.argsort(order_key, dim=1, descending=True, stable=True), dim=1)
-                cnt = nz.sum(dim=1, keepdim=True)
-                h = (cnt + 1) // 2
-                hi_mask = rank < h
-                lo_mask = nz & ~hi_mask
-                zero64 = torch.zeros((), dtype=torch.float64)
-                m_hi = torch.where(hi_mask, m, zero64).sum(dim=1, keepdim=True) / h.clamp(min=1)
-                m_lo = torch.where(lo_mask, m, zero64).sum(dim=1, keepdim=True) / (cnt - h).clamp(min=1)
-                m_lo = torch.where(cnt - h > 0, m_lo, m_hi)
-                s_hi = m_hi.to(torch.float32)
-                # progress guarantee: the chunk's largest entry must be
-                # sendable; if hi < max/2 (an outlier), hi = max exactly.
-                mx = torch.where(nz, m, zero64).amax(dim=1, keepdim=True)
-                s_hi = torch.where(2 * s_hi.to(torch.float64) < mx, mx.to(torch.float32), s_hi)
-                s_lo = m_lo.to(torch.float32)
-                scales[:, 0:1] = s_lo
-                scales[:, 1:2] = s_hi
-                h64 = s_hi.to(torch.float64)
-                l64 = s_lo.to(torch.float64)
-                ok_hi = (2 * h64 >= m) & (h64 <= 2 * m) & (h64 > 0)
-                ok_lo = (2 * l64 >= m) & (l64 <= 2 * m) & (l64 > 0)
-                prefer_hi = m * m >= l64 * h64
-                is_hi = torch.where(prefer_hi, ok_hi | ~ok_lo, ~ok_lo)
-                sent = nz & (ok_hi | ok_lo)
-                codes_all = (neg.to(torch.uint8) << 1) | is_hi.to(torch.uint8)
-        counts = sent.sum(dim=1)
-        if s:
-            scales[counts == 0] = 0.0
-        loc = idx[sent]  # row-major: chunk order, ascending within a chunk
-        codes = codes_all[sent]
-        chunk_of = torch.repeat_interleave(torch.arange(c, dtype=torch.int64), counts)
-        pos = chunk_of * chunk + loc
-    else:
-        counts = torch.zeros(0, dtype=torch.int64)
-        scales = torch.zeros((0, s), dtype=torch.float32)
-        loc = torch.zeros(0, dtype=torch.int64)
-        pos = loc
-        chunk_of = loc
-        codes = torch.zeros(0, dtype={2: torch.uint8, 8: torch.int8, 32: torch.float32}[value_bits])
-
+    counts, scales, loc, codes, chunk_of, pos = _sparsify(xc, n, chunk, k, value_bits)
     t = int(loc.numel())
     if value_bits == 2:
         code_bytes = _pack2(codes.numpy())
@@ -405,10 +416,8 @@ def encode(x: torch.Tensor, chunk: int = 4096, k: int = 64, value_bits: int = 2)
 # decoder
 
 
-def decode(payload: bytes, expected_numel: int) -> torch.Tensor:
-    """Decode a payload into a dense fp32 CPU tensor of ``expected_numel``.
-
-    Raises :class:`CodecError` on anything malformed (see module doc)."""
+def _open(payload: bytes, expected_numel: int) -> tuple[int, int, int, int, bytes]:
+    """The header checked, the zstd frame checked and opened: (n, chunk, k, value_bits, body)."""
     try:
         mv = memoryview(payload).cast("B")
     except TypeError as exc:
@@ -425,11 +434,12 @@ def decode(payload: bytes, expected_numel: int) -> torch.Tensor:
     _check_params(chunk, k, value_bits, exc=CodecError)
     if n != expected_numel:
         raise CodecError(f"payload holds n={n} elements, expected {expected_numel}")
-    c = -(-n // chunk)
-    s = _SCALES_PER_CHUNK[value_bits]
-    max_body = _max_body_nbytes(n, chunk, k, value_bits)
+    return n, chunk, k, value_bits, _unzstd(bytes(mv[HEADER_SIZE:]), _max_body_nbytes(n, chunk, k, value_bits))
 
-    frame = bytes(mv[HEADER_SIZE:])
+
+def _unzstd(frame: bytes, max_body: int) -> bytes:
+    """One whole zstd frame that declares its size, at most ``max_body`` (checked
+    before anything is decompressed)."""
     if len(frame) == 0:
         raise CodecError("truncated payload: no zstd frame after the header")
     try:
@@ -452,6 +462,16 @@ def decode(payload: bytes, expected_numel: int) -> torch.Tensor:
         raise CodecError(f"{len(dobj.unused_data)} bytes of trailing garbage after the zstd frame")
     if len(body) != declared:
         raise CodecError(f"zstd frame decoded to {len(body)} bytes, declared {declared}")
+    return body
+
+
+def decode(payload: bytes, expected_numel: int) -> torch.Tensor:
+    """Decode a payload into a dense fp32 CPU tensor of ``expected_numel``.
+
+    Raises :class:`CodecError` on anything malformed (see module doc)."""
+    n, chunk, k, value_bits, body = _open(payload, expected_numel)
+    c = -(-n // chunk)
+    s = _SCALES_PER_CHUNK[value_bits]
 
     # ---- body
     off = 0

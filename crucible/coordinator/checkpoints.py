@@ -2,7 +2,7 @@
 
 Save decision. ``checkpoint.*`` gives the policy (``policies.py``):
 continuous (the next save starts as soon as the previous one is committed,
-never sooner than ``minimum_interval_secs`` after the previous start;
+never sooner than ``minimum_interval_s`` after the previous start;
 ``checkpoint_period`` is then ignored, with a notice) or every
 ``checkpoint_period`` steps. A thread of this manager ticks every 50 ms and
 right after each commit, so a continuous save starts within a tick of the
@@ -42,7 +42,7 @@ stall_median_s, persist_s, bytes, shards, duration_s, commit_s),
 Preemption. On SIGTERM/SIGINT the coordinator asks for a final checkpoint
 (``final_checkpoint``: the save in flight, or a new one at once, whatever the
 policy), waits for its commit for at most
-``checkpoint.preemption_timeout_secs``, then answers heartbeats with
+``checkpoint.preemption_timeout_s``, then answers heartbeats with
 ``stop``: the workers exit 0.
 
 The end of the job. The last step is a cut every worker knows in advance:
@@ -152,7 +152,7 @@ class CheckpointManager:
             log.info("removed leftovers of interrupted saves: %s", ", ".join(removed))
         if self.enabled and isinstance(self.save_policy, ContinuousPolicy):
             msg = (f"continuous checkpointing: each save starts when the previous one is committed, at least "
-                   f"{self.cfg.minimum_interval_secs:g}s after it started; checkpoint_period is ignored")
+                   f"{self.cfg.minimum_interval_s:g}s after it started; checkpoint_period is ignored")
             if self.cfg.checkpoint_period != CheckpointConfig.checkpoint_period:
                 log.warning("notice: checkpoint.checkpoint_period=%d is ignored while "
                             "checkpoint.enable_continuous_checkpointing is on", self.cfg.checkpoint_period)
@@ -352,7 +352,7 @@ class CheckpointManager:
         c = self.c
         t0 = time.time()
         c.stopping.set()
-        t_end = time.monotonic() + 2 * c.cfg.fault.heartbeat_interval + 1.0
+        t_end = time.monotonic() + 2 * c.cfg.fault.heartbeat_interval_s + 1.0
         while time.monotonic() < t_end:
             with c.cv:
                 waiting = [w for w in c.m.workers.values() if w.state in ("alive", "joining") and w.last_seen < t0]
@@ -427,7 +427,7 @@ class CheckpointManager:
         return (s1 - s0) / (t1 - t0) if t1 - t0 >= 0.5 else 0.0
 
     def _margin(self) -> int:
-        lead = 2 * self.c.cfg.fault.heartbeat_interval + 2 * TICK_S
+        lead = 2 * self.c.cfg.fault.heartbeat_interval_s + 2 * TICK_S
         return 2 + int(math.ceil(1.5 * self._rate() * lead * self.boost))
 
     def _start_next(self, steps: dict[int, int], mono: float) -> None:
@@ -694,7 +694,7 @@ def preempt(coord_proc, worker_procs, ckpt_cfg, out=None) -> None:
     """The launcher's side of a preemption notice (SIGTERM/SIGINT): only the
     coordinator is signalled; it takes a final checkpoint and then tells the
     workers to stop, so they exit on their own after the commit. Waits for the
-    coordinator (``preemption_timeout_secs`` plus a margin) and the workers; the
+    coordinator (``preemption_timeout_s`` plus a margin) and the workers; the
     launcher stops whatever is left afterwards."""
     import signal
     import subprocess
@@ -710,7 +710,7 @@ def preempt(coord_proc, worker_procs, ckpt_cfg, out=None) -> None:
     except ProcessLookupError:
         return
     try:
-        coord_proc.popen.wait(timeout=ckpt_cfg.preemption_timeout_secs + 10.0)
+        coord_proc.popen.wait(timeout=ckpt_cfg.preemption_timeout_s + 10.0)
     except subprocess.TimeoutExpired:
         print("crucible: the coordinator did not finish its final checkpoint in time", file=out, flush=True)
         return

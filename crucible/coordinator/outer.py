@@ -47,6 +47,7 @@ import zstandard
 
 from crucible import rpc
 from crucible._pb import crucible_pb2 as pb
+from crucible.files import atomic_write
 from crucible.slots import slot_name
 
 log = logging.getLogger("crucible.outer")
@@ -128,12 +129,8 @@ class RoundStore:
                            "sizes": [len(rnd.payloads[r]) for r in rnd.contributors]}).encode()
         path = self._path(rnd.stage, rnd.number)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(ROUND_FILE.pack(len(head)) + head)
-            for r in rnd.contributors:
-                f.write(rnd.payloads[r])
-        os.replace(tmp, path)
+        atomic_write(path, b"".join([ROUND_FILE.pack(len(head)), head] + [rnd.payloads[r] for r in rnd.contributors]),
+                     fsync=False)
         self._trim(rnd.stage)
 
     def read(self, stage: int, number: int) -> Round | None:

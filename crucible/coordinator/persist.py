@@ -22,6 +22,8 @@ import os
 import threading
 import time
 
+from crucible.files import atomic_write
+
 log = logging.getLogger("crucible.coordinator")
 
 MAX_QUEUED_EVENTS = 200_000
@@ -133,15 +135,6 @@ def last_sequence_numbers(path: str, tail_bytes: int = 8 << 20) -> dict[str, int
         if isinstance(src, str) and isinstance(seq, int):
             out[src] = max(out.get(src, -1), seq)
     return out
-
-
-def atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class LatestFile:

@@ -42,6 +42,8 @@ Counted from the events as they are written (counters and gauges)::
 
 from __future__ import annotations
 
+from crucible.files import atomic_write
+
 import logging
 import os
 
@@ -94,10 +96,7 @@ class PrometheusExporter:
         self.port = self.httpd.server_port
         adv = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.address = f"{adv}:{self.port}"
-        tmp = os.path.join(coord.run_dir, f"prometheus.addr.tmp{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(self.address + "\n")
-        os.replace(tmp, os.path.join(coord.run_dir, "prometheus.addr"))
+        atomic_write(os.path.join(coord.run_dir, "prometheus.addr"), self.address + "\n", fsync=False)
         log.info("prometheus /metrics at http://%s:%d/metrics", host, self.port)
 
     def observe(self, ev: dict) -> None:

@@ -14,7 +14,7 @@ Protocol (what a worker can rely on)
 * **Heartbeat** from each worker. An unknown worker id gets NOT_FOUND (it
   registers again); a worker already declared dead gets FAILED_PRECONDITION
   (it is stale: it must come back as a replacement). A worker not heard from
-  for ``fault.heartbeat_timeout`` is declared dead. A coordinator that was
+  for ``fault.heartbeat_timeout_s`` is declared dead. A coordinator that was
   itself stalled (its monitor ran late) credits everyone with the stall
   before it judges anyone.
 * **Report** carries events (JSON objects with an ``event`` field) numbered by
@@ -58,7 +58,8 @@ from crucible.coordinator import exporters
 from crucible.coordinator.checkpoints import CheckpointManager
 from crucible.coordinator.membership import Membership, Refused, WorkerInfo
 from crucible.coordinator.outer import OuterRelay
-from crucible.coordinator.persist import LatestFile, MetricsLog, atomic_write, last_sequence_numbers
+from crucible.coordinator.persist import LatestFile, MetricsLog, last_sequence_numbers
+from crucible.files import atomic_write
 from crucible.slots import slot_name
 from crucible.version import version as crucible_version
 
@@ -383,7 +384,7 @@ class Coordinator:
         return pb.RouteUpdate(epoch=self.epoch, routes=[pb.Route(**r) for r in self.m.routes_view()])
 
     def _monitor(self) -> None:
-        timeout = self.cfg.fault.heartbeat_timeout
+        timeout = self.cfg.fault.heartbeat_timeout_s
         last = time.monotonic()
         while not self.stopping.wait(MONITOR_TICK_S):
             mono = time.monotonic()
@@ -426,7 +427,7 @@ class Coordinator:
             try:
                 with rpc.make_channel(address) as ch:
                     pbg.StageStub(ch).Probe(pb.ProbeRequest(), metadata=rpc.metadata(self.token),
-                                            timeout=self.cfg.fault.probe_timeout)
+                                            timeout=self.cfg.fault.probe_timeout_s)
                 return  # alive: it was a hiccup
             except grpc.RpcError as e:
                 why = f"probe failed ({e.code().name}) after: {reason}"
@@ -499,7 +500,7 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
         coord.stop()
         return 128 + signal.SIGTERM    # not done: a scheduler starts the next one
     else:  # SIGTERM/SIGINT (a preemption notice): a final checkpoint, then every worker stops
-        coord.ckpt.final_checkpoint(cfg.checkpoint.preemption_timeout_secs)
+        coord.ckpt.final_checkpoint(cfg.checkpoint.preemption_timeout_s)
         coord.ckpt.stop_workers()
     coord.stop()
     return 0

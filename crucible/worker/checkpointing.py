@@ -1,4 +1,4 @@
-"""A worker's side of continuous checkpointing (DESIGN.md, "Continuous checkpointing").
+"""A worker's side of continuous checkpointing (docs/architecture.md, "Checkpoints").
 
 What a shard holds (everything exact resume needs, one per worker)::
 

@@ -29,6 +29,7 @@ import grpc
 from crucible import PROTOCOL_VERSION, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
+from crucible.retry import Backoff, retry
 
 log = logging.getLogger("crucible.control")
 
@@ -65,22 +66,9 @@ class ControlClient:
 
     # ---- joining ------------------------------------------------------------------
 
-    def _retry(self, call, deadline_s: float):
-        delay, t_end = 0.1, time.monotonic() + deadline_s
-        while True:
-            try:
-                return call()
-            except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                        and time.monotonic() < t_end and not self.stop.is_set():
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-                    continue
-                raise
-
     def job_info(self, replica: int, stage: int, deadline_s: float = 120.0) -> pb.JobInfoReply:
         req = pb.JobInfoRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage)
-        return self._retry(lambda: self.stub.JobInfo(req, metadata=self.md, timeout=10), deadline_s)
+        return retry(lambda: self.stub.JobInfo(req, metadata=self.md, timeout=10), deadline_s, stop=self.stop)
 
     def register(self, replica: int, stage: int, address: str, numel: int, deadline_s: float = 60.0,
                  rejoin: bool = False) -> pb.RegisterReply:
@@ -88,7 +76,7 @@ class ControlClient:
         req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage,
                                  address=address, pid=os.getpid(), host=socket.gethostname(), numel=numel)
         req.rejoin = rejoin
-        reply = self._retry(lambda: self.stub.Register(req, metadata=self.md, timeout=10), deadline_s)
+        reply = retry(lambda: self.stub.Register(req, metadata=self.md, timeout=10), deadline_s, stop=self.stop)
         self.worker_id = reply.worker_id
         self.registered.set()
         return reply
@@ -116,17 +104,16 @@ class ControlClient:
             self._reporter.start()
 
     def _report_loop(self) -> None:
-        delay = 0.1
+        backoff = Backoff()
         while not self.stop.is_set():
             with self._rcv:
                 if not self._pending:
                     self._rcv.wait(0.5)
                     continue
             if self._send_batch(timeout=max(2.0, self.heartbeat_timeout)):
-                delay = 0.1
+                backoff.reset()
             else:
-                self.stop.wait(delay)
-                delay = min(delay * 2, 1.0)
+                backoff.wait(self.stop)
 
     def _send_batch(self, timeout: float) -> bool:
         """Send the oldest pending events; True when the queue made progress."""
@@ -195,20 +182,19 @@ class ControlClient:
             self.stop.wait(max(0.0, interval - (time.monotonic() - t0)))
 
     def watch_loop(self, on_update: Callable[[pb.RouteUpdate], None]) -> None:
-        delay = 0.1
+        backoff = Backoff()
         while not self.stop.is_set():
             try:
                 for update in self.stub.WatchRoutes(pb.WatchRequest(worker_id=self.worker_id), metadata=self.md):
                     on_update(update)
-                    delay = 0.1
+                    backoff.reset()
                     if self.stop.is_set():
                         return
             except grpc.RpcError as e:
                 if self.stop.is_set():
                     return
                 log.debug("route watch broke: %s", e.code().name)
-            self.stop.wait(delay)
-            delay = min(delay * 2, 1.0)
+            backoff.wait(self.stop)
 
     # ---- outer rounds --------------------------------------------------------------------
 
@@ -219,7 +205,7 @@ class ControlClient:
         across a coordinator restart too. A refused payload is left out; we then
         abstain to receive the round's result all the same."""
         req = pb.OuterRequest(stage=stage, round=round_, payload=payload, mode=mode, numel=numel, step=step)
-        delay = 0.1
+        backoff = Backoff()
         t_end = time.monotonic() + timeout
         while True:
             req.worker_id = self.worker_id
@@ -242,10 +228,9 @@ class ControlClient:
                     self.registered.clear()
                     self.registered.wait(min(5.0, max(0.0, t_end - time.monotonic())))
                 elif code == grpc.StatusCode.UNAVAILABLE and "ask again" in (e.details() or ""):
-                    delay = 0.1
+                    backoff.reset()
                     continue
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                backoff.wait()
 
     def close(self, final_state: str = "") -> None:
         """Stop the threads; flush events; tell the coordinator we are done (if we are)."""

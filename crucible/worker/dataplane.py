@@ -148,25 +148,98 @@ class Throttle:
             time.sleep(self.t - now)
 
 
-class StageService:
-    """Serves Pipe and Probe for one worker. `rt` is the worker's runtime, which
-    provides: replica, stage, route_epoch(), predecessor(), expected shapes,
-    codecs, inbox, and wait_for_epoch()."""
+class FrameDecoder:
+    """Both directions of one stage's frames, validated and decoded: what comes
+    from upstream (FORWARD, EVAL, COMMIT) and from downstream (BACKWARD,
+    EVAL_RESULT). Tensors must match their declared and the expected dtype,
+    shape and byte count (a ValueError: INVALID_ARGUMENT)."""
 
-    def __init__(self, rt):
-        self.rt = rt
+    def __init__(self, act_shape: tuple[int, int, int], microbatches: int, eval_batches: int, vocab_size: int,
+                 fwd_codec=None, bwd_codec=None, needs_tokens: bool = False, send_tokens: bool = False):
+        self.act_shape, self.M, self.eval_batches, self.vocab = act_shape, microbatches, eval_batches, vocab_size
+        self.fwd_codec, self.bwd_codec = fwd_codec, bwd_codec
+        self.needs_tokens = needs_tokens     # this stage rebuilds its input from the token ids
+        self.send_tokens = send_tokens       # the job ships the token ids with every frame
+
+    def decode_up(self, f) -> Event:
+        """A frame from upstream."""
+        ev = Event("up", kind=f.kind, step=f.step, micro=f.micro, epoch=f.epoch, sent_at=f.sent_at,
+                   recv_at=time.monotonic(), clip_coef=f.clip_coef, snapshot=f.snapshot)
+        if f.kind in (K.FORWARD, K.EVAL):
+            if not 0 <= f.micro < (self.eval_batches if f.kind == K.EVAL else self.M):
+                raise WireError(f"micro {f.micro} out of range")
+            if f.step < 0:
+                raise WireError(f"step {f.step} < 0")
+            t0 = time.perf_counter()
+            ev.x = from_wire(f.tensor, torch.float32, self.act_shape, "activations", codec=self.fwd_codec)
+            ev.targets = tokens_from_wire(f.targets, self.act_shape[:2], self.vocab)
+            ev.decode_s = time.perf_counter() - t0
+            ev.targets_msg = f.targets
+            ev.nbytes, ev.raw_nbytes = frame_nbytes(f)
+            if f.HasField("tokens"):
+                ev.tokens = tokens_from_wire(f.tokens, self.act_shape[:2], self.vocab, "tokens")
+                ev.tokens_msg = f.tokens
+            elif self.needs_tokens:
+                raise WireError("tokens: this stage's model needs the input token ids with every frame")
+        elif f.kind == K.COMMIT:
+            if f.step < 0 or not (0.0 <= f.clip_coef <= 1.0):
+                raise WireError(f"COMMIT step {f.step} coef {f.clip_coef} out of range")
+        elif f.kind != K.HELLO:
+            raise WireError(f"frame kind {f.kind} does not travel downstream")
+        return ev
+
+    def decode_down(self, f) -> Event:
+        """A frame from downstream."""
+        ev = Event("down", kind=f.kind, step=f.step, micro=f.micro, epoch=f.epoch, loss=f.loss,
+                   grad_sumsq=f.grad_sumsq, sent_at=f.sent_at, recv_at=time.monotonic())
+        if f.kind == K.BACKWARD:
+            if not 0 <= f.micro < self.M:
+                raise ValueError(f"BACKWARD micro {f.micro} out of range")
+            t0 = time.perf_counter()
+            ev.x = from_wire(f.tensor, torch.float32, self.act_shape, "gradient", codec=self.bwd_codec)
+            ev.decode_s = time.perf_counter() - t0
+            ev.nbytes, ev.raw_nbytes = frame_nbytes(f)
+        elif f.kind != K.EVAL_RESULT:
+            raise ValueError(f"frame kind {f.kind} does not travel upstream")
+        return ev
+
+
+class StageService:
+    """Serves Pipe, Probe and PullWeights for one worker. It answers from the
+    worker's start; until ``ready`` (the stage is built and the worker
+    registered) a Pipe gets UNAVAILABLE. ``links`` (``crucible.worker.links``)
+    is the worker's route and streams; ``weights(stage)`` yields this stage's
+    global weights in chunks; ``step()`` the step this worker is at."""
+
+    def __init__(self):
+        self.links = None
+        self.decoder: FrameDecoder | None = None
+        self.weights: Callable[[int], Any] | None = None
+        self.step: Callable[[], int] = lambda: 0
+        self.rpc_timeout = 10.0
+
+    def ready(self, links, decoder: FrameDecoder, weights: Callable[[int], Any], step: Callable[[], int],
+              rpc_timeout: float) -> None:
+        self.decoder, self.weights, self.step, self.rpc_timeout = decoder, weights, step, rpc_timeout
+        self.links = links
 
     def handlers(self) -> dict:
         return {
             "Pipe": rpc.stream_stream("Pipe", pb.Frame, pb.Frame, self.Pipe),
             "Probe": rpc.unary("Probe", pb.ProbeRequest, pb.ProbeReply, self.Probe),
-            "PullWeights": rpc.unary_stream("PullWeights", pb.PullRequest, pb.WeightChunk,
-                                            lambda req, ctx: self.rt.weight_chunks(req.stage)),
+            "PullWeights": rpc.unary_stream("PullWeights", pb.PullRequest, pb.WeightChunk, self.PullWeights),
         }
 
     def Probe(self, req, context):
-        rt = self.rt
-        return pb.ProbeReply(replica=rt.replica, stage=rt.stage, epoch=rt.route_epoch(), step=rt.step)
+        links = self.links
+        if links is None:
+            return pb.ProbeReply(replica=-1, stage=-1)
+        return pb.ProbeReply(replica=links.replica, stage=links.stage, epoch=links.route_epoch(), step=self.step())
+
+    def PullWeights(self, req, context):
+        if self.weights is None:
+            raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "worker is still building its stage")
+        yield from self.weights(req.stage)
 
     def Pipe(self, frames, context):
         out: queue.Queue = queue.Queue(maxsize=SEND_QUEUE)
@@ -185,9 +258,9 @@ class StageService:
             yield item
 
     def _read(self, frames, stream: "UpstreamStream", peer: str) -> None:
-        rt = self.rt
+        links = self.links
         try:
-            if not rt.built:
+            if links is None:
                 raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "worker is still building its stage")
             hello = next(frames, None)
             if hello is None:
@@ -195,21 +268,12 @@ class StageService:
             if hello.kind != K.HELLO:
                 # Validate the tensor anyway: a malformed tensor is INVALID_ARGUMENT
                 # whatever else is wrong with the frame.
-                self.decode(hello)
+                self.decoder.decode_up(hello)
                 raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, "first frame on a Pipe must be HELLO")
             self.check_sender(hello)
             stream.epoch, stream.src_stage = hello.epoch, hello.src_stage
-            rt.attach_upstream(stream)
-            for f in frames:
-                ev = self.decode(f)
-                if f.kind == K.HELLO:
-                    raise ValueError("HELLO sent twice on one stream")
-                if f.epoch != stream.epoch:
-                    raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
-                                       f"frame epoch {f.epoch:#x} differs from the stream's {stream.epoch:#x}")
-                if stream.epoch != rt.route_epoch():
-                    continue  # a stale stream: the route moved on; drop its frames
-                rt.inbox.put(ev, give_up=lambda: stream.epoch != rt.route_epoch() or stream.closed)
+            links.attach_upstream(stream)
+            self._pump(frames, stream)
         except rpc.RpcFault as e:
             stream.finish((e.code, e.message))
         except ValueError as e:  # WireError, BadRequest, bad fields
@@ -220,60 +284,44 @@ class StageService:
             log.exception("upstream stream from %s failed", peer)
             stream.finish((grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
-            if rt.detach_upstream(stream):
-                rt.inbox.put(Event("notice", note="up_closed", epoch=stream.epoch, peer=stream.src_stage))
+            if links is not None and links.detach_upstream(stream):
+                links.inbox.put(Event("notice", note="up_closed", epoch=stream.epoch, peer=stream.src_stage))
             stream.finish(None)
 
+    def _pump(self, frames, stream: "UpstreamStream") -> None:
+        """The frames after HELLO, into the inbox (while the stream is current)."""
+        links = self.links
+        for f in frames:
+            ev = self.decoder.decode_up(f)
+            if f.kind == K.HELLO:
+                raise ValueError("HELLO sent twice on one stream")
+            if f.epoch != stream.epoch:
+                raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"frame epoch {f.epoch:#x} differs from the stream's {stream.epoch:#x}")
+            if stream.epoch != links.route_epoch():
+                continue  # a stale stream: the route moved on; drop its frames
+            links.inbox.put(ev, give_up=lambda: stream.epoch != links.route_epoch() or stream.closed)
+
     def check_sender(self, hello) -> None:
-        rt = self.rt
-        if hello.src_replica != rt.replica:
+        links = self.links
+        if hello.src_replica != links.replica:
             raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
-                               f"stream from replica {hello.src_replica}; this is replica {rt.replica}")
-        epoch = rt.route_epoch()
+                               f"stream from replica {hello.src_replica}; this is replica {links.replica}")
+        epoch = links.route_epoch()
         if hello.epoch > epoch:
             # The sender learned of the new route first; ours is on its way over
             # WatchRoutes (late on a loaded machine): wait for it, bounded.
-            epoch = rt.wait_for_epoch(hello.epoch, timeout=max(2.0, rt.cfg.fault.rpc_timeout / 2))
+            epoch = links.wait_for_epoch(hello.epoch, timeout=max(2.0, self.rpc_timeout / 2))
         if hello.epoch < epoch:
             raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
                                f"stale epoch {hello.epoch:#x}; the route is at {epoch:#x}")
         if hello.epoch > epoch:
             raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
                                f"epoch {hello.epoch:#x} is ahead of this worker's {epoch:#x}")
-        pred = rt.predecessor()
+        pred = links.predecessor()
         if pred is None or hello.src_stage != pred:
             raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
                                f"stage {hello.src_stage} is not this stage's predecessor ({pred}) in the route")
-
-    def decode(self, f) -> Event:
-        """Validate one upstream frame and decode its tensors."""
-        rt = self.rt
-        ev = Event("up", kind=f.kind, step=f.step, micro=f.micro, epoch=f.epoch, sent_at=f.sent_at,
-                   recv_at=time.monotonic(), clip_coef=f.clip_coef, snapshot=f.snapshot)
-        if f.kind in (K.FORWARD, K.EVAL):
-            if not 0 <= f.micro < rt.micro_count(f.kind):
-                raise WireError(f"micro {f.micro} out of range")
-            if f.step < 0:
-                raise WireError(f"step {f.step} < 0")
-            t0 = time.perf_counter()
-            ev.x = from_wire(f.tensor, torch.float32, rt.act_shape(), "activations", codec=rt.fwd_codec)
-            ev.targets = tokens_from_wire(f.targets, rt.act_shape()[:2], rt.cfg.model.vocab_size)
-            ev.decode_s = time.perf_counter() - t0
-            ev.targets_msg = f.targets
-            ev.nbytes, ev.raw_nbytes = frame_nbytes(f)
-            if f.HasField("tokens"):
-                ev.tokens = tokens_from_wire(f.tokens, rt.act_shape()[:2], rt.cfg.model.vocab_size, "tokens")
-                ev.tokens_msg = f.tokens
-            elif rt.needs_tokens:
-                raise WireError("tokens: this stage's model needs the input token ids with every frame")
-        elif f.kind == K.COMMIT:
-            if f.step < 0 or not (0.0 <= f.clip_coef <= 1.0):
-                raise WireError(f"COMMIT step {f.step} coef {f.clip_coef} out of range")
-        elif f.kind == K.HELLO:
-            pass
-        else:
-            raise WireError(f"frame kind {f.kind} does not travel downstream")
-        return ev
 
 
 class UpstreamStream:

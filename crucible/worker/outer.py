@@ -1,4 +1,4 @@
-"""A stage's outer state and its side of an outer round (DESIGN.md, "Outer round").
+"""A stage's outer state and its side of an outer round (docs/architecture.md, "Outer rounds").
 
 Every H inner steps, for this stage, across the replicas that hold it::
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 
 import torch
 from torch.nn.utils import parameters_to_vector
@@ -131,3 +132,49 @@ class OuterState:
         self.round = int(sd["round"])
         if self.nesterov is not None and sd.get("nesterov") is not None:
             self.nesterov.load_state_dict(sd["nesterov"])
+
+
+class OuterRound:
+    """This stage's side of the outer rounds: after every H-th committed step,
+    contribute to the round of its stage (``ControlClient.outer_exchange``),
+    apply what it closed with, and report it. Round numbers follow from the
+    step, so every replica syncs after the same steps; a round this stage
+    already has (a replacement that pulled newer global weights) is skipped,
+    and one closed too long ago to replay sends it to a peer for the global
+    weights (``resync``)."""
+
+    def __init__(self, state: OuterState, cfg, exchange, report, replica: int, stage: int, debug, resync):
+        self.state, self.cfg, self.exchange, self.report = state, cfg, exchange, report
+        self.replica, self.stage, self.debug, self.resync = replica, stage, debug, resync
+
+    def after(self, committed_step: int) -> None:
+        from crucible.worker.control import RoundGone
+
+        state = self.state
+        if not state.due(committed_step):
+            return
+        round_no = (committed_step + 1) // self.cfg.outer.H - 1
+        if round_no < state.round:
+            return
+        state.round = round_no
+        t0 = time.perf_counter()
+        payload, mine = state.prepare()
+        t_enc = time.perf_counter() - t0
+        self.debug.in_outer_round(round_no)
+        try:
+            reply = self.exchange(self.stage, round_no, payload, state.mode, state.numel, committed_step,
+                                  timeout=max(3600.0, 10 * self.cfg.outer.deadline_s))
+        except RoundGone as e:
+            self.resync(f"outer round {round_no} is gone ({e})")
+            return
+        t1 = time.perf_counter()
+        if reply.round != round_no:
+            raise RuntimeError(f"outer round {reply.round} answered for round {round_no}")
+        done = state.apply(self.replica, list(reply.contributors), list(reply.payloads), mine)
+        self.report({"event": "outer", "replica": self.replica, "stage": self.stage, "round": reply.round,
+                     "step": committed_step, "mode": state.mode, "contributors": list(reply.contributors),
+                     "left_out": done["left_out"], "undecodable": done["undecodable"],
+                     "bytes_sent": len(payload), "bytes_received": sum(len(p) for p in reply.payloads),
+                     "dense_bytes": 4 * state.numel, "encode_s": t_enc, "apply_s": time.perf_counter() - t1,
+                     "seconds": time.perf_counter() - t0})
+        self.debug.outer_done(reply.round, state.theta_global, list(reply.contributors))

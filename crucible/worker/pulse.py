@@ -10,13 +10,13 @@ when it wakes, and no other thread can hold its interpreter lock. So no
 training work, import, snapshot or garbage collection of the worker can delay
 a beat.
 
-What it says. Every ``fault.heartbeat_interval`` it sends a ``Heartbeat``
+What it says. Every ``fault.heartbeat_interval_s`` it sends a ``Heartbeat``
 with state ``pulse`` for the worker's id: the coordinator takes it as
 liveness only (the worker's own heartbeat thread still carries its step,
 state and commands). It beats only while its worker is running: it reads the
 worker's state from ``/proc`` before each beat and stays silent while the
 worker is stopped (SIGSTOP: the coordinator then declares it dead within
-``fault.heartbeat_timeout``, as it should), and exits when the worker is gone
+``fault.heartbeat_timeout_s``, as it should), and exits when the worker is gone
 (it also asks the kernel to kill it with its parent: ``PR_SET_PDEATHSIG``).
 Where ``/proc`` does not exist the worker starts no pulse.
 
@@ -33,25 +33,11 @@ import subprocess
 import sys
 import time
 
-PROC = "/proc"
-
-
-def available() -> bool:
-    return os.path.isdir(os.path.join(PROC, "self"))
-
-
-def process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of `pid` (R, S, D, T, t, Z, ...), None if gone."""
-    try:
-        with open(os.path.join(PROC, str(pid), "stat")) as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return None
-
+from crucible import procs
 
 def start(coordinator: str, worker_id: str, interval: float, timeout: float) -> subprocess.Popen | None:
     """Start the pulse of this process (the worker); None where there is no /proc."""
-    if not available():
+    if not procs.has_proc():
         return None
     argv = [sys.executable, "-m", "crucible.worker.pulse", "--coordinator", coordinator, "--worker-id", worker_id,
             "--parent", str(os.getpid()), "--interval", str(interval), "--timeout", str(timeout)]
@@ -70,18 +56,6 @@ def stop(proc: subprocess.Popen | None) -> None:
         pass
 
 
-def _die_with(parent: int) -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:
-        sys.exit(0)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="crucible.worker.pulse")
     ap.add_argument("--coordinator", required=True)
@@ -90,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, required=True)
     ap.add_argument("--timeout", type=float, required=True)
     args = ap.parse_args(argv)
-    _die_with(args.parent)
+    procs.die_with_parent(args.parent)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     import grpc
@@ -104,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     beat = pb.HeartbeatRequest(worker_id=args.worker_id, state="pulse")
     while True:
         t0 = time.monotonic()
-        state = process_state(args.parent)
+        state = procs.state(args.parent)
         if state is None or state == "Z" or os.getppid() != args.parent:
             return 0                      # the worker is gone
         if state not in ("T", "t"):       # stopped (SIGSTOP, a debugger): silence

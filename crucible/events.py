@@ -1,0 +1,80 @@
+"""Every kind of event in ``metrics.jsonl``, in one place, with its fields.
+
+Each line of ``metrics.jsonl`` is one JSON object with ``event`` (one of the
+kinds below) and ``time`` (Unix seconds, stamped when it was reported).
+Events reported by workers also carry ``worker`` (its id), ``src`` and
+``seq`` (the reporting process and its sequence number: each event is written
+exactly once). ``tests/test_events.py`` fails when the code writes or reads a
+kind that is not listed here.
+"""
+
+from __future__ import annotations
+
+KINDS: dict[str, str] = {
+    # ---- training (workers) ----
+    "step": "stage 0, one per committed step: replica, step, loss, tokens, lr, clip_coef, epoch, route, and the "
+            "stage's time split step_s compute_s serialize_s transport_s idle_s, bytes_out raw_bytes_out "
+            "bytes_in raw_bytes_in",
+    "stage_step": "every other stage, one per committed step: replica, stage, step, and the same time split",
+    "step_aborted": "stage 0: an attempt of a step abandoned (route change): replica, step, reason, lost_s",
+    "eval": "stage 0: held-out loss: replica, step, loss, seconds",
+    "goodput": "stage 0, every 10 s: replica, step, compute_s communication_s checkpoint_stall_s lost_s "
+               "paused_s recovering_s wall_s goodput",
+    "replica_done": "stage 0: its replica trained every step: replica, step",
+    "outer": "a stage's outer round applied: replica, stage, round, step, mode, contributors, left_out, "
+             "undecodable, bytes_sent, bytes_received, dense_bytes, encode_s, apply_s, seconds",
+    "outer_resync": "a stage too far behind the outer rounds took θ_global from a peer: replica, stage, reason, "
+                    "source, step",
+    "replacement_ready": "a replacement has its weights: replica, stage, source (peer slot, checkpoint or init), "
+                         "step, seconds",
+    "stage_lost": "a replacement found no live copy of its stage and no new-enough checkpoint: replica, stage, "
+                  "slot_step, reason",
+    "suspect": "a worker's call to a neighbour failed: replica, stage (the neighbour), by, reason",
+    "worker_error": "a worker is dying of an exception: replica, stage, error (its last line)",
+    # ---- checkpoints (workers) ----
+    "ckpt_persister": "a worker started its persister process: replica, stage, pid",
+    "ckpt_restore": "a worker loaded its state from a checkpoint: replica, stage, step, outer_round, dir, seconds "
+                    "(source: another replica's shard, for a slot vacant in it)",
+    "ckpt_error": "a worker's previous persist failed: replica, stage, error",
+    # ---- the coordinator ----
+    "coordinator_start": "address, incarnation, pid, replicas, stages, restored, version, config",
+    "coordinator_restored": "a restarted coordinator continues its predecessor's membership: incarnation, "
+                            "workers, routes",
+    "worker_registered": "worker, replica, stage, address, pid, replacement, rejoin, numel",
+    "worker_joined": "a replacement is ready and in its route again: worker, replica, stage",
+    "worker_done": "a worker says its replica is done: worker, replica, stage",
+    "fault": "a worker declared dead: kind (worker_dead), worker, replica, stage, pid, reason, probe_s",
+    "route_change": "epoch, reason, routes (replica -> stages), states (replica -> state)",
+    "job_done": "every replica is done: elapsed_s, steps",
+    "job_rollback": "a stage lost every copy: every worker restarts from the latest checkpoint: reason, replica, "
+                    "stage, to_step",
+    "outer_round": "a round closed: stage, round, contributors, dropped, bytes, seconds",
+    "outer_waiting": "a round past outer.deadline_s still waits: stage, round, missing",
+    "outer_rejected": "a contribution refused (its sender is left out of the round): replica, stage, round, reason",
+    "prometheus": "where /metrics is served: address, path",
+    "ckpt_start": "a save named: step, margin, final, end, replica_steps, shards, vacant",
+    "ckpt_commit": "a save committed: step, final, end, stall_s, stall_median_s, persist_s, persist_median_s, "
+                   "bytes, shards, vacant, duration_s, commit_s, replica_steps",
+    "ckpt_abort": "a save abandoned: step, reason, final, shards_in",
+    "ckpt_late": "a replica learnt a save's target too late: step, replica, stage, error, current",
+    "ckpt_shard_failed": "a worker's shard of a save failed: step, replica, stage, error, current",
+    "ckpt_delete": "retention deleted a checkpoint: step",
+    "ckpt_clean": "leftovers of interrupted saves removed at start: removed",
+    "ckpt_resume": "--resume chose a checkpoint: step, path, replicas, vacant (step None: none to resume)",
+    "ckpt_damaged": "a checkpoint failed verification at --resume: step, path, problems",
+    "ckpt_incomplete": "a checkpoint skipped at --resume: a stage has no shard in it: step, stages_missing",
+    "ckpt_set_aside": "a checkpoint after the one resumed moved aside: step, path",
+    "ckpt_notice": "a checkpoint setting that has no effect: notice, ...",
+    "ckpt_final_requested": "SIGTERM: a final checkpoint asked for: pending",
+    "ckpt_final_skipped": "no final checkpoint possible: reason",
+    "ckpt_final_timeout": "the final checkpoint did not commit in time: timeout_s",
+    # ---- the launcher and the cluster supervisors ----
+    "chaos": "the launcher's fault injection: signal, target, pid, mono",
+    "job_restart": "the launcher restarts everything from the latest checkpoint: reason",
+    "job_restarted": "... and everything is up again: seconds",
+    "slurm_submit": "crucible slurm submitted a slot's job: slot, job_id, ...",
+    "slurm_job_start": "a slot's Slurm job is running: slot, job_id, node, ...",
+    "slurm_job_end": "a slot's Slurm job ended: slot, job_id, state, ...",
+    "slurm_stuck": "a running job whose slot the coordinator does not see alive was cancelled: slot, job_id, ...",
+    "slurm_down": "crucible slurm down finished: jobs_left, seconds, ...",
+}

@@ -1,0 +1,60 @@
+"""``metrics.jsonl``, the run's record for programs: one JSON object a line,
+each with ``event`` (its kind) and ``time``; the coordinator writes it
+(``crucible.coordinator.persist``), anyone may read it while the job runs.
+
+Reading skips what does not parse (the half-written last line of a running
+job, a line cut by a crash) and says how many. Writers other than the
+coordinator (the launcher, the Slurm supervisor) append whole lines with one
+``O_APPEND`` write, so lines from several writers never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+FILE = "metrics.jsonl"
+
+
+def path_of(run_dir_or_path: str) -> str:
+    p = os.fspath(run_dir_or_path)
+    return os.path.join(p, FILE) if os.path.isdir(p) else p
+
+
+def read(run_dir_or_path: str, kind: str | None = None) -> tuple[list[dict], int]:
+    """(the events, in file order, of one kind or all; how many lines did not
+    parse). A missing file is no events."""
+    events, bad = [], 0
+    try:
+        f = open(path_of(run_dir_or_path), "rb")
+    except OSError:
+        return [], 0
+    with f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            try:
+                ev = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                bad += 1
+                continue
+            if isinstance(ev, dict) and isinstance(ev.get("event"), str) and (kind is None or ev["event"] == kind):
+                events.append(ev)
+    return events, bad
+
+
+def read_events(run_dir_or_path: str, kind: str | None = None) -> list[dict]:
+    """The events (of one kind, or all), in file order."""
+    return read(run_dir_or_path, kind)[0]
+
+
+def append_event(run_dir: str, event: dict) -> None:
+    """One line appended by a writer other than the coordinator."""
+    event.setdefault("time", time.time())
+    line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode()
+    fd = os.open(os.path.join(run_dir, FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)

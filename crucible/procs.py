@@ -1,0 +1,48 @@
+"""Process helpers shared by every Crucible process: dying with a parent,
+and what the kernel says about a process (Linux ``/proc``; elsewhere these
+do nothing or answer None)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+PARENT_ENV = "CRUCIBLE_PDEATHSIG"     # set by `crucible launch`: its pid
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies
+    (``PR_SET_PDEATHSIG``; it fires when the parent *thread* that started us
+    exits). If the parent (``parent``, else ``$CRUCIBLE_PDEATHSIG``) is
+    already gone, exit now. Without either, nothing."""
+    if parent is None:
+        env = os.environ.get(PARENT_ENV)
+        if not env:
+            return
+        parent = int(env)
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:   # the parent died before prctl
+        os._exit(1)
+
+
+def state(pid: int) -> str | None:
+    """The kernel's one-letter state of `pid` (R, S, D, T, t, Z, ...), None if gone
+    (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def has_proc() -> bool:
+    return os.path.isdir("/proc/self")

@@ -1,0 +1,264 @@
+"""A worker's place in its replica's route, and its two streams.
+
+``Links`` holds the route this worker last heard of (pushed by the
+coordinator, ``on_routes``), the stream from its predecessor (attached by the
+data plane's ``Pipe`` handler) and the stream to its successor (opened here,
+``connect``), and the inbox where frames from both and notices arrive. It is
+what the data plane asks (``route_epoch``, ``predecessor``, ...) and what
+the compute loops use to send and receive (``send_down``, ``send_up``,
+``next_event``).
+
+Route epochs fence everything: a stream is opened with HELLO(epoch) and
+carries frames of that epoch only; a frame of another epoch is stale. Stage 0
+passes its attempt's epoch to ``next_event``, so a route change aborts the
+step in flight (``RouteChanged``); the attempt is replayed on the new route.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from crucible._pb import crucible_pb2 as pb
+from crucible.wire import to_wire, tokens_to_wire
+from crucible.worker.dataplane import Downstream, Event, FrameDecoder, Inbox, K
+from crucible.worker.stats import StepStats
+
+
+class RouteChanged(Exception):
+    """The replica's route changed (or a neighbour is gone): abort the step in flight."""
+
+
+class Links:
+    def __init__(self, replica: int, stage: int, token: str, cfg, decoder: FrameDecoder, inbox: Inbox,
+                 suspect: Callable[[int, str], None], on_epoch: Callable[[int], None],
+                 check_stop: Callable[[], None], idle: Callable[[], None]):
+        self.replica, self.stage, self.token, self.cfg = replica, stage, token, cfg
+        self.decoder, self.inbox = decoder, inbox
+        self.suspect, self.on_epoch, self.check_stop, self.idle = suspect, on_epoch, check_stop, idle
+        self.cv = threading.Condition()
+        self.route: pb.Route | None = None
+        self.all_routes: list = []
+        self.upstream = None
+        self.down: Downstream | None = None
+        self.down_epoch, self.down_stage = 0, None
+        self.last_commit: tuple[int, float] | None = None   # stage 0: (step, coef) of the last COMMIT sent
+
+    # ---- the route ----------------------------------------------------------
+
+    def on_routes(self, update: pb.RouteUpdate) -> None:
+        """A route push from the coordinator (any thread)."""
+        changed_to = None
+        with self.cv:
+            for r in update.routes:
+                if r.replica != self.replica:
+                    continue
+                cur = self.route
+                if cur is None or r.epoch != cur.epoch or r.state != cur.state:
+                    changed_to = r.epoch
+                if cur is None or r.epoch >= cur.epoch or update.epoch >> 32 != cur.epoch >> 32:
+                    self.route = r
+                    self.on_epoch(r.epoch)
+            self.all_routes = list(update.routes)
+            self.cv.notify_all()
+        if changed_to is not None:
+            self.inbox.put(Event("notice", note="route", epoch=changed_to))
+
+    def route_epoch(self) -> int:
+        with self.cv:
+            return self.route.epoch if self.route is not None else 0
+
+    def wait_for_epoch(self, epoch: int, timeout: float) -> int:
+        with self.cv:
+            self.cv.wait_for(lambda: self.route is not None and self.route.epoch >= epoch, timeout)
+            return self.route.epoch if self.route is not None else 0
+
+    def in_route(self) -> bool:
+        with self.cv:
+            return self.route is not None and self.stage in self.route.stages
+
+    def route_state(self) -> str | None:
+        with self.cv:
+            return self.route.state if self.route is not None else None
+
+    def route_stages(self) -> list[int]:
+        with self.cv:
+            return list(self.route.stages) if self.route is not None else []
+
+    def predecessor(self) -> int | None:
+        with self.cv:
+            if self.route is None or self.stage not in self.route.stages:
+                return None
+            i = list(self.route.stages).index(self.stage)
+            return self.route.stages[i - 1] if i > 0 else None
+
+    def healthy_peer(self) -> tuple[int, str] | None:
+        """A training replica that holds this stage: (its id, its worker's address)."""
+        with self.cv:
+            routes = list(self.all_routes)
+        for r in routes:
+            if r.replica != self.replica and r.state == "training" and self.stage in r.stages:
+                return r.replica, r.addresses[list(r.stages).index(self.stage)]
+        return None
+
+    def wait_training(self) -> float:
+        """Block while the replica is not training (waiting, paused, resuming);
+        returns the seconds waited."""
+        t0 = time.perf_counter()
+        while True:
+            self.check_stop()
+            with self.cv:
+                if self.route is not None and self.route.state == "training" and self.stage in self.route.stages:
+                    break
+                self.cv.wait(0.1)
+            self.idle()      # off the lock: a paused replica snapshots its frozen state for a pending save
+        return time.perf_counter() - t0
+
+    # ---- the stream from the predecessor (the data plane attaches it) ----------------
+
+    def attach_upstream(self, stream) -> None:
+        with self.cv:
+            self.upstream = stream
+
+    def detach_upstream(self, stream) -> bool:
+        with self.cv:
+            if self.upstream is stream:
+                self.upstream = None
+                return True
+            return False
+
+    # ---- the stream to the successor -----------------------------------------------
+
+    def _successor(self, route) -> tuple[int, str] | None:
+        stages = list(route.stages)
+        if self.stage not in stages:
+            return None
+        i = stages.index(self.stage)
+        return None if i == len(stages) - 1 else (stages[i + 1], route.addresses[i + 1])
+
+    def connect(self) -> None:
+        """A stream to our successor in the current route, opened with HELLO(epoch)."""
+        with self.cv:
+            route = self.route
+        succ = self._successor(route) if route is not None else None
+        if self.down is not None and succ is not None and self.down.address == succ[1] \
+                and self.down_epoch == route.epoch and not self.down.failed:
+            return
+        if self.down is not None:
+            self.down.close(wait=0.0)
+            self.down = None
+        if succ is None:
+            return
+        hello = pb.Frame(kind=K.HELLO, epoch=route.epoch, src_replica=self.replica, src_stage=self.stage)
+        self.down = Downstream(succ[1], hello, self.token, self.cfg.net.max_message_mb, self.cfg.net.link_mbps,
+                               self.inbox.put, self.decoder.decode_down)
+        self.down_epoch, self.down_stage = route.epoch, succ[0]
+        if self.last_commit is not None:
+            # Roll forward: a stage that missed the last COMMIT (the route broke
+            # while it travelled) applies it before anything of the next step.
+            step, coef = self.last_commit
+            self.down.send(self.frame(K.COMMIT, step, 0, self.down_epoch, clip_coef=coef))
+
+    def close(self, wait: float) -> None:
+        if self.down is not None:
+            self.down.close(wait=wait)
+
+    # ---- sending ----------------------------------------------------------------------
+
+    def frame(self, kind: int, step: int, micro: int, epoch: int, **kw) -> pb.Frame:
+        return pb.Frame(kind=kind, step=step, micro=micro, epoch=epoch,
+                        src_replica=self.replica, src_stage=self.stage, **kw)
+
+    def send_down(self, st: StepStats, kind: int, step: int, micro: int, h: torch.Tensor,
+                  targets_msg=None, targets: torch.Tensor | None = None,
+                  tokens_msg=None, tokens: torch.Tensor | None = None) -> None:
+        t0 = time.perf_counter()
+        vocab = self.cfg.model.vocab_size
+        if targets_msg is None:
+            targets_msg = tokens_to_wire(targets, vocab)
+        if tokens_msg is None and tokens is not None and self.decoder.send_tokens:
+            tokens_msg = tokens_to_wire(tokens, vocab)
+        extra = {"tokens": tokens_msg} if tokens_msg is not None else {}
+        shape = self.decoder.act_shape
+        if tuple(h.shape) != shape or h.dtype != torch.float32:
+            raise ValueError(f"stage {self.stage}'s model returned {tuple(h.shape)} {h.dtype}; a stage boundary "
+                             f"must be {shape} torch.float32 [microbatch, train.seq_len, model.d_model]")
+        f = self.frame(kind, step, micro, self.down_epoch, tensor=to_wire(h, self.decoder.fwd_codec),
+                       targets=targets_msg, **extra)
+        st.sent(f, time.perf_counter() - t0)
+        self.down.send(f)
+
+    def send_commit(self, step: int, coef: float, snapshot: bool = False) -> None:
+        if self.down is not None:
+            self.down.send(self.frame(K.COMMIT, step, 0, self.down_epoch, clip_coef=coef, snapshot=snapshot))
+
+    def send_up(self, st: StepStats, kind: int, step: int, micro: int, epoch: int | None,
+                g: torch.Tensor | None = None, **kw) -> None:
+        """Answer upstream on the stream of `epoch` (None: whatever stream is
+        attached now). A stream that is gone (the route moved on, the
+        predecessor died) drops the answer: upstream retries the step."""
+        with self.cv:
+            up = self.upstream
+        if up is None or (epoch is not None and up.epoch != epoch):
+            return
+        t0 = time.perf_counter()
+        f = self.frame(kind, step, micro, up.epoch, **kw)
+        if g is not None:
+            f.tensor.CopyFrom(to_wire(g, self.decoder.bwd_codec))
+        st.sent(f, time.perf_counter() - t0)
+        up.send(f)
+
+    # ---- receiving ---------------------------------------------------------------------
+
+    def next_event(self, st: StepStats, epoch: int | None = None, timeout: float | None = None) -> Event:
+        """The next event for the compute thread. Stage 0 passes its attempt's
+        epoch: a route change raises RouteChanged and frames of other epochs are
+        dropped. A failed neighbour is reported as a suspect; the wait goes on
+        until the coordinator's route change (or `timeout`)."""
+        t0 = time.perf_counter()
+        timeout = timeout if timeout is not None else max(60.0, 4 * self.cfg.fault.rpc_timeout_s)
+        while True:
+            try:
+                ev = self.inbox.get(timeout=0.2)
+            except queue.Empty:
+                self.check_stop()
+                self.idle()          # a paused replica snapshots its frozen state for a pending save
+                if time.perf_counter() - t0 > timeout:
+                    st.wait += time.perf_counter() - t0
+                    raise RouteChanged(f"r{self.replica}s{self.stage}: nothing from neighbours for {timeout:.0f}s")
+                continue
+            if ev.src == "notice":
+                what = self._notice(ev, epoch, st, t0)
+                if what == "deliver":
+                    break
+                if what == "neighbour_failed" and epoch is not None:
+                    # do not wait longer than it takes to declare the neighbour dead
+                    timeout = min(timeout, time.perf_counter() - t0 + 2 * self.cfg.fault.heartbeat_timeout_s)
+                continue
+            if ev.epoch != (epoch if epoch is not None else self.route_epoch()):
+                continue  # a frame of another route epoch: stale
+            break
+        st.wait += time.perf_counter() - t0
+        if ev.src != "notice":
+            st.received(ev)
+        return ev
+
+    def _notice(self, ev: Event, epoch: int | None, st: StepStats, t0: float) -> str | None:
+        """Handle a notice: "deliver" it to the reactive loop (epoch None), or
+        "neighbour_failed" (the stream to the successor broke), or None."""
+        if ev.note == "route":
+            if epoch is not None and self.route_epoch() != epoch:
+                st.wait += time.perf_counter() - t0
+                raise RouteChanged(f"route epoch {epoch:#x} -> {ev.epoch:#x}")
+            return "deliver" if epoch is None else None
+        if ev.note in ("down_error", "down_closed"):
+            if self.down is not None and ev.epoch == self.down_epoch and not self.down.failed:
+                self.down.failed = True
+                self.suspect(self.down_stage, f"stream to successor: {ev.note}")
+                return "neighbour_failed"
+            return None
+        return "deliver" if ev.note == "up_closed" and epoch is None else None

@@ -1,0 +1,141 @@
+"""A stage's global weights, between workers: the replacement rule, and the
+other side of it (serving ``PullWeights``).
+
+A replacement takes ``θ_global`` from the same stage of a healthy replica
+(bitwise, in 1 MiB chunks), sets ``θ_local ← θ_global``, ``e ← 0``, keeps a
+fresh AdamW, tells the coordinator it is ready, and enters the route at its
+replica's next step boundary.
+
+With no healthy replica, the stage's state comes from the newest committed
+checkpoint that is at least as new as the weights the slot's previous holder
+had (``slot_step``): nothing committed is lost. When every such checkpoint is
+older, loading one would silently discard committed training: the job rolls
+back to its latest checkpoint instead (``stage_lost``: the coordinator
+restarts every worker with ``--resume``), and with no checkpoint at all the
+worker stops with that error.
+
+A stage that fell too far behind the outer rounds to replay them takes the
+global weights from a peer the same way (``resync``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import grpc
+import torch
+
+from crucible import rpc
+from crucible._pb import crucible_pb2 as pb
+from crucible._pb import crucible_pb2_grpc as pbg
+from crucible.slots import slot_name
+from crucible.worker.links import Links
+from crucible.worker.outer import OuterState
+
+log = logging.getLogger("crucible.worker")
+
+CHUNK = 1 << 20
+
+
+def weight_chunks(outer: OuterState, stage: int, my_stage: int, step: int):
+    """Serve PullWeights: a consistent copy of θ_global, in 1 MiB chunks."""
+    if stage != my_stage:
+        raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, f"this worker holds stage {my_stage}")
+    with outer.lock:
+        theta = outer.theta_global.clone()
+        rnd = outer.round
+    data = theta.numpy().tobytes()
+    for off in range(0, max(len(data), 1), CHUNK):
+        yield pb.WeightChunk(offset=off // 4, total=theta.numel(), data=data[off:off + CHUNK], step=step,
+                             outer_round=rnd)
+
+
+def pull_weights(address: str, stage: int, numel: int, token: str, max_mb: int) -> tuple[torch.Tensor, int]:
+    """θ_global of `stage` from the worker at `address`: (weights, its outer round)."""
+    buf, total, rnd = None, None, 0
+    with rpc.make_channel(address, max_mb) as ch:
+        for chunk in pbg.StageStub(ch).PullWeights(pb.PullRequest(stage=stage), metadata=rpc.metadata(token),
+                                                   timeout=30):
+            if total is None:
+                total = int(chunk.total)
+                if total != numel:
+                    raise ValueError(f"peer sends {total} weights; this stage has {numel}")
+                buf = bytearray(4 * total)
+            start, n = 4 * int(chunk.offset), len(chunk.data)
+            if start + n > len(buf):
+                raise ValueError("weight chunk out of range")
+            buf[start:start + n] = chunk.data
+            rnd = chunk.outer_round
+    if buf is None:
+        raise ValueError("peer sent no weights")
+    return torch.frombuffer(buf, dtype=torch.float32).clone(), int(rnd)
+
+
+class Replacement:
+    """Joining a running job (``join``), and catching up with the outer rounds
+    (``resync``). ``ckpt`` is the worker's checkpointer (for the fallback),
+    ``ctl`` its control client (state, heartbeat, reports)."""
+
+    def __init__(self, links: Links, outer: OuterState, model: torch.nn.Module, ckpt, ctl, token: str,
+                 max_mb: int, step: Callable[[], int], debug, name: str):
+        self.links, self.outer, self.model, self.ckpt, self.ctl = links, outer, model, ckpt, ctl
+        self.token, self.max_mb, self.step, self.debug, self.name = token, max_mb, step, debug, name
+
+    def _from_peer(self, deadline_s: float = 30.0) -> str | None:
+        t_end = time.monotonic() + deadline_s
+        while time.monotonic() < t_end:
+            self.links.check_stop()
+            peer = self.links.healthy_peer()
+            if peer is None:
+                return None
+            try:
+                self.outer.load_global(*pull_weights(peer[1], self.links.stage, self.outer.numel, self.token,
+                                                     self.max_mb))
+                return slot_name(peer[0], self.links.stage)
+            except (grpc.RpcError, ValueError) as e:
+                log.warning("%s: pulling weights from r%d failed: %s", self.name, peer[0], e)
+                time.sleep(0.2)
+        return None
+
+    def join(self, slot_step: int) -> None:
+        t0 = time.perf_counter()
+        source = self._from_peer()
+        if source is None:   # nobody could give this stage: a committed checkpoint, if one is new enough
+            source = self.ckpt.restore_for_replacement(min_step=slot_step)
+        if source is None and slot_step > 0:
+            self._stage_lost(slot_step)
+        source = source or "init"
+        self.ctl.state = "ready"
+        self.ctl.heartbeat_now()
+        self.ctl.report({"event": "replacement_ready", "replica": self.links.replica, "stage": self.links.stage,
+                         "source": source, "step": self.step(), "seconds": time.perf_counter() - t0})
+        log.info("%s: replacement ready (weights from %s) in %.2fs", self.name, source, time.perf_counter() - t0)
+        self.debug.joined(self.outer.theta_global, self.outer.round, source,
+                          torch.nn.utils.parameters_to_vector(self.model.parameters()))
+
+    def _stage_lost(self, slot_step: int) -> None:
+        """Every copy of this stage is gone, and no checkpoint holds it at step
+        >= slot_step: roll the job back to its latest checkpoint (the coordinator
+        tells every worker to restart with --resume), or stop with the reason."""
+        why = (f"stage {self.links.stage} has no live copy in any replica and no committed checkpoint holds it "
+               f"at step {slot_step} or later")
+        if not self.ckpt.committed_steps():
+            raise RuntimeError(f"{why}, and there is no checkpoint to go back to: its training is lost "
+                               f"(enable checkpointing to survive this)")
+        log.error("%s: %s: asking for a roll-back of the job to its latest checkpoint", self.name, why)
+        self.ctl.report_now({"event": "stage_lost", "replica": self.links.replica, "stage": self.links.stage,
+                             "slot_step": slot_step, "reason": why})
+        while True:          # the coordinator answers every heartbeat with "restart" now
+            self.links.check_stop()
+            time.sleep(0.1)
+
+    def resync(self, why: str) -> None:
+        """This stage fell too far behind the outer rounds to replay them: take
+        θ_global from a healthy peer, as a replacement does (else keep going on
+        its own and take part again in the next round)."""
+        source = self._from_peer(deadline_s=5.0)
+        log.warning("%s: %s; global weights %s", self.name, why, f"from {source}" if source else "kept")
+        self.ctl.report({"event": "outer_resync", "replica": self.links.replica, "stage": self.links.stage,
+                         "reason": why, "source": source, "step": self.step()})

@@ -1,0 +1,75 @@
+"""Where a stage's time goes: one step's split (``StepStats``) and stage 0's
+ledger of its replica's wall time (``Ledger``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from crucible.worker.dataplane import Event, frame_nbytes
+
+
+class Ledger:
+    """Where a replica's wall time goes (stage 0 keeps it): committed compute,
+    communication, lost work (aborted attempts), paused (no route), recovering,
+    checkpoint stall. Reported as ``goodput`` events, every ``every_s``."""
+
+    KINDS = ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering")
+
+    def __init__(self, report: Callable[[dict], None], replica: int, every_s: float = 10.0):
+        self.report, self.replica, self.every_s = report, replica, every_s
+        self.t0 = time.perf_counter()
+        self.secs = dict.fromkeys(self.KINDS, 0.0)
+        self.last_report = self.t0
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.secs[kind] += seconds
+
+    def summary(self) -> dict:
+        wall = time.perf_counter() - self.t0
+        out = {k + "_s": round(v, 4) for k, v in self.secs.items()}
+        out["wall_s"] = round(wall, 4)
+        out["goodput"] = round(self.secs["compute"] / wall, 4) if wall > 0 else None
+        return out
+
+    def maybe_report(self, step: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self.last_report >= self.every_s:
+            self.last_report = now
+            self.report({"event": "goodput", "replica": self.replica, "step": step, **self.summary()})
+
+
+@dataclass
+class StepStats:
+    """Where one step's wall time went, on this stage."""
+    t0: float = field(default_factory=time.perf_counter)
+    compute: float = 0.0
+    serialize: float = 0.0
+    wait: float = 0.0
+    transport: float = 0.0
+    bytes_out: int = 0
+    raw_out: int = 0
+    bytes_in: int = 0
+    raw_in: int = 0
+
+    def received(self, ev: Event) -> None:
+        self.serialize += ev.decode_s
+        self.bytes_in += ev.nbytes
+        self.raw_in += ev.raw_nbytes
+        if ev.sent_at:
+            self.transport += max(0.0, ev.recv_at - ev.sent_at)
+
+    def sent(self, frame, seconds: float) -> None:
+        self.serialize += seconds
+        n, raw = frame_nbytes(frame)
+        self.bytes_out += n
+        self.raw_out += raw
+
+    def as_dict(self) -> dict:
+        total = time.perf_counter() - self.t0
+        transport = min(self.transport, self.wait)
+        return {"step_s": total, "compute_s": self.compute, "serialize_s": self.serialize,
+                "transport_s": transport, "idle_s": max(0.0, self.wait - transport),
+                "bytes_out": self.bytes_out, "raw_bytes_out": self.raw_out,
+                "bytes_in": self.bytes_in, "raw_bytes_in": self.raw_in}
