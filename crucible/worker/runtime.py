@@ -53,7 +53,7 @@ from crucible.health import Health
 from crucible.model import build_stage, tokens_needed
 from crucible.wire import from_wire, to_wire, tokens_to_wire
 from crucible.worker import optim, pulse
-from crucible.worker.checkpointing import WorkerCheckpointer
+from crucible.worker.checkpointing import DataCursor, RngState, WorkerCheckpointer
 from crucible.worker.control import ControlClient, RoundGone
 from crucible.worker.outer import OuterState
 from crucible.worker.dataplane import SERVICE, Downstream, Event, Inbox, StageService, K, frame_nbytes
@@ -279,13 +279,28 @@ class Worker:
         reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel)
         log.info("%s registered as %s at %s%s", self.name, reply.worker_id, self.address,
                  " (replacement)" if reply.replacement else "")
-        self.ckpt = WorkerCheckpointer(self)
+        self.ckpt = self._checkpointer()
         self.pulse = pulse.start(self.coordinator, reply.worker_id, cfg.fault.heartbeat_interval,
                                  cfg.fault.heartbeat_timeout)
         self.ctl.start_reporting()
         threading.Thread(target=self.ctl.heartbeat_loop, args=(cfg.fault.heartbeat_interval, self.on_command),
                          kwargs={"on_reply": self.ckpt.on_heartbeat}, daemon=True, name="heartbeat").start()
         return reply
+
+    def _checkpointer(self) -> WorkerCheckpointer:
+        cfg = self.cfg
+        parts = {"model": self.model, "optimizer": self.opt, "outer": self.outer, "rng": RngState(self.device)}
+        if self.first:
+            parts["data"] = DataCursor(cfg.train.batch_size, self.replica, cfg.train.seed, step=lambda: self.step)
+
+        def set_step(step: int) -> None:
+            self.step = self.ctl.step = step
+
+        return WorkerCheckpointer(
+            cfg, self.run_dir, self.replica, self.stage, parts, step=lambda: self.step, set_step=set_step,
+            route_state=lambda: getattr(self.route, "state", None),
+            report=self.ctl.report, send_shard=self.ctl.report_shard,
+            on_stall=lambda s: self.ledger.add("checkpoint_stall", s), pin=self.device.type == "cuda")
 
     def report_error(self, exc: BaseException) -> None:
         """Tell the coordinator why this worker is about to die (its status shows
