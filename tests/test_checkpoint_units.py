@@ -371,3 +371,65 @@ def test_retention_keeps_the_newest_checkpoint_holding_each_slot(tmp_path):
     doomed = [c.step for c in select_for_deletion(ckpts, LatestN(1), time.time())]
     assert doomed == [10, 20]
     assert [s for s in doomed if s not in last_holders(ckpts, slots)] == [20]
+
+
+def _parts_checkpointer(w, **kw):
+    """A stage-0 checkpointer over named parts, with the narrow callables a Worker gives."""
+    from crucible.worker.checkpointing import DataCursor, RngState, WorkerCheckpointer
+
+    parts = {"model": w.model, "optimizer": w.opt, "outer": w.outer, "rng": RngState(w.device),
+             "data": DataCursor(w.cfg.train.batch_size, w.replica, w.cfg.train.seed, step=lambda: w.step)}
+    return WorkerCheckpointer(w.cfg, w.run_dir, w.replica, 0, parts, step=lambda: w.step,
+                              set_step=lambda s: setattr(w, "step", s), **kw)
+
+
+def test_worker_checkpointer_saves_its_named_parts_and_restores_them_bitwise(tmp_path):
+    from crucible.worker import optim
+
+    w = _stage_worker(tmp_path, n_layer=2, step=12)
+    w.cfg.checkpoint.persister = "thread"
+    for p in w.model.parameters():
+        p.grad = torch.randn_like(p)
+    optim.apply_step(w.model, w.opt, 1.0, 1e-3)
+    w.outer.theta_global.add_(0.5)
+    reports, events, stalls = [], [], []
+    ck = _parts_checkpointer(w, send_shard=reports.append, report=events.append, on_stall=stalls.append)
+    torch.manual_seed(5)
+    rng = torch.get_rng_state()
+    ck.save(12)
+    ck.close()
+    rep = reports[-1]
+    assert not rep.error and rep.ckpt_step == 12 and rep.replica_step == 12 and stalls and stalls[0] > 0
+    store.commit(ck.root, 12, [{"name": rep.name, "bytes": rep.bytes, "checksum": rep.checksum}])
+    sd = store.load_shard(store.step_dir(ck.root, 12), "r0s0.shard")
+    assert list(sd)[:7] == ["format", "version", "replica", "stage", "step", "outer_round", "config_hash"]
+    assert sd["data"] == {"cursor": 12 * w.cfg.train.batch_size, "batch_size": w.cfg.train.batch_size,
+                          "replica": 0, "seed": w.cfg.train.seed}
+    fresh = _stage_worker(tmp_path, n_layer=2, step=0)
+    torch.manual_seed(99)
+    back = _parts_checkpointer(fresh, report=events.append)
+    assert back.restore(str(store.step_dir(ck.root, 12)))
+    assert fresh.step == 12 and torch.equal(torch.get_rng_state(), rng)
+    for k, v in w.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[k], v)
+    assert torch.equal(fresh.outer.theta_global, w.outer.theta_global)
+    assert torch.equal(fresh.opt.state_dict()["state"][0]["exp_avg"], w.opt.state_dict()["state"][0]["exp_avg"])
+    assert events[-1]["event"] == "ckpt_restore" and events[-1]["step"] == 12
+
+
+def test_a_failed_persist_is_reported_at_once_and_surfaces_on_the_next_save(tmp_path):
+    w = _stage_worker(tmp_path, n_layer=2, step=3)
+    w.cfg.checkpoint.persister = "thread"
+    (tmp_path / "checkpoints").write_text("not a directory")       # every write fails
+    reports, events = [], []
+    ck = _parts_checkpointer(w, send_shard=reports.append, report=events.append)
+    try:
+        ck.save(3)
+        ck._idle.wait(30)
+        assert reports[-1].ckpt_step == 3 and reports[-1].error and not reports[-1].checksum
+        assert not [e for e in events if e["event"] == "ckpt_error"]
+        ck.save(4)                                                  # the error surfaces here, once
+        errors = [e for e in events if e["event"] == "ckpt_error"]
+        assert len(errors) == 1 and errors[0]["stage"] == 0
+    finally:
+        ck.close()

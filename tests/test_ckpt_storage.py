@@ -132,6 +132,18 @@ def test_checksum_is_sha256_of_bytes_before_trailer(tmp_path):
     assert raw[:8] == b"CRUCSHD1" and raw[-40:-32] == b"CRUCEND1"
 
 
+def test_format_version_1_is_unchanged(tmp_path):
+    """A fixed state gives the very bytes the version-1 writer has always given
+    it (checksum taken from the writer before the shard/store split): old
+    checkpoints stay readable, and a change of the format cannot pass unnoticed."""
+    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "h": torch.arange(5).to(torch.bfloat16),
+             "opt": {0: {"step": torch.tensor(3.0)}, (1, "a"): [1, 2.5, None, True]},
+             "np": np.arange(3, dtype=np.int16), "b": b"\x00\xff", "nan": float("nan"), "t": (1, "x")}
+    info = st.write_shard(tmp_path, "g.shard", state)
+    assert info == {"name": "g.shard", "bytes": 1002,
+                    "checksum": "b86ca5684d52e660e384392444f72f5c9d2ed3783771849e8d4e17d8d4eefbb6"}
+
+
 def test_optimizer_state_round_trip(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
