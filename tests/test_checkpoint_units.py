@@ -241,6 +241,24 @@ def test_fixed_interval_policy_targets_multiples_of_the_period(tmp_path):
     assert c.ckpt.target() == 25
 
 
+def test_a_preemption_names_a_final_save_at_once_whatever_the_period(tmp_path):
+    c = _coordinator(tmp_path, **{"checkpoint.enable_continuous_checkpointing": False,
+                                  "checkpoint.checkpoint_period": 25})
+    m = c.ckpt
+    m.prepare(resume=False)
+    with c.cv:
+        m.final.ask()                     # what final_checkpoint does before it waits
+    m._tick()
+    t = m.target()
+    assert 10 < t < 25 and m.pending.final     # not held back to the period's next multiple
+    for wid in sorted(c.workers):
+        _report(c, wid, t)
+    m._tick()
+    assert m.final.result == t and not m.final.wanted
+    assert [e for e in c.metrics.events if e["event"] == "ckpt_commit"][-1]["final"] is True
+    assert store.read_manifest(store.step_dir(m.root, t))["final"] is True
+
+
 # ---------------------------------------------------------------- commands
 
 
