@@ -19,7 +19,10 @@ def _common_job_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from crucible.version import VersionAction
+
     ap = argparse.ArgumentParser(prog="crucible", description="Fault-tolerant pipelined, data-parallel training.")
+    ap.add_argument("--version", action=VersionAction)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("launch", help="run a coordinator and R x S workers on this machine")

@@ -9,6 +9,7 @@ import subprocess
 import time
 
 from conftest import ROOT, TINY, child_env, crucible_cmd
+from crucible.version import version
 
 
 def _pids(job) -> dict:
@@ -44,6 +45,7 @@ def test_status_json_and_sigterm_leaves_no_orphan(start_job):
                          text=True, env=child_env(), cwd=ROOT, timeout=30)
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)
+    assert st["version"] == version()
     for r in st["replicas"]:
         assert {"id", "state", "step", "loss", "route"} <= set(r)
         assert r["state"] == "training" and r["route"] == [0, 1] and r["loss"] > 0

@@ -28,6 +28,8 @@ import time
 from typing import Callable, Iterable
 from crucible.progress import Progress
 
+from crucible.version import version as crucible_version
+
 STAGE_FIELDS = ("step_s", "compute_s", "serialize_s", "transport_s", "idle_s",
                 "bytes_out", "raw_bytes_out", "bytes_in", "raw_bytes_in")
 
@@ -458,6 +460,7 @@ def environment() -> dict:
         "cpu_model": _cpu_model(),
         "cores": os.cpu_count(),
         "usable_cores": usable_cores(),
+        "crucible": crucible_version(),
         "python": platform.python_version(),
         "torch": _version("torch"),
         "grpcio": _version("grpcio"),

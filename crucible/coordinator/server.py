@@ -49,7 +49,7 @@ import time
 
 import grpc
 
-from crucible import PROTOCOL_VERSION, __version__, rpc
+from crucible import PROTOCOL_VERSION, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
@@ -60,6 +60,7 @@ from crucible.coordinator.membership import Membership, Refused, WorkerInfo
 from crucible.coordinator.outer import OuterRelay
 from crucible.coordinator.persist import LatestFile, MetricsLog, atomic_write, last_sequence_numbers
 from crucible.slots import slot_name
+from crucible.version import version as crucible_version
 
 log = logging.getLogger("crucible.coordinator")
 
@@ -180,7 +181,7 @@ class Coordinator:
         atomic_write(os.path.join(self.run_dir, "coordinator.addr"), adv + "\n")
         self.metrics.write({"event": "coordinator_start", "address": adv, "incarnation": self.incarnation,
                             "pid": os.getpid(), "replicas": self.cfg.job.replicas, "stages": self.cfg.job.stages,
-                            "restored": self.m.restored, "version": __version__, "config": self.cfg.to_dict()})
+                            "restored": self.m.restored, "version": crucible_version(), "config": self.cfg.to_dict()})
         threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
         self.ckpt.start()
         self.health.set(True)
@@ -460,8 +461,8 @@ class Coordinator:
                                 "last_seen_s": round(now - w.last_seen, 3) if w else None,
                                 "last_error": self.last_errors.get((r, s))})
             return {
+                "version": crucible_version(),
                 "run_dir": self.run_dir,
-                "version": __version__,
                 "incarnation": self.incarnation,
                 "epoch": self.epoch,
                 "elapsed_s": round(now - self.started, 3),
