@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from crucible.checkpoint import storage
+from crucible.checkpoint import shard, store
 
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -32,7 +32,7 @@ def _resolve(d: str) -> tuple[Path, Path | None]:
     p = Path(d)
     if not p.exists():
         raise SystemExit(f"crucible ckpt: {d}: no such directory")
-    if (p / storage.MANIFEST).exists() or _STEP.match(p.name):
+    if (p / store.MANIFEST).exists() or _STEP.match(p.name):
         return p.parent, p
     if (p / "checkpoints").is_dir():
         return p / "checkpoints", None
@@ -57,8 +57,8 @@ def _size(n: float) -> str:
 def _summary(info) -> dict:
     out = {"step": info.step, "path": info.path, "time": info.time}
     try:
-        m = storage.read_manifest(info.path)
-    except storage.CheckpointCorrupt as e:
+        m = store.read_manifest(info.path)
+    except store.CheckpointCorrupt as e:
         out["error"] = str(e)
         return out
     out.update(shards=len(m["shards"]), bytes=sum(s["bytes"] for s in m["shards"]),
@@ -69,7 +69,7 @@ def _summary(info) -> dict:
 
 def cmd_list(args) -> int:
     root, one = _resolve(args.dir)
-    infos = storage.list_checkpoints(root)
+    infos = store.list_checkpoints(root)
     if one is not None:
         infos = [i for i in infos if Path(i.path) == one]
     rows = [_summary(i) for i in infos]
@@ -100,18 +100,18 @@ def cmd_list(args) -> int:
 
 def cmd_verify(args) -> int:
     root, one = _resolve(args.dir)
-    infos = storage.list_checkpoints(root)
+    infos = store.list_checkpoints(root)
     if one is not None:
         infos = [i for i in infos if Path(i.path) == one]
         if not infos:
-            print(f"{one}: not a committed checkpoint (no {storage.MANIFEST})")
+            print(f"{one}: not a committed checkpoint (no {store.MANIFEST})")
             return 1
     results = []
     bar = _verify_progress(infos)
     for info in reversed(infos):
         bar.label = f"verifying step {info.step}"
         results.append({"step": info.step, "path": info.path,
-                        "problems": storage.verify(info.path, on_shard=lambda s: bar.advance(s["bytes"]))})
+                        "problems": store.verify(info.path, on_shard=lambda s: bar.advance(s["bytes"]))})
     bar.close()
     good = [r for r in results if not r["problems"]]
     usable = good[0]["step"] if good else None
@@ -139,8 +139,8 @@ def _verify_progress(infos):
     total = 0
     for info in infos:
         try:
-            total += sum(s["bytes"] for s in storage.read_manifest(info.path)["shards"])
-        except storage.CheckpointCorrupt:
+            total += sum(s["bytes"] for s in store.read_manifest(info.path)["shards"])
+        except store.CheckpointCorrupt:
             pass
     return Progress("verifying", total=total or None, unit=" MB", scale=1e6)
 
@@ -159,8 +159,8 @@ def _tree_scalars(tree) -> dict:
 def _shard_header(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
-            header, _ = storage._read_prefix_header(f, path.stat().st_size, path.name)
-    except (OSError, storage.CheckpointCorrupt) as e:
+            header, _ = shard.read_header(f, path.stat().st_size, path.name)
+    except (OSError, store.CheckpointCorrupt) as e:
         return {"error": str(e)}
     blobs = header["blobs"]
     return {"tensors": sum(1 for b in blobs if b.get("kind") == "tensor"),
@@ -171,14 +171,14 @@ def _shard_header(path: Path) -> dict:
 def cmd_inspect(args) -> int:
     root, one = _resolve(args.dir)
     if one is None:
-        infos = storage.list_checkpoints(root)
+        infos = store.list_checkpoints(root)
         if not infos:
             print(f"no committed checkpoint in {root}")
             return 1
         one = Path(infos[-1].path)
     try:
-        m = storage.read_manifest(one)
-    except storage.CheckpointCorrupt as e:
+        m = store.read_manifest(one)
+    except store.CheckpointCorrupt as e:
         print(f"{one}: {e}")
         return 1
     shards = []

@@ -60,7 +60,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from crucible.checkpoint import storage
+from crucible.checkpoint import store
 from crucible.config import Config
 from crucible.model import build_stage
 
@@ -83,12 +83,12 @@ def resolve_checkpoint(path: str) -> Path:
     p = Path(path)
     if not p.exists():
         raise ExportError(f"{path}: no such file or directory")
-    if (p / storage.MANIFEST).is_file():
+    if (p / store.MANIFEST).is_file():
         return p
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    found = storage.list_checkpoints(root)
+    found = store.list_checkpoints(root)
     if not found:
-        raise ExportError(f"{path}: no committed checkpoint (a step_<N> directory with {storage.MANIFEST})")
+        raise ExportError(f"{path}: no committed checkpoint (a step_<N> directory with {store.MANIFEST})")
     return Path(found[-1].path)
 
 
@@ -97,27 +97,27 @@ def checkpoint_state(ckpt: str, replica: int | None = None, use_global: bool = F
     per stage: ``({stage: state_dict}, config, source)``."""
     path = resolve_checkpoint(ckpt)
     try:
-        manifest = storage.read_manifest(path)
-    except storage.CheckpointCorrupt as e:
+        manifest = store.read_manifest(path)
+    except store.CheckpointCorrupt as e:
         raise ExportError(str(e)) from None
     if not isinstance(manifest.get("config"), dict):
-        raise ExportError(f"{path}/{storage.MANIFEST} has no job configuration (written by an older Crucible)")
+        raise ExportError(f"{path}/{store.MANIFEST} has no job configuration (written by an older Crucible)")
     cfg = Config.from_dict(manifest["config"])
     R, S = cfg.job.replicas, cfg.job.stages
     names = {s["name"] for s in manifest["shards"]}
-    complete = [r for r in range(R) if all(storage.shard_name(r, s) in names for s in range(S))]
+    complete = [r for r in range(R) if all(store.shard_name(r, s) in names for s in range(S))]
     if use_global:
         if cfg.outer.mode == "none" or R == 1:
             raise ExportError("this run has no outer sync (outer.mode = none or one replica): θ_global is "
                               "only the initial weights; export a replica instead (--replica R)")
         stages, used = {}, []
         for s in range(S):
-            holders = [r for r in range(R) if storage.shard_name(r, s) in names]
+            holders = [r for r in range(R) if store.shard_name(r, s) in names]
             if not holders:
                 raise ExportError(f"{path}: no replica has a shard of stage {s} (every r*s{s} is vacant)")
-            sd = _load(path, storage.shard_name(holders[0], s))
+            sd = _load(path, store.shard_name(holders[0], s))
             stages[s] = _global_state(cfg, s, sd)
-            used.append(storage.shard_name(holders[0], s))
+            used.append(store.shard_name(holders[0], s))
         source = {"replica": "global", "shards": used}
     else:
         if replica is None:
@@ -127,12 +127,12 @@ def checkpoint_state(ckpt: str, replica: int | None = None, use_global: bool = F
             replica = complete[0]
         if not 0 <= replica < R:
             raise ExportError(f"replica {replica} does not exist in this {R}x{S} job")
-        missing = [storage.shard_name(replica, s) for s in range(S) if storage.shard_name(replica, s) not in names]
+        missing = [store.shard_name(replica, s) for s in range(S) if store.shard_name(replica, s) not in names]
         if missing:
             raise ExportError(f"{path}: replica {replica} has no shard {', '.join(missing)} (vacant); "
                               f"complete replicas: {complete or 'none'}; or --global")
-        stages = {s: _load(path, storage.shard_name(replica, s))["model"] for s in range(S)}
-        source = {"replica": replica, "shards": [storage.shard_name(replica, s) for s in range(S)]}
+        stages = {s: _load(path, store.shard_name(replica, s))["model"] for s in range(S)}
+        source = {"replica": replica, "shards": [store.shard_name(replica, s) for s in range(S)]}
     rep = (manifest.get("replicas") or {}).get(str(source["replica"])) or {}
     source.update(checkpoint=str(path), step=int(manifest["step"]), config_hash=manifest.get("config_hash"),
                   outer_round=rep.get("round"), end=bool(manifest.get("end")))
@@ -141,8 +141,8 @@ def checkpoint_state(ckpt: str, replica: int | None = None, use_global: bool = F
 
 def _load(path: Path, name: str) -> dict:
     try:
-        sd = storage.load_shard(path, name)
-    except (storage.CheckpointCorrupt, OSError) as e:
+        sd = store.load_shard(path, name)
+    except (store.CheckpointCorrupt, OSError) as e:
         raise ExportError(f"{path}/{name}: {e}") from None
     if not isinstance(sd.get("model"), dict):
         raise ExportError(f"{path}/{name}: not a worker state (no model)")

@@ -274,8 +274,6 @@ class Launcher:
             return exits.ERROR
         finally:
             if self.stopping or self.failure:   # a final checkpoint before everything stops
-                from crucible.coordinator.checkpoints import preempt
-
                 preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint)
             self._stop_all()
             if self.failure:
@@ -450,3 +448,33 @@ class Launcher:
         if faults:
             out += f"\n  {faults} worker faults"
         return out + f"\ncrucible: metrics in {path}"
+
+
+def preempt(coord_proc, worker_procs, ckpt_cfg, out=None) -> None:
+    """The launcher's side of a preemption notice (SIGTERM/SIGINT): only the
+    coordinator is signalled; it takes a final checkpoint and then tells the
+    workers to stop, so they exit on their own after the commit. Waits for the
+    coordinator (``preemption_timeout_s`` plus a margin) and the workers; the
+    launcher stops whatever is left afterwards."""
+    out = out or sys.stdout
+    if not ckpt_cfg.enable_checkpointing or coord_proc is None or coord_proc.popen is None \
+            or coord_proc.poll() is not None:
+        return
+    print("crucible: stopping: taking a final checkpoint first", file=out, flush=True)
+    try:
+        coord_proc.popen.send_signal(signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        coord_proc.popen.wait(timeout=ckpt_cfg.preemption_timeout_s + 10.0)
+    except subprocess.TimeoutExpired:
+        print("crucible: the coordinator did not finish its final checkpoint in time", file=out, flush=True)
+        return
+    t_end = time.monotonic() + 5.0
+    for w in worker_procs:
+        if w.popen is None:
+            continue
+        try:
+            w.popen.wait(timeout=max(0.0, t_end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass

@@ -43,7 +43,7 @@ def check_run_dir(run_dir: str | None, resume: bool) -> None:
     train from step 0 over them (and retention would delete them): refused."""
     if not run_dir or resume:
         return
-    from crucible.checkpoint.storage import list_checkpoints
+    from crucible.checkpoint.store import list_checkpoints
 
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):

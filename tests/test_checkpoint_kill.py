@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from conftest import TINY, Job
-from crucible.checkpoint import storage
+from crucible.checkpoint import store
 
 PARTIAL = re.compile(r"^\.r\d+s\d+\.shard\.partial-(\d+)-[0-9a-f]+$")
 
@@ -42,16 +42,16 @@ def _writing(root: Path) -> list[int]:
 
 
 def _check(root: Path, shards: int | None = 4) -> int:
-    infos = storage.list_checkpoints(root)
+    infos = store.list_checkpoints(root)
     assert infos, "no committed checkpoint"
     for info in infos:   # (older ones may be deleted by retention meanwhile: only names are checked)
         assert re.fullmatch(r"step_\d{8}", Path(info.path).name), f"{info.path} listed as a checkpoint"
     latest = infos[-1]   # the newest committed one is never deleted
-    assert storage.verify(latest.path) == []
-    m = storage.read_manifest(latest.path)
+    assert store.verify(latest.path) == []
+    m = store.read_manifest(latest.path)
     assert shards is None or len(m["shards"]) in (shards, 4)
     for s in m["shards"]:
-        sd = storage.load_shard(latest.path, s["name"])
+        sd = store.load_shard(latest.path, s["name"])
         assert sd["step"] == m["replicas"][str(sd["replica"])]["step"] and sd["model"] and sd["optimizer"]["state"]
     return latest.step
 
@@ -67,7 +67,7 @@ def test_sigkill_persister_at_20_random_moments(tmp_path):
     kills, during = 0, 0
     try:
         t_end = time.monotonic() + 120
-        while not storage.list_checkpoints(root):
+        while not store.list_checkpoints(root):
             assert time.monotonic() < t_end and job.proc.poll() is None, job.output()
             time.sleep(0.05)
         while kills < 20:
@@ -99,12 +99,12 @@ def test_sigkill_persister_at_20_random_moments(tmp_path):
             assert time.monotonic() < t_end and job.proc.poll() is None, f"no checkpoint of the paused replica\n" \
                                                                          f"{job.output()}"
             step = _check(root, shards=3)
-            m = storage.read_manifest(storage.step_dir(root, step))
+            m = store.read_manifest(store.step_dir(root, step))
             if m["replicas"]["1"]["state"] == "paused" and m["vacant"] == ["r1s1"]:
                 break
             time.sleep(0.1)
         assert m["replicas"]["0"]["step"] == step and m["replicas"]["1"]["step"] < step
-        frozen = storage.load_shard(storage.step_dir(root, step), "r1s0.shard")
+        frozen = store.load_shard(store.step_dir(root, step), "r1s0.shard")
         assert frozen["step"] == m["replicas"]["1"]["step"]
     finally:
         job.kill()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, Job, child_env, crucible_cmd
-from crucible.checkpoint import storage
+from crucible.checkpoint import store
 
 N = 150
 CKPT = TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=0", "outer.H=3",
@@ -96,7 +96,7 @@ def _wait_for_commit(job: Job, min_step: int, timeout: float) -> int:
     root = os.path.join(job.run_dir, "checkpoints")
     t_end = time.monotonic() + timeout
     while time.monotonic() < t_end:
-        done = storage.list_checkpoints(root)
+        done = store.list_checkpoints(root)
         if done and done[-1].step >= min_step:
             return done[-1].step
         if job.proc.poll() is not None:
@@ -130,7 +130,7 @@ def sigkilled_and_resumed(tmp_path_factory):
     finally:
         job.kill()                        # SIGKILL to every process of the job
     assert alive_in_group(job.pgid) == []
-    latest = storage.list_checkpoints(os.path.join(run_dir, "checkpoints"))[-1]
+    latest = store.list_checkpoints(os.path.join(run_dir, "checkpoints"))[-1]
     job = _start(run_dir, resume=True)
     try:
         assert job.wait(300) == 0, job.output()
@@ -154,7 +154,7 @@ def test_sigkill_then_resume_is_bitwise_exact(reference, sigkilled_and_resumed):
 def test_corrupted_shard_is_caught_and_resume_falls_back(reference, sigkilled_and_resumed):
     run_dir = sigkilled_and_resumed["run_dir"]
     root = os.path.join(run_dir, "checkpoints")
-    done = storage.list_checkpoints(root)
+    done = store.list_checkpoints(root)
     assert len(done) >= 2
     newest, previous = done[-1], done[-2]
     shard = os.path.join(newest.path, "r1s0.shard")
@@ -194,7 +194,7 @@ def test_sigterm_takes_a_final_checkpoint_and_resume_continues_there(reference, 
     assert len(final) == 1, job.output()
     f = final[0]["step"]
     assert f < N
-    assert storage.list_checkpoints(os.path.join(run_dir, "checkpoints"))[-1].step == f
+    assert store.list_checkpoints(os.path.join(run_dir, "checkpoints"))[-1].step == f
     # The workers exited by themselves (0) after the commit, told by the coordinator.
     logs = open(job.log_path).read()
     assert "final checkpoint" in logs

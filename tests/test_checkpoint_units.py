@@ -20,10 +20,11 @@ import torch
 from conftest import ROOT, child_env, crucible_cmd
 from crucible import rpc
 from crucible._pb import crucible_pb2 as pb
-from crucible.checkpoint import storage
+from crucible.checkpoint import store
+from crucible.checkpoint.shard import read_shard, write_shard
 from crucible.checkpoint.persister import PersistError
 from crucible.config import Config
-from crucible.worker.checkpointing import Snapshotter
+from crucible.checkpoint.snapshot import Snapshotter
 
 
 def _state(scale: int = 1) -> dict:
@@ -44,10 +45,10 @@ def test_snapshot_writes_exactly_what_write_shard_writes(tmp_path, kind):
         for i in range(3):
             info = snap.persist(snap.snapshot(state), str(tmp_path / kind), "r0s1.shard")
         assert snap.allocations == 1                     # the region is reused from save to save
-        ref = storage.write_shard(tmp_path, "ref.shard", state)
+        ref = write_shard(tmp_path, "ref.shard", state)
         assert (tmp_path / kind / "r0s1.shard").read_bytes() == (tmp_path / "ref.shard").read_bytes()
         assert info == {**ref, "name": "r0s1.shard"}
-        back = storage.read_shard(tmp_path / kind / "r0s1.shard", info["checksum"])
+        back = read_shard(tmp_path / kind / "r0s1.shard", info["checksum"])
         for k, v in state["model"].items():
             assert torch.equal(back["model"][k], v)
         assert back["optimizer"]["state"][0]["step"] == state["optimizer"]["state"][0]["step"]
@@ -57,7 +58,7 @@ def test_snapshot_writes_exactly_what_write_shard_writes(tmp_path, kind):
         before = state["model"]["0.weight"].clone()
         state["model"]["0.weight"].add_(1.0)
         info2 = snap.persist(header, str(tmp_path / "after"), "x.shard")
-        assert torch.equal(storage.read_shard(tmp_path / "after" / "x.shard", info2["checksum"])["model"]["0.weight"],
+        assert torch.equal(read_shard(tmp_path / "after" / "x.shard", info2["checksum"])["model"]["0.weight"],
                            before)
         snap.snapshot(_state(scale=2))                    # a shape changed: a new region
         assert snap.allocations == 2
@@ -80,13 +81,13 @@ def test_a_killed_persister_fails_that_save_and_the_next_one_works(tmp_path):
         assert not (tmp_path / "b" / "r0s0.shard").exists()
         info = snap.persist(snap.snapshot(state), str(tmp_path / "c"), "r0s0.shard")
         assert len(started) == 2
-        storage.read_shard(tmp_path / "c" / "r0s0.shard", info["checksum"])
+        read_shard(tmp_path / "c" / "r0s0.shard", info["checksum"])
     finally:
         snap.close()
 
 
 def test_the_persister_dies_with_its_parent(tmp_path):
-    code = ("import os, sys, torch; from crucible.worker.checkpointing import Snapshotter\n"
+    code = ("import os, sys, torch; from crucible.checkpoint.snapshot import Snapshotter\n"
             "s = Snapshotter('process'); s.persist(s.snapshot({'x': torch.ones(4)}), sys.argv[1], 'a.shard')\n"
             "print(s.persister.pid, flush=True); os._exit(0)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
@@ -134,17 +135,18 @@ def _coordinator(tmp_path, **overrides):
     for rep in m.replicas:
         rep.step, rep.loss = 10, 2.0
     c = types.SimpleNamespace(cfg=cfg, run_dir=str(tmp_path), cv=threading.Condition(), metrics=_Metrics(),
-                              stopping=threading.Event(), finished=threading.Event(), job_started=True,
-                              incarnation=1, m=m, workers=m.workers, replicas=m.replicas)
-    c.ckpt = CheckpointManager(c)
+                              stopping=threading.Event(), finished=threading.Event(), m=m, workers=m.workers,
+                              replicas=m.replicas)
+    c.ckpt = CheckpointManager(cfg, str(tmp_path), membership=lambda: m, lock=c.cv, metrics=c.metrics,
+                               stopping=c.stopping, finished=c.finished)
     return c
 
 
 def _report(c, wid, step, **kw):
     w = c.workers[wid]
-    name = storage.shard_name(w.replica, w.stage)
-    d = storage.tmp_dir(c.ckpt.root, step)
-    info = storage.write_shard(d, name, {"step": step, "x": torch.ones(3)})
+    name = store.shard_name(w.replica, w.stage)
+    d = store.tmp_dir(c.ckpt.root, step)
+    info = write_shard(d, name, {"step": step, "x": torch.ones(3)})
     req = pb.ShardReport(worker_id=wid, ckpt_step=step, name=name, bytes=info["bytes"], checksum=info["checksum"],
                          replica_step=step, outer_round=3, stall_s=0.01, persist_s=0.1)
     for k, v in kw.items():
@@ -168,9 +170,9 @@ def test_manager_names_a_target_collects_shards_commits_and_keeps_the_newest(tmp
         committed.append(t)
         for rep in c.replicas:
             rep.step = t + 1
-    ckpts = storage.list_checkpoints(m.root)
+    ckpts = store.list_checkpoints(m.root)
     assert [i.step for i in ckpts] == committed[-2:]      # max_num_checkpoints_to_keep = 2
-    man = storage.read_manifest(ckpts[-1].path)
+    man = store.read_manifest(ckpts[-1].path)
     assert man["replicas"]["0"]["step"] == committed[-1] and man["replicas"]["1"]["round"] == 3
     assert man["topology"] == {"replicas": 2, "stages": 2} and man["vacant"] == []
     assert man["config_hash"] == c.cfg.digest() and len(man["shards"]) == 4
@@ -203,7 +205,7 @@ def test_manager_refuses_bad_reports_and_aborts_on_a_failure_or_a_lost_worker(tm
     c.workers["r1s1-x"].state = "dead"
     m._tick()
     assert m.pending is None and "r1s1 lost" in c.metrics.events[-1]["reason"]
-    assert storage.list_checkpoints(m.root) == []
+    assert store.list_checkpoints(m.root) == []
 
 
 def test_manager_resume_falls_back_over_a_damaged_checkpoint(tmp_path):
@@ -219,16 +221,16 @@ def test_manager_resume_falls_back_over_a_damaged_checkpoint(tmp_path):
         steps.append(t)
         for rep in c.replicas:
             rep.step = t + 1
-    newest = storage.step_dir(c.ckpt.root, steps[-1])
+    newest = store.step_dir(c.ckpt.root, steps[-1])
     (newest / "r0s1.shard").write_bytes(b"garbage")
     c2 = _coordinator(tmp_path)
     c2.ckpt.prepare(resume=True)
-    assert c2.ckpt.resume_dir == str(storage.step_dir(c2.ckpt.root, steps[0]))
+    assert c2.ckpt.resume_dir == str(store.step_dir(c2.ckpt.root, steps[0]))
     assert [r.step for r in c2.replicas] == [steps[0], steps[0]]
     assert [e["step"] for e in c2.metrics.events if e["event"] == "ckpt_damaged"] == [steps[1]]
     assert c2.ckpt.resume_dir_for((1, 0)) == c2.ckpt.resume_dir
     assert c2.ckpt.resume_dir_for((1, 0), not_fresh=True) == ""
-    assert [i.step for i in storage.list_checkpoints(c2.ckpt.root)] == [steps[0]]   # the damaged one set aside
+    assert [i.step for i in store.list_checkpoints(c2.ckpt.root)] == [steps[0]]   # the damaged one set aside
 
 
 def test_fixed_interval_policy_targets_multiples_of_the_period(tmp_path):
@@ -237,6 +239,24 @@ def test_fixed_interval_policy_targets_multiples_of_the_period(tmp_path):
     c.ckpt.prepare(resume=False)
     c.ckpt._tick()
     assert c.ckpt.target() == 25
+
+
+def test_a_preemption_names_a_final_save_at_once_whatever_the_period(tmp_path):
+    c = _coordinator(tmp_path, **{"checkpoint.enable_continuous_checkpointing": False,
+                                  "checkpoint.checkpoint_period": 25})
+    m = c.ckpt
+    m.prepare(resume=False)
+    with c.cv:
+        m.final.ask()                     # what final_checkpoint does before it waits
+    m._tick()
+    t = m.target()
+    assert 10 < t < 25 and m.pending.final     # not held back to the period's next multiple
+    for wid in sorted(c.workers):
+        _report(c, wid, t)
+    m._tick()
+    assert m.final.result == t and not m.final.wanted
+    assert [e for e in c.metrics.events if e["event"] == "ckpt_commit"][-1]["final"] is True
+    assert store.read_manifest(store.step_dir(m.root, t))["final"] is True
 
 
 # ---------------------------------------------------------------- commands
@@ -254,7 +274,7 @@ def test_ckpt_list_verify_inspect(tmp_path):
     for wid in sorted(c.workers):
         _report(c, wid, t)
     c.ckpt._tick()
-    storage.tmp_dir(c.ckpt.root, t + 50)                       # a save in progress: never listed
+    store.tmp_dir(c.ckpt.root, t + 50)                       # a save in progress: never listed
     out = _run("ckpt", "list", str(tmp_path))
     assert out.returncode == 0 and f"{t:>8}" in out.stdout and "not checkpoints: 1" in out.stdout
     listed = json.loads(_run("ckpt", "list", str(tmp_path / "checkpoints"), "--json").stdout)
@@ -263,11 +283,11 @@ def test_ckpt_list_verify_inspect(tmp_path):
     assert out.returncode == 0 and f"step {t}: ok" in out.stdout
     out = _run("ckpt", "inspect", str(tmp_path))
     assert out.returncode == 0 and "r1s1.shard" in out.stdout and "replica 1: training" in out.stdout
-    shard = storage.step_dir(c.ckpt.root, t) / "r0s0.shard"
+    shard = store.step_dir(c.ckpt.root, t) / "r0s0.shard"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
-    out = _run("ckpt", "verify", str(storage.step_dir(c.ckpt.root, t)))
+    out = _run("ckpt", "verify", str(store.step_dir(c.ckpt.root, t)))
     assert out.returncode == 1 and "DAMAGED" in out.stdout and "r0s0.shard" in out.stdout
 
 
@@ -310,18 +330,22 @@ def _stage_worker(tmp_path, n_layer: int, replica: int = 0, step: int = 100):
                                  run_dir=str(tmp_path), ctl=None)
 
 
-def _commit_shard(w, step: int) -> None:
-    from crucible.worker.checkpointing import WorkerCheckpointer
+def _checkpointer(w):
+    from crucible.worker.checkpointing import RngState, WorkerCheckpointer
 
+    return WorkerCheckpointer(w.cfg, w.run_dir, w.replica, w.stage,
+                              {"model": w.model, "optimizer": w.opt, "outer": w.outer, "rng": RngState(w.device)},
+                              step=lambda: w.step, set_step=lambda s: setattr(w, "step", s))
+
+
+def _commit_shard(w, step: int) -> None:
     root = os.path.join(w.run_dir, "checkpoints")
-    shard = storage.write_shard(storage.tmp_dir(root, step), storage.shard_name(w.replica, w.stage),
-                                WorkerCheckpointer(w).state_dict())
-    storage.commit(root, step, [shard])
+    shard = write_shard(store.tmp_dir(root, step), store.shard_name(w.replica, w.stage),
+                                _checkpointer(w).state_dict())
+    store.commit(root, step, [shard])
 
 
 def test_replacement_fallback_loads_only_a_state_that_fits(tmp_path):
-    from crucible.worker.checkpointing import WorkerCheckpointer
-
     src = _stage_worker(tmp_path, n_layer=4)
     with torch.no_grad():
         for p in src.model.parameters():
@@ -333,21 +357,21 @@ def test_replacement_fallback_loads_only_a_state_that_fits(tmp_path):
     # a replacement of replica 0 (own shard at step 40; step 60's shard is of another model)
     w = _stage_worker(tmp_path, n_layer=4)
     before = {k: v.clone() for k, v in w.model.state_dict().items()}
-    assert WorkerCheckpointer(w).restore_for_replacement() == "checkpoint step_40/r0s1.shard"
+    assert _checkpointer(w).restore_for_replacement() == "checkpoint step_40/r0s1.shard"
     for k, v in w.model.state_dict().items():
         assert torch.equal(v, src.model.state_dict()[k]) and not torch.equal(v, before[k])
     assert torch.equal(w.outer.theta_global, src.outer.theta_global)
     # replica 1 has no shard of its own: it takes replica 0's θ_global, θ_local ← θ_global
     w1 = _stage_worker(tmp_path, n_layer=4, replica=1)
-    assert WorkerCheckpointer(w1).restore_for_replacement() == "checkpoint step_40/r0s1.shard"
+    assert _checkpointer(w1).restore_for_replacement() == "checkpoint step_40/r0s1.shard"
     assert torch.equal(w1.outer.theta_global, src.outer.theta_global)
     assert torch.equal(torch.nn.utils.parameters_to_vector(w1.model.parameters()), src.outer.theta_global)
     # a checkpoint taken after the replica's present step is not used; nothing left: None, nothing touched
     w2 = _stage_worker(tmp_path, n_layer=4, step=30)   # every checkpoint is newer: the newest that fits
-    assert WorkerCheckpointer(w2).restore_for_replacement() == "checkpoint step_40/r0s1.shard"
+    assert _checkpointer(w2).restore_for_replacement() == "checkpoint step_40/r0s1.shard"
     w6 = _stage_worker(tmp_path, n_layer=6, step=50)     # the 6-layer shard is at 60 > 50, the 4-layer one does not fit
     before = {k: v.clone() for k, v in w6.model.state_dict().items()}
-    assert WorkerCheckpointer(w6).restore_for_replacement() is None
+    assert _checkpointer(w6).restore_for_replacement() is None
     assert all(torch.equal(v, before[k]) for k, v in w6.model.state_dict().items())
 
 
@@ -357,11 +381,73 @@ def test_retention_keeps_the_newest_checkpoint_holding_each_slot(tmp_path):
 
     root = str(tmp_path / "checkpoints")
     for step, names in ((10, ["r0s0.shard", "r0s1.shard"]), (20, ["r0s0.shard"]), (30, ["r0s0.shard"])):
-        shards = [storage.write_shard(storage.tmp_dir(root, step), n, {"step": step}) for n in names]
-        storage.commit(root, step, shards)
-    ckpts = storage.list_checkpoints(root)
+        shards = [write_shard(store.tmp_dir(root, step), n, {"step": step}) for n in names]
+        store.commit(root, step, shards)
+    ckpts = store.list_checkpoints(root)
     slots = {"r0s0.shard", "r0s1.shard"}
     assert last_holders(ckpts, slots) == {30, 10}      # r0s1 vacant since step 20: step 10 still holds it
     doomed = [c.step for c in select_for_deletion(ckpts, LatestN(1), time.time())]
     assert doomed == [10, 20]
     assert [s for s in doomed if s not in last_holders(ckpts, slots)] == [20]
+
+
+def _parts_checkpointer(w, **kw):
+    """A stage-0 checkpointer over named parts, with the narrow callables a Worker gives."""
+    from crucible.worker.checkpointing import DataCursor, RngState, WorkerCheckpointer
+
+    parts = {"model": w.model, "optimizer": w.opt, "outer": w.outer, "rng": RngState(w.device),
+             "data": DataCursor(w.cfg.train.batch_size, w.replica, w.cfg.train.seed, step=lambda: w.step)}
+    return WorkerCheckpointer(w.cfg, w.run_dir, w.replica, 0, parts, step=lambda: w.step,
+                              set_step=lambda s: setattr(w, "step", s), **kw)
+
+
+def test_worker_checkpointer_saves_its_named_parts_and_restores_them_bitwise(tmp_path):
+    from crucible.worker import optim
+
+    w = _stage_worker(tmp_path, n_layer=2, step=12)
+    w.cfg.checkpoint.persister = "thread"
+    for p in w.model.parameters():
+        p.grad = torch.randn_like(p)
+    optim.apply_step(w.model, w.opt, 1.0, 1e-3)
+    w.outer.theta_global.add_(0.5)
+    reports, events, stalls = [], [], []
+    ck = _parts_checkpointer(w, send_shard=reports.append, report=events.append, on_stall=stalls.append)
+    torch.manual_seed(5)
+    rng = torch.get_rng_state()
+    ck.save(12)
+    ck.close()
+    rep = reports[-1]
+    assert not rep.error and rep.ckpt_step == 12 and rep.replica_step == 12 and stalls and stalls[0] > 0
+    store.commit(ck.root, 12, [{"name": rep.name, "bytes": rep.bytes, "checksum": rep.checksum}])
+    sd = store.load_shard(store.step_dir(ck.root, 12), "r0s0.shard")
+    assert list(sd)[:7] == ["format", "version", "replica", "stage", "step", "outer_round", "config_hash"]
+    assert sd["data"] == {"cursor": 12 * w.cfg.train.batch_size, "batch_size": w.cfg.train.batch_size,
+                          "replica": 0, "seed": w.cfg.train.seed}
+    fresh = _stage_worker(tmp_path, n_layer=2, step=0)
+    torch.manual_seed(99)
+    back = _parts_checkpointer(fresh, report=events.append)
+    assert back.restore(str(store.step_dir(ck.root, 12)))
+    assert fresh.step == 12 and torch.equal(torch.get_rng_state(), rng)
+    for k, v in w.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[k], v)
+    assert torch.equal(fresh.outer.theta_global, w.outer.theta_global)
+    assert torch.equal(fresh.opt.state_dict()["state"][0]["exp_avg"], w.opt.state_dict()["state"][0]["exp_avg"])
+    assert events[-1]["event"] == "ckpt_restore" and events[-1]["step"] == 12
+
+
+def test_a_failed_persist_is_reported_at_once_and_surfaces_on_the_next_save(tmp_path):
+    w = _stage_worker(tmp_path, n_layer=2, step=3)
+    w.cfg.checkpoint.persister = "thread"
+    (tmp_path / "checkpoints").write_text("not a directory")       # every write fails
+    reports, events = [], []
+    ck = _parts_checkpointer(w, send_shard=reports.append, report=events.append)
+    try:
+        ck.save(3)
+        ck._idle.wait(30)
+        assert reports[-1].ckpt_step == 3 and reports[-1].error and not reports[-1].checksum
+        assert not [e for e in events if e["event"] == "ckpt_error"]
+        ck.save(4)                                                  # the error surfaces here, once
+        errors = [e for e in events if e["event"] == "ckpt_error"]
+        assert len(errors) == 1 and errors[0]["stage"] == 0
+    finally:
+        ck.close()

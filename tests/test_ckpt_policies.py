@@ -72,6 +72,31 @@ def test_fixed_interval():
             FixedIntervalPolicy(bad)
 
 
+def test_next_save_preemption_composed_with_any_and_the_end():
+    from crucible.checkpoint.policies import (AnySavePolicy, DecisionContext, EndOfJobPolicy,
+                                              PreemptionCheckpointingPolicy)
+
+    calm = DecisionContext(now=100.0, last_save_start=95.0)
+    preempted = DecisionContext(now=100.0, last_save_start=95.0, reached_preemption=True)
+    fixed, cont = FixedIntervalPolicy(25), ContinuousPolicy(10)
+    assert [fixed.next_save(s, calm) for s in (1, 25, 26)] == [25, 25, 50]
+    assert cont.next_save(7, calm) is None and cont.next_save(7, DecisionContext(now=105.0, last_save_start=95.0)) == 7
+    assert cont.next_save(7, DecisionContext(now=200.0, last_save_start=95.0, save_in_flight=True)) is None
+    pre = PreemptionCheckpointingPolicy()
+    assert pre.next_save(7, calm) is None and pre.next_save(7, preempted) == 7
+    # the configured policy, overridden by a preemption: at once, not at the next multiple
+    assert AnySavePolicy(pre, fixed).next_save(26, calm) == 50
+    assert AnySavePolicy(pre, fixed).next_save(26, preempted) == 26
+    assert AnySavePolicy(pre, cont).next_save(7, calm) is None
+    assert AnySavePolicy(pre, cont).next_save(7, preempted) == 7
+    end = EndOfJobPolicy(300)
+    assert end.next_save(299, calm) is None and end.next_save(300, calm) == 300 and end.next_save(340, calm) == 300
+    assert end.next_save(10, DecisionContext(now=0.0, reached_end=True)) == 300
+    assert EndOfJobPolicy(0).next_save(10, DecisionContext(now=0.0, reached_end=True)) is None
+    with pytest.raises(ValueError):
+        AnySavePolicy()
+
+
 # ----------------------------------------------------------------- preserve
 
 

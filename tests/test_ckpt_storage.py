@@ -1,5 +1,5 @@
-"""On-disk checkpoint format and commit protocol (crucible.checkpoint.storage),
-and the two-phase asynchronous save (crucible.checkpoint.snapshot)."""
+"""On-disk checkpoint format (crucible.checkpoint.shard) and the commit
+protocol (crucible.checkpoint.store)."""
 
 import collections
 import json
@@ -10,16 +10,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from crucible.checkpoint import storage as st
-from crucible.checkpoint.snapshot import AsyncSaver, SaveInFlight
-from crucible.checkpoint.storage import CheckpointCorrupt
+from crucible import checkpoint as st
+from crucible.checkpoint.shard import CheckpointCorrupt
 
 torch.set_num_threads(1)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -132,6 +130,18 @@ def test_checksum_is_sha256_of_bytes_before_trailer(tmp_path):
     raw = (tmp_path / "a.shard").read_bytes()
     assert hashlib.sha256(raw[:-40]).hexdigest() == info["checksum"]
     assert raw[:8] == b"CRUCSHD1" and raw[-40:-32] == b"CRUCEND1"
+
+
+def test_format_version_1_is_unchanged(tmp_path):
+    """A fixed state gives the very bytes the version-1 writer has always given
+    it (checksum taken from the writer before the shard/store split): old
+    checkpoints stay readable, and a change of the format cannot pass unnoticed."""
+    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "h": torch.arange(5).to(torch.bfloat16),
+             "opt": {0: {"step": torch.tensor(3.0)}, (1, "a"): [1, 2.5, None, True]},
+             "np": np.arange(3, dtype=np.int16), "b": b"\x00\xff", "nan": float("nan"), "t": (1, "x")}
+    info = st.write_shard(tmp_path, "g.shard", state)
+    assert info == {"name": "g.shard", "bytes": 1002,
+                    "checksum": "b86ca5684d52e660e384392444f72f5c9d2ed3783771849e8d4e17d8d4eefbb6"}
 
 
 def test_optimizer_state_round_trip(tmp_path):
@@ -401,7 +411,7 @@ WRITER = textwrap.dedent(
     """
     import sys, torch
     torch.set_num_threads(1)
-    from crucible.checkpoint import storage as st
+    from crucible import checkpoint as st
     from crucible.checkpoint.policies import LatestN, select_for_deletion
     root, step = sys.argv[1], int(sys.argv[2])
     print("ready", flush=True)
@@ -456,160 +466,3 @@ def test_sigkill_leaves_only_verifiable_checkpoints(tmp_path):
             assert st.load_shard(latest.path, "r2s0.shard")["step"] == latest.step
             next_step = latest.step + 1
     assert kills == 3
-
-
-# ------------------------------------------------------------------ AsyncSaver
-def make_snap_state():
-    return {
-        "w": torch.randn(64, 32),
-        "b": torch.randn(32).t(),
-        "opt": {0: {"exp_avg": torch.zeros(64, 32), "step": torch.tensor(3.0)}},
-        "rng": torch.get_rng_state(),
-        "np": np.arange(6, dtype=np.int64),
-        "cursor": {"step": 3, "seen": [1, 2]},
-        "name": "r0s1",
-    }
-
-
-def ptrs(snap):
-    return [snap["w"].data_ptr(), snap["b"].data_ptr(), snap["opt"][0]["exp_avg"].data_ptr(), snap["rng"].data_ptr(),
-            snap["np"].ctypes.data]
-
-
-def test_buffers_reused_and_snapshot_is_a_copy():
-    state = make_snap_state()
-    saver = AsyncSaver()
-    s1 = saver.snapshot(state)
-    p1 = ptrs(s1)
-    assert saver.allocations == 6
-    assert s1["w"].data_ptr() != state["w"].data_ptr()
-    assert torch.equal(s1["w"], state["w"]) and s1["cursor"] == {"step": 3, "seen": [1, 2]}
-    saver.persist(lambda s: None)
-    saver.wait()
-    # training goes on: mutate everything in place
-    state["w"].add_(1.0)
-    state["opt"][0]["exp_avg"].fill_(7.0)
-    state["cursor"]["seen"].append(3)
-    state["np"] += 1
-    s2 = saver.snapshot(state)
-    assert ptrs(s2) == p1  # same host buffers, no reallocation
-    assert saver.allocations == 6
-    assert torch.equal(s2["w"], state["w"]) and torch.equal(s2["opt"][0]["exp_avg"], torch.full((64, 32), 7.0))
-    assert (s2["np"] == state["np"]).all()
-    # plain values are deep copies
-    assert s2["cursor"]["seen"] == [1, 2, 3]
-    state["cursor"]["seen"].append(4)
-    assert s2["cursor"]["seen"] == [1, 2, 3]
-    assert saver.last_stall_s > 0 and saver.last_snapshot_bytes > 64 * 32 * 4 * 2
-    saver.close()
-
-
-def test_realloc_only_on_shape_or_dtype_change():
-    saver = AsyncSaver()
-    s1 = saver.snapshot({"a": torch.ones(4), "b": torch.ones(3), "gone": torch.ones(2)})
-    pa, pb = s1["a"].data_ptr(), s1["b"].data_ptr()
-    s2 = saver.snapshot({"a": torch.ones(4), "b": torch.ones(5)})
-    assert s2["a"].data_ptr() == pa and s2["b"].shape == (5,)
-    s3 = saver.snapshot({"a": torch.ones(4, dtype=torch.bfloat16), "b": torch.ones(5)})
-    assert s3["a"].dtype == torch.bfloat16 and s3["b"].data_ptr() == s2["b"].data_ptr()
-    assert saver.allocations == 3 + 1 + 1
-    assert set(saver._buffers) == {("a",), ("b",)}  # stale buffers dropped
-
-
-def test_persist_runs_in_background_and_writes_a_shard(tmp_path):
-    state = make_snap_state()
-    saver = AsyncSaver()
-    main = threading.get_ident()
-    seen = {}
-
-    def fn(snap):
-        seen["thread"] = threading.get_ident()
-        return st.write_shard(tmp_path, "r0s0.shard", snap)
-
-    saver.save(state, fn)
-    info = saver.wait()
-    assert seen["thread"] != main
-    assert info["name"] == "r0s0.shard" and saver.last_persist_s > 0 and saver.saves == 1
-    back = st.read_shard(tmp_path / "r0s0.shard", info["checksum"])
-    assert torch.equal(back["w"], state["w"]) and back["cursor"] == state["cursor"]
-    assert torch.equal(back["opt"][0]["exp_avg"], state["opt"][0]["exp_avg"])
-
-
-def test_background_error_surfaces_on_next_snapshot():
-    saver = AsyncSaver()
-    saver.snapshot({"a": torch.ones(2)})
-
-    def boom(snap):
-        raise OSError(28, "No space left on device")
-
-    saver.persist(boom)
-    with pytest.raises(OSError, match="No space left"):
-        saver.snapshot({"a": torch.ones(2)})
-    # raised once; the saver works again
-    saver.snapshot({"a": torch.ones(2)})
-    saver.persist(lambda s: 42)
-    assert saver.wait() == 42
-
-
-def test_background_error_surfaces_on_wait_and_close():
-    saver = AsyncSaver()
-    saver.save({"a": torch.ones(2)}, lambda s: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        saver.wait()
-    saver.save({"a": torch.ones(2)}, lambda s: [][1])
-    with pytest.raises(IndexError):
-        saver.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        saver.snapshot({"a": torch.ones(2)})
-
-
-def test_when_busy_raise_and_wait():
-    release = threading.Event()
-    saver = AsyncSaver(when_busy="raise")
-    saver.save({"a": torch.ones(2)}, lambda s: release.wait(10))
-    assert saver.busy()
-    with pytest.raises(SaveInFlight):
-        saver.snapshot({"a": torch.ones(2)})
-    release.set()
-    saver.wait()
-    assert not saver.busy()
-    saver.snapshot({"a": torch.ones(2)})
-
-    release2 = threading.Event()
-    waiter = AsyncSaver(when_busy="wait")
-    waiter.save({"a": torch.ones(2)}, lambda s: release2.wait(10))
-    threading.Timer(0.1, release2.set).start()
-    waiter.snapshot({"a": torch.zeros(2)})  # blocks until the persist is done
-    assert waiter.last_wait_s >= 0.05 and not waiter.busy()
-
-
-def test_buffers_not_overwritten_while_persist_in_flight():
-    """The snapshot being persisted keeps its values even if training runs on."""
-    release = threading.Event()
-    got = {}
-    saver = AsyncSaver(when_busy="raise")
-    state = {"w": torch.zeros(1000)}
-
-    def fn(snap):
-        release.wait(10)
-        got["sum"] = float(snap["w"].sum())
-
-    saver.save(state, fn)
-    state["w"].fill_(1.0)
-    with pytest.raises(SaveInFlight):
-        saver.snapshot(state)
-    release.set()
-    saver.wait()
-    assert got["sum"] == 0.0
-
-
-def test_persist_needs_fresh_snapshot():
-    saver = AsyncSaver()
-    with pytest.raises(RuntimeError, match="snapshot"):
-        saver.persist(lambda s: None)
-    saver.save({"a": torch.ones(1)}, lambda s: None)
-    saver.wait()
-    with pytest.raises(RuntimeError, match="snapshot"):
-        saver.persist(lambda s: None)
-    with pytest.raises(ValueError):
-        AsyncSaver(when_busy="skip")

@@ -22,7 +22,7 @@ pytest.importorskip("safetensors")
 from safetensors.torch import load_file  # noqa: E402
 
 from crucible import export  # noqa: E402
-from crucible.checkpoint import storage  # noqa: E402
+from crucible.checkpoint import store  # noqa: E402
 from crucible.config import Config  # noqa: E402
 from crucible.data import Corpus, eval_batches  # noqa: E402
 from crucible.model import build_stage  # noqa: E402
@@ -65,13 +65,13 @@ def test_completed_job_ends_with_a_checkpoint_of_its_last_step(trained):
     newest = json.loads(out.stdout)["checkpoints"][-1]
     assert newest["step"] == STEPS and newest["shards"] == 4 and newest["vacant"] == []
     assert {r: v["step"] for r, v in newest["replicas"].items()} == {"0": STEPS, "1": STEPS}
-    m = storage.read_manifest(newest["path"])
+    m = store.read_manifest(newest["path"])
     assert m["end"] is True
     out = _run("ckpt", "verify", newest["path"])
     assert out.returncode == 0 and f"step {STEPS}: ok" in out.stdout, out.stdout + out.stderr
     # every shard holds the state after the last step (and its last outer round: H = 10)
     for name in ("r0s0.shard", "r1s1.shard"):
-        sd = storage.load_shard(newest["path"], name)
+        sd = store.load_shard(newest["path"], name)
         assert sd["step"] == STEPS and sd["outer_round"] == STEPS // 10   # rounds done
     with open(os.path.join(trained, "metrics.jsonl")) as f:
         commits = [json.loads(line) for line in f if '"ckpt_commit"' in line]
@@ -80,8 +80,8 @@ def test_completed_job_ends_with_a_checkpoint_of_its_last_step(trained):
 
 def test_export_round_trips_bitwise(trained, tmp_path, capsys):
     ckpt = export.resolve_checkpoint(trained)
-    cfg = Config.from_dict(storage.read_manifest(ckpt)["config"])
-    shards = {(r, s): storage.load_shard(ckpt, storage.shard_name(r, s)) for r in (0, 1) for s in (0, 1)}
+    cfg = Config.from_dict(store.read_manifest(ckpt)["config"])
+    shards = {(r, s): store.load_shard(ckpt, store.shard_name(r, s)) for r in (0, 1) for s in (0, 1)}
     for r in (0, 1):
         if r == 0:
             out = _run("export", trained, "--out", str(tmp_path / f"r{r}"), "--replica", str(r))

@@ -12,7 +12,8 @@ import time
 import torch
 
 from conftest import ROOT, child_env, crucible_cmd
-from crucible.checkpoint import storage
+from crucible.checkpoint import store
+from crucible.checkpoint.shard import write_shard
 from crucible.progress import Progress
 
 
@@ -33,9 +34,9 @@ def test_progress_writes_only_when_enabled_and_erases_its_line():
 
 
 def _checkpoint(root) -> None:
-    d = storage.tmp_dir(root, 7)
-    infos = [storage.write_shard(d, storage.shard_name(0, s), {"x": torch.arange(50_000.0) + s}) for s in range(2)]
-    storage.commit(root, 7, [{k: i[k] for k in ("name", "bytes", "checksum")} for i in infos])
+    d = store.tmp_dir(root, 7)
+    infos = [write_shard(d, store.shard_name(0, s), {"x": torch.arange(50_000.0) + s}) for s in range(2)]
+    store.commit(root, 7, [{k: i[k] for k in ("name", "bytes", "checksum")} for i in infos])
 
 
 def test_ckpt_verify_shows_progress_on_a_terminal_and_not_in_a_pipe(tmp_path):

@@ -16,7 +16,8 @@ import signal
 import torch
 
 from conftest import TINY
-from crucible.checkpoint import storage
+from crucible.checkpoint import store
+from crucible.checkpoint.shard import write_shard
 
 
 def test_lost_stage_of_a_lone_replica_rolls_the_job_back_to_the_checkpoint(start_job):
@@ -62,22 +63,23 @@ def test_resume_gives_a_vacant_slot_the_global_weights_of_another_replica(tmp_pa
     theta = torch.arange(outer.numel, dtype=torch.float32)
     outer.theta_global.copy_(theta)
     root = tmp_path / "checkpoints"
-    d = storage.tmp_dir(root, 40)
+    d = store.tmp_dir(root, 40)
     shards = []
     for name, sd in (("r0s0.shard", None), ("r1s1.shard", {"format": STATE_FORMAT, "replica": 1, "stage": 1,
                                                           "step": 40, "model": model.state_dict(),
                                                           "outer": outer.state_dict(), "optimizer": {}})):
-        info = storage.write_shard(d, name, sd or {"format": STATE_FORMAT, "stage": 0})
+        info = write_shard(d, name, sd or {"format": STATE_FORMAT, "stage": 0})
         shards.append({"name": name, "bytes": info["bytes"], "checksum": info["checksum"]})
-    storage.commit(root, 40, shards, {})
+    store.commit(root, 40, shards, {})
 
     reports = []
     fresh = build_stage(cfg, 1, 2)
     w = types.SimpleNamespace(cfg=cfg, replica=0, stage=1, run_dir=str(tmp_path), model=fresh,
                               outer=OuterState(fresh, cfg.outer, 2), step=0, device=torch.device("cpu"),
                               ctl=types.SimpleNamespace(step=0, report=reports.append))
-    ck = WorkerCheckpointer(w)
-    assert ck.restore(str(storage.step_dir(root, 40)), replica_step=40)
+    ck = WorkerCheckpointer(cfg, w.run_dir, w.replica, w.stage, {"model": w.model, "outer": w.outer},
+                            step=lambda: w.step, set_step=lambda s: setattr(w, "step", s), report=w.ctl.report)
+    assert ck.restore(str(store.step_dir(root, 40)), replica_step=40)
     assert torch.equal(w.outer.theta_global, theta) and w.step == 40
     assert torch.equal(torch.cat([p.detach().reshape(-1) for p in fresh.parameters()]), theta)
     assert reports[0]["source"] == "checkpoint step_40/r1s1.shard"

@@ -7,12 +7,12 @@ blocks of width 512), its AdamW state after a step, and its outer state
 saves of each, after one warm-up save, reporting medians:
 
 * ``floor``     a plain copy of every tensor into preallocated host buffers;
-* ``snapshot``  Crucible's stall: the state is collected (``state_dict``) and
-                copied into the reused shared region (``crucible.worker.checkpointing``);
+* ``snapshot``  Crucible's stall, the worker's own path: the checkpointer
+                collects its named parts (``WorkerCheckpointer.state_dict``) and the
+                ``Snapshotter`` copies them into the reused shared region
+                (``crucible.checkpoint.snapshot``);
 * ``persist``   the background write of that shard by the persister process
                 (header, data, SHA-256, fsync, rename), which training does not wait for;
-* ``asyncsaver`` the stall of ``crucible.checkpoint.AsyncSaver.snapshot`` (the
-                thread-based building block), for reference;
 * ``dcp``       ``torch.distributed.checkpoint.async_save`` of the same tensors in
                 the same run: the time until it returns (its stall) and until its
                 future completes.
@@ -33,7 +33,6 @@ import shutil
 import statistics
 import tempfile
 import time
-import types
 
 from crucible.bench.common import Launch, environment, emit, progress, read_events
 
@@ -104,15 +103,16 @@ def bench_saves(size_mb: float, saves: int, device: str) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from crucible.checkpoint.snapshot import AsyncSaver
-    from crucible.worker.checkpointing import Snapshotter, WorkerCheckpointer
+    from crucible.worker.checkpointing import RngState, WorkerCheckpointer
 
     torch.set_num_threads(1)
     cfg, model, opt, outer = _state(size_mb, device)
     tmp = tempfile.mkdtemp(prefix="crucible-bench-ckpt-", dir=os.environ.get("CRUCIBLE_BENCH_DIR"))
-    w = types.SimpleNamespace(cfg=cfg, model=model, opt=opt, outer=outer, replica=0, stage=1, step=1000,
-                              device=torch.device(device), run_dir=tmp, ctl=None)
-    ck = WorkerCheckpointer(w)
+    pin = device.startswith("cuda")
+    reports = []
+    ck = WorkerCheckpointer(cfg, tmp, 0, 1, {"model": model, "optimizer": opt, "outer": outer,
+                                             "rng": RngState(device)},
+                            step=lambda: 1000, set_step=lambda s: None, send_shard=reports.append, pin=pin)
     state = ck.state_dict()
     tensors = {}
 
@@ -125,12 +125,9 @@ def bench_saves(size_mb: float, saves: int, device: str) -> dict:
 
     flat(state, "")
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    pin = device.startswith("cuda")
     bufs = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in tensors.items()}
-    snap = Snapshotter("process", pin=pin)
-    saver = AsyncSaver(pin_memory=pin)
-    res = {k: [] for k in ("floor", "snapshot", "persist", "asyncsaver", "dcp_stall", "dcp_total", "floor_cpu",
-                           "snapshot_cpu", "dcp_stall_cpu")}
+    res = {k: [] for k in ("floor", "snapshot", "persist", "dcp_stall", "dcp_total", "floor_cpu", "snapshot_cpu",
+                           "dcp_stall_cpu")}
     progress(f"state {nbytes / 1e6:.0f} MB in {len(tensors)} tensors on {device}; {saves} saves each")
     try:
         def plain_copy() -> _Timer:
@@ -141,32 +138,31 @@ def bench_saves(size_mb: float, saves: int, device: str) -> dict:
                     torch.cuda.synchronize()
             return tm
 
-        def crucible_snapshot() -> tuple[_Timer, dict]:
-            with _Timer() as tm:
-                header = snap.snapshot(ck.state_dict())
-            return tm, header
+        def crucible_snapshot(step: int) -> _Timer:
+            with _Timer() as tm:      # the worker's save: the stall, then the persist is queued
+                ck.save(step)
+            return tm
 
         for i in range(saves + 1):
             # The floor (a plain copy into preallocated buffers) and Crucible's stall
-            # (collect the state, copy it into the reused shared region) back to back,
+            # (collect the parts, copy them into the reused shared region) back to back,
             # in alternating order, after the previous writes reached the disk (so
             # that the kernel's writeback does not compete with one of them only).
+            # The stall's persist is waited for after both (it runs in the background).
             os.sync()
             if i % 2:
                 floor_t = plain_copy()
-                stall_t, header = crucible_snapshot()
+                stall_t = crucible_snapshot(i + 1)
             else:
-                stall_t, header = crucible_snapshot()
+                stall_t = crucible_snapshot(i + 1)
                 floor_t = plain_copy()
             floor, stall = floor_t.wall, stall_t.wall
-            t0 = time.perf_counter()
-            snap.persist(header, os.path.join(tmp, f"s{i}"), "r0s1.shard")
-            persist = time.perf_counter() - t0
-            shutil.rmtree(os.path.join(tmp, f"s{i}"), ignore_errors=True)
-            # AsyncSaver (thread persist; only its snapshot is timed)
-            os.sync()
-            saver.snapshot(ck.state_dict())
-            aso = saver.last_stall_s
+            ck.flush()
+            rep = reports[-1]
+            if rep.error or rep.ckpt_step != i + 1:
+                raise RuntimeError(f"save {i}: {rep.error or 'no shard report'}")
+            persist = ck.last_persist_s
+            shutil.rmtree(os.path.join(ck.root, f".tmp-step_{i + 1:08d}"), ignore_errors=True)
             # torch.distributed.checkpoint.async_save of the same tensors
             os.sync()
             t0 = time.perf_counter()
@@ -178,20 +174,19 @@ def bench_saves(size_mb: float, saves: int, device: str) -> dict:
             shutil.rmtree(os.path.join(tmp, f"dcp{i}"), ignore_errors=True)
             if i == 0:
                 continue   # warm-up: first-touch allocations everywhere
-            for k, v in (("floor", floor), ("snapshot", stall), ("persist", persist), ("asyncsaver", aso),
-                         ("dcp_stall", dstall), ("dcp_total", dtotal), ("floor_cpu", floor_t.cpu),
-                         ("snapshot_cpu", stall_t.cpu), ("dcp_stall_cpu", dcp_t.cpu)):
+            for k, v in (("floor", floor), ("snapshot", stall), ("persist", persist), ("dcp_stall", dstall),
+                         ("dcp_total", dtotal), ("floor_cpu", floor_t.cpu), ("snapshot_cpu", stall_t.cpu),
+                         ("dcp_stall_cpu", dcp_t.cpu)):
                 res[k].append(v)
             progress(f"save {i}: floor {floor * 1e3:.1f} ms, snapshot {stall * 1e3:.1f} ms, persist {persist:.3f} s, "
-                     f"AsyncSaver {aso * 1e3:.1f} ms, DCP async_save {dstall * 1e3:.1f} ms (done {dtotal:.3f} s)")
+                     f"DCP async_save {dstall * 1e3:.1f} ms (done {dtotal:.3f} s)")
     finally:
-        snap.close()
-        saver.close()
+        ck.close()
         shutil.rmtree(tmp, ignore_errors=True)
     out = {"state_bytes": nbytes, "tensors": len(tensors), "saves": saves, "device": device,
            "floor_copy_s": _stats(res["floor"], res["floor_cpu"]),
            "snapshot_stall_s": _stats(res["snapshot"], res["snapshot_cpu"]),
-           "persist_s": _stats(res["persist"]), "asyncsaver_stall_s": _stats(res["asyncsaver"]),
+           "persist_s": _stats(res["persist"]),
            "dcp_async_save_stall_s": _stats(res["dcp_stall"], res["dcp_stall_cpu"]),
            "dcp_async_save_total_s": _stats(res["dcp_total"])}
     med = {k: out[k]["median"] for k in ("floor_copy_s", "snapshot_stall_s", "dcp_async_save_stall_s", "persist_s")}
@@ -293,7 +288,7 @@ def bench_runs(quick: bool) -> dict:
             r["stall_fraction"] = r["median_stall_s"] / r["median_interval_s"]
     default_name = [n for n in runs if n.endswith("default")][0]
     return {"replicas": replicas, "stages": stages, "steps": steps, "warmup_steps": warmup, "runs": runs,
-            "default_minimum_interval_secs": default_interval,
+            "default_minimum_interval_s": default_interval,
             "target_default_slowdown_le_5pct": runs[default_name]["slowdown_vs_off"] <= 0.05,
             "target_default_cpu_overhead_le_5pct": runs[default_name]["cpu_overhead_vs_off"] <= 0.05}
 

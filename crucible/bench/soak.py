@@ -300,11 +300,11 @@ def analyze(events: list[dict], injected: list[dict]) -> dict:
 
 
 def verify_checkpoints(run_dir: str) -> dict:
-    from crucible.checkpoint import storage
+    from crucible.checkpoint import store
 
     root = os.path.join(run_dir, "checkpoints")
-    ckpts = storage.list_checkpoints(root) if os.path.isdir(root) else []
-    bad = {c.step: storage.verify(c.path) for c in ckpts}
+    ckpts = store.list_checkpoints(root) if os.path.isdir(root) else []
+    bad = {c.step: store.verify(c.path) for c in ckpts}
     return {"on_disk": len(ckpts), "failing_verify": sum(1 for p in bad.values() if p),
             "problems": {str(k): v for k, v in bad.items() if v}}
 

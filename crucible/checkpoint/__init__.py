@@ -1,13 +1,23 @@
-"""Continuous checkpointing (docs/architecture.md, "Checkpoints").
+"""Continuous checkpointing: the parts that know nothing of workers or coordinators.
 
-* ``policies``  when to save and which checkpoints to keep (no torch);
-* ``storage``   the on-disk format: shards, manifest, crash-safe commit,
-                verify, list, fallback, cleanup;
-* ``snapshot``  ``AsyncSaver``: snapshot into reused host buffers (the only
-                stall), persist on a background thread.
+* ``policies``   when to save and which checkpoints to keep (no torch);
+* ``shard``      the bytes of one shard file: header, alignment, prefix,
+                 trailer and digest; the one writer and the one reader;
+* ``store``      a job's checkpoint directories: ``step_N`` and
+                 ``.tmp-step_N``, the crash-safe commit with its manifest,
+                 list, verify, fall back, delete, clean up;
+* ``snapshot``   the snapshot region (``Region``, ``Snapshotter``): the
+                 state copied into reused shared memory laid out as a shard's
+                 data region (the only stall), written by
+* ``persister``  a child process (or a thread) mapping that region.
 
-The torch-based names are loaded lazily, so ``crucible.checkpoint.policies``
-can be imported (by the coordinator or ``crucible interval``) without torch.
+Who uses them: the worker's side of a save is ``crucible.worker.checkpointing``
+(the consistent cut, the named stateful parts, restore); the coordinator's is
+``crucible.coordinator.checkpoints`` (naming the cut, collecting shards,
+committing, retention).
+
+The names below are loaded lazily, so ``crucible.checkpoint.policies`` can
+be imported (by the coordinator or ``crucible interval``) without torch.
 """
 
 from __future__ import annotations
@@ -32,23 +42,23 @@ from .policies import (  # noqa: F401  (re-exported)
 )
 
 _LAZY = {
-    "CheckpointCorrupt": "storage",
-    "write_shard": "storage",
-    "read_shard": "storage",
-    "load_shard": "storage",
-    "read_manifest": "storage",
-    "commit": "storage",
-    "list_checkpoints": "storage",
-    "verify": "storage",
-    "latest_valid": "storage",
-    "clean_tmp": "storage",
-    "delete": "storage",
-    "set_metrics": "storage",
-    "shard_name": "storage",
-    "step_dir": "storage",
-    "tmp_dir": "storage",
-    "AsyncSaver": "snapshot",
-    "SaveInFlight": "snapshot",
+    "CheckpointCorrupt": "shard",
+    "write_shard": "shard",
+    "read_shard": "shard",
+    "shard_name": "shard",
+    "load_shard": "store",
+    "read_manifest": "store",
+    "commit": "store",
+    "list_checkpoints": "store",
+    "verify": "store",
+    "latest_valid": "store",
+    "clean_tmp": "store",
+    "delete": "store",
+    "set_metrics": "store",
+    "step_dir": "store",
+    "tmp_dir": "store",
+    "Region": "snapshot",
+    "Snapshotter": "snapshot",
 }
 
 

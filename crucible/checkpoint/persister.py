@@ -1,16 +1,13 @@
 """Phase 2 of a save, off the training process: write a shard from a shared region.
 
-A worker's snapshot (see ``crucible.worker.checkpointing``) copies its state
-into one shared-memory region laid out exactly as the data region of a shard
-file (``storage``'s format: every blob at a 64-byte-aligned offset, gaps
-zero). Persisting it is then one sequential write:
+A snapshot (``crucible.checkpoint.snapshot``) copies a worker's state into
+one shared-memory region laid out exactly as the data region of a shard file
+(``crucible.checkpoint.shard``). Persisting it is then one sequential write
+by ``shard.write``:
 
     prefix (magic, header JSON, padding)  |  region[0:data_bytes]  |  trailer
 
-with the SHA-256 of every byte before the trailer computed on the way, the
-file written under a temporary name, fsynced, renamed to its final name and
-the directory fsynced: byte for byte what ``storage.write_shard`` writes for
-the same state, so ``read_shard``, ``verify`` and ``commit`` treat both alike.
+byte for byte what ``shard.write_shard`` writes for the same state.
 
 Where the write runs:
 
@@ -32,78 +29,20 @@ No torch here.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import mmap
 import os
 import signal
-import struct
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Any
 
-from . import storage
-
-CHUNK = 8 << 20
+from . import shard
 
 
 class PersistError(RuntimeError):
     """A shard could not be persisted (the writer died or failed)."""
-
-
-def shard_prefix(header: dict) -> bytes:
-    """The bytes of a shard file before its data region (see ``storage``)."""
-    hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    prefix = storage.MAGIC + struct.pack("<Q", len(hbytes)) + hbytes
-    return prefix + b"\0" * (storage._align(len(prefix)) - len(prefix))
-
-
-def write_region(prefix: bytes, region, data_bytes: int, directory: str | os.PathLike, name: str,
-                 delay_s: float = 0.0) -> dict:
-    """Write one shard file: ``prefix``, ``region[:data_bytes]``, trailer;
-    crash-safely (temporary name, fsync, rename, directory fsync). Returns
-    ``{"name", "bytes", "checksum"}`` as ``storage.write_shard`` does.
-    ``delay_s`` (tests only) stretches the write so that it can be
-    interrupted at chosen moments."""
-    storage._check_shard_name(name)
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    final = d / name
-    part = d / f".{name}.partial-{os.getpid()}-{time.monotonic_ns():x}"
-    h = hashlib.sha256()
-    mv = memoryview(region)
-    try:
-        with open(part, "wb") as f:
-            h.update(prefix)
-            f.write(prefix)
-            pieces = max(1, -(-data_bytes // CHUNK))
-            for i, off in enumerate(range(0, data_bytes, CHUNK)):
-                piece = mv[off:min(off + CHUNK, data_bytes)]
-                h.update(piece)
-                f.write(piece)
-                if delay_s:
-                    time.sleep(delay_s / (2 * pieces))
-            digest = h.digest()
-            f.write(storage.TRAILER_MAGIC + digest)
-            f.flush()
-            if delay_s:
-                time.sleep(delay_s / 2)
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(part, final)
-    except BaseException:
-        try:
-            os.unlink(part)
-        except OSError:
-            pass
-        raise
-    finally:
-        mv.release()
-    storage._fsync_path(d, directory=True)
-    return {"name": name, "bytes": size, "checksum": digest.hex()}
 
 
 class ThreadPersister:
@@ -119,7 +58,7 @@ class ThreadPersister:
         self.region = region
 
     def write(self, prefix: bytes, data_bytes: int, directory: str, name: str, delay_s: float = 0.0) -> dict:
-        return write_region(prefix, self.region, data_bytes, directory, name, delay_s)
+        return shard.write(directory, name, prefix, shard.region_chunks(self.region, data_bytes), delay_s)
 
     def close(self) -> None:
         self.region = None
@@ -267,8 +206,8 @@ def child_main(argv: list[str] | None = None) -> int:
             data_bytes = int(req["data_bytes"])
             if not 0 <= data_bytes <= args.size:
                 raise ValueError(f"data_bytes {data_bytes} outside the region ({args.size})")
-            info = write_region(base64.b64decode(req["prefix"]), region, data_bytes, req["dir"], req["name"],
-                                float(req.get("delay_s") or 0.0))
+            info = shard.write(req["dir"], req["name"], base64.b64decode(req["prefix"]),
+                               shard.region_chunks(region, data_bytes), float(req.get("delay_s") or 0.0))
             rep = {"id": req.get("id"), "ok": True, **info}
         except Exception as e:  # answered, never fatal: the parent reports it
             rep = {"id": req.get("id") if isinstance(req, dict) else None, "ok": False,

@@ -6,27 +6,44 @@ Policies follow the Orbax style: small classes with one method each.
 
 Save decision
 -------------
-A *save policy* answers ``should_save(step, now, last_save_start,
-save_in_flight) -> bool``:
+A *save policy* answers ``next_save(step, context) -> int | None``: the step
+at or after ``step`` at which it would save now, or ``None`` for "not now".
+The coordinator asks it with the first step every training replica can still
+snapshot at (a step boundary); ``context`` (a ``DecisionContext``) holds
+what the decision may depend on besides the step:
 
-* ``step``            the step about to be checkpointed (a step boundary);
-* ``now``             wall-clock time (seconds, any monotonic-enough clock,
-                      the same one used for ``last_save_start``);
-* ``last_save_start`` when the previous save started (its snapshot), or
-                      ``None`` when there has been none in this process;
-* ``save_in_flight``  whether the previous save is still being persisted or
-                      has not been committed yet.
+* ``now``                wall-clock time (seconds, any monotonic-enough clock,
+                         the same one used for ``last_save_start``);
+* ``last_save_start``    when the previous save started, or ``None`` when
+                         there has been none in this process;
+* ``save_in_flight``     whether the previous save is still being persisted
+                         or has not been committed yet;
+* ``reached_preemption`` a preemption notice came: a last save is wanted now;
+* ``reached_end``        the job's end is in sight: a replica finished, or a
+                         shard of the end save already came in.
 
 ``ContinuousPolicy(minimum_interval_s)`` starts the next save as soon as
 the previous one is committed (nothing in flight), but never sooner than
-``minimum_interval_s`` after the previous save *started*.  Under it the
+``minimum_interval_s`` after the previous save *started*. Under it the
 checkpoint interval adapts to the write time: it is
 ``max(minimum_interval_s, persist time)``.
 
 ``FixedIntervalPolicy(steps)`` saves at every step that is a multiple of
-``steps`` (step 0 excluded).  It does not skip a save because one is in
-flight: the caller waits for the previous one (``AsyncSaver.snapshot``
-does) -- skipping would silently stretch the interval.
+``steps`` (step 0 excluded): ``next_save`` rounds up to the next multiple.
+It does not skip a save because one is in flight: the caller waits for the
+previous one -- skipping would silently stretch the interval.
+
+These two also answer ``should_save(step, now, last_save_start,
+save_in_flight) -> bool`` for one given step.
+
+``PreemptionCheckpointingPolicy()`` saves at once when a preemption notice
+came (``reached_preemption``), whatever the others say; composed with the
+configured policy by ``AnySavePolicy(*policies)``, which saves at the
+earliest step any member names (as Orbax composes its policies).
+
+``EndOfJobPolicy(end_step)`` names the job's last step once the first step
+left reaches it or the end is in sight (``reached_end``): the end save,
+which every worker takes unasked, whatever the other policies say.
 
 Preservation (retention)
 ------------------------
@@ -52,10 +69,14 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 __all__ = [
     "CkptInfo",
+    "DecisionContext",
     "SavePolicy",
     "PreservationPolicy",
     "ContinuousPolicy",
     "FixedIntervalPolicy",
+    "PreemptionCheckpointingPolicy",
+    "EndOfJobPolicy",
+    "AnySavePolicy",
     "KeepAll",
     "LatestN",
     "EveryNSeconds",
@@ -92,10 +113,19 @@ class CkptInfo:
 # --------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class DecisionContext:
+    """What a save decision may depend on besides the step (see the module docstring)."""
+
+    now: float
+    last_save_start: float | None = None
+    save_in_flight: bool = False
+    reached_preemption: bool = False
+    reached_end: bool = False
+
+
 class SavePolicy(Protocol):
-    def should_save(
-        self, step: int, now: float, last_save_start: float | None, save_in_flight: bool
-    ) -> bool: ...
+    def next_save(self, step: int, context: DecisionContext) -> int | None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +150,13 @@ class ContinuousPolicy:
             return True
         return now - last_save_start >= self.minimum_interval_s
 
+    def next_save(self, step: int, context: DecisionContext) -> int | None:
+        return step if self.should_save(step, context.now, context.last_save_start, context.save_in_flight) else None
+
+    def describe(self) -> str:
+        return (f"continuous checkpointing: each save starts when the previous one is committed, at least "
+                f"{self.minimum_interval_s:g}s after it started")
+
 
 @dataclasses.dataclass(frozen=True)
 class FixedIntervalPolicy:
@@ -139,6 +176,52 @@ class FixedIntervalPolicy:
         self, step: int, now: float, last_save_start: float | None, save_in_flight: bool
     ) -> bool:
         return step > 0 and step % self.steps == 0
+
+    def next_save(self, step: int, context: DecisionContext) -> int | None:
+        return max(1, -(-step // self.steps)) * self.steps
+
+    def describe(self) -> str:
+        return f"checkpoints every {self.steps} steps"
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptionCheckpointingPolicy:
+    """Save at once when a preemption notice came (``reached_preemption``)."""
+
+    def next_save(self, step: int, context: DecisionContext) -> int | None:
+        return step if context.reached_preemption else None
+
+
+@dataclasses.dataclass(frozen=True)
+class EndOfJobPolicy:
+    """The save of the job's last step ``end_step``: named once the first step
+    still open to a save reaches it, or the end is in sight (``reached_end``)."""
+
+    end_step: int
+
+    def next_save(self, step: int, context: DecisionContext) -> int | None:
+        if self.end_step <= 0:
+            return None
+        return self.end_step if step >= self.end_step or context.reached_end else None
+
+
+class AnySavePolicy:
+    """Save at the earliest step any member policy names."""
+
+    def __init__(self, *policies: SavePolicy) -> None:
+        if not policies:
+            raise ValueError("AnySavePolicy needs at least one policy")
+        for p in policies:
+            if not callable(getattr(p, "next_save", None)):
+                raise TypeError(f"AnySavePolicy member {p!r} has no next_save method")
+        self.policies = tuple(policies)
+
+    def next_save(self, step: int, context: DecisionContext) -> int | None:
+        steps = [s for s in (p.next_save(step, context) for p in self.policies) if s is not None]
+        return min(steps) if steps else None
+
+    def __repr__(self) -> str:
+        return f"AnySavePolicy({', '.join(map(repr, self.policies))})"
 
 
 # --------------------------------------------------------------------------
@@ -310,7 +393,7 @@ def select_for_deletion(
 ) -> list[CkptInfo]:
     """The committed checkpoints that retention should delete, oldest first.
 
-    ``ckpts`` must be committed checkpoints only (``storage.list_checkpoints``).
+    ``ckpts`` must be committed checkpoints only (``store.list_checkpoints``).
     The newest one (highest step) is never returned, nor is anything not
     strictly older than it; everything else is returned unless ``policy``
     preserves it.  ``policy=None`` keeps everything.
@@ -419,7 +502,8 @@ def save_policy_from_config(cfg: Mapping[str, Any]) -> SavePolicy | None:
     """Build the save policy from ``checkpoint.*`` config values: ``None``
     when ``enable_checkpointing`` is false; ``ContinuousPolicy`` when
     ``enable_continuous_checkpointing`` (``checkpoint_period`` is then
-    ignored); else ``FixedIntervalPolicy(checkpoint_period)``."""
+    ignored); else ``FixedIntervalPolicy(checkpoint_period)``. (The coordinator composes it
+with ``PreemptionCheckpointingPolicy``: ``AnySavePolicy``.)"""
     if not _parse_bool(cfg.get("enable_checkpointing", True)):
         return None
     if _parse_bool(cfg.get("enable_continuous_checkpointing", False)):

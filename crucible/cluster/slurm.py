@@ -384,7 +384,7 @@ def submit(run: SlurmRun, slot: Slot, start: str = "restart") -> int:
 
 
 def has_checkpoint(run_dir: str) -> bool:
-    from crucible.checkpoint.storage import list_checkpoints
+    from crucible.checkpoint.store import list_checkpoints
 
     return bool(list_checkpoints(os.path.join(run_dir, "checkpoints")))
 

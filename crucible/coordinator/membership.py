@@ -289,6 +289,38 @@ class Membership:
     def all_done(self) -> bool:
         return all(rep.state == "done" for rep in self.replicas)
 
+    # ---- what the checkpoint manager reads -----------------------------------------------
+
+    def worker(self, worker_id: str) -> WorkerInfo | None:
+        """A worker's record (any state), or None when unknown."""
+        return self.workers.get(worker_id)
+
+    def route(self, r: int) -> list[int]:
+        """Replica r's route: its stages whose holder is alive or done, in order."""
+        return list(self.routes.get(r, []))
+
+    def replica_states(self) -> dict[int, str]:
+        return {rep.id: rep.state for rep in self.replicas}
+
+    def unfinished(self) -> list[WorkerInfo]:
+        """Workers still at work: alive or joining."""
+        return [w for w in self.workers.values() if w.state in ("alive", "joining")]
+
+    def resume_at(self, steps: dict[int, int]) -> None:
+        """A job resumed from a checkpoint: its replicas start at these steps."""
+        for r, step in steps.items():
+            if 0 <= r < self.R:
+                self.replicas[r].step = int(step)
+
+    def mean_losses(self) -> dict[str, float]:
+        """The replicas' latest training and evaluation losses, averaged (those known)."""
+        out = {}
+        for key in ("loss", "eval_loss"):
+            vals = [getattr(rep, key) for rep in self.replicas if isinstance(getattr(rep, key), (int, float))]
+            if vals:
+                out[key] = sum(vals) / len(vals)
+        return out
+
     # ---- persistence ----------------------------------------------------------------------
 
     def to_dict(self) -> dict:

@@ -99,7 +99,8 @@ class Coordinator:
         self.restart_requested = False
         self._probing: set[tuple[int, int]] = set()
         self.outer = OuterRelay(self)
-        self.ckpt = CheckpointManager(self)
+        self.ckpt = CheckpointManager(cfg, self.run_dir, membership=lambda: self.m, lock=self.cv, metrics=self.metrics,
+                                      stopping=self.stopping, finished=self.finished, incarnation=self.incarnation)
         if restore:
             self._restore()
         else:

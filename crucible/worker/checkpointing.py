@@ -1,14 +1,45 @@
-"""A worker's side of continuous checkpointing (docs/architecture.md, "Checkpoints").
+"""A worker's side of continuous checkpointing: the cut, the save, the restore.
+
+The checkpointer takes the state it saves as *named stateful parts*, each an
+object with ``state_dict()`` and ``load_state_dict(sd)``, and the few things
+it needs from its worker as narrow callables; it never sees the Worker::
+
+    WorkerCheckpointer(
+        cfg, run_dir, replica, stage,
+        parts={"model": model, "optimizer": opt, "outer": outer,
+               "rng": RngState(device),
+               "data": DataCursor(batch_size, replica, seed, step=...)},   # stage 0 only
+        step=lambda: worker.step,            # steps this stage has applied
+        set_step=worker_set_step,            # a restore sets the step it resumes at
+        route_state=lambda: route.state,     # "training" | "paused" | ... | None (no route yet)
+        report=ctl.report,                   # events for metrics.jsonl
+        send_shard=ctl.report_shard,         # ReportShard(pb.ShardReport) -> accepted
+        on_stall=lambda s: ledger.add("checkpoint_stall", s),
+        pin=device.type == "cuda")           # pin the snapshot region
+
+Calls from the worker: ``on_heartbeat(reply)`` (the heartbeat thread: the
+pending target step), ``commit_flag(step)`` (stage 0, about to COMMIT),
+``after_commit(snapshot)`` (every stage, after a COMMIT and its outer
+round), ``idle()`` (the training thread waiting on a paused replica),
+``restore(resume_dir, replica_step)``, ``restore_for_replacement(min_step)``,
+``committed_steps()``, ``close()`` and ``dump_final()``; ``save(step)`` and
+``flush()`` save on demand (the benchmark, tests).
 
 What a shard holds (everything exact resume needs, one per worker)::
 
-    replica, stage, step, outer_round, config_hash
+    format, version, replica, stage, step, outer_round, config_hash
     model         the stage's parameters and buffers        (model.state_dict())
     optimizer     AdamW moments, step counts, param groups  (opt.state_dict())
+    outer         θ_global, error-feedback buffer e, round, Nesterov state (OuterState)
+    rng           torch (and CUDA) generator states          (RngState)
+    data          stage 0: the data cursor                   (DataCursor)
     lr_schedule   the step the schedule is at and its next lr (a pure function of the step)
-    outer         θ_global, error-feedback buffer e, round, Nesterov state (OuterState.state_dict())
-    rng           torch (and CUDA) generator states
-    data          stage 0: the data cursor (step x batch; batches are a pure function of it)
+
+The parts are saved under their names, in order; a restore loads every part
+from the entry of its name (a shard lacking one is refused). The replacement
+rule needs two of them by name: ``model`` (a module's state dict) and
+``outer`` (``OuterState``: ``round``, ``numel``, ``mode``,
+``load_global(theta, round)``).
 
 When (the consistent cut). The coordinator names a target step T in its
 heartbeat replies. Stage 0 of each training replica, about to COMMIT step
@@ -24,208 +55,124 @@ being told: stage 0 marks the COMMIT of the last step, every stage snapshots
 after it (and the outer round it closes) and reports the shard; the
 coordinator commits them as the job's end save.
 
-How (two phases, at most one save in flight):
-
-1. *Snapshot*, on the training thread, at the step boundary: the state's
-   tensors are copied into one host region that is reused from save to save
-   (reallocated only when a shape changes). The region is laid out exactly
-   as the data region of the shard file, so nothing is copied again. This
-   copy is the only stall. On a GPU the region is pinned and the copies are
-   asynchronous, synchronized before training resumes.
-2. *Persist*, in the background: the region is written as a shard into
-   ``checkpoints/.tmp-step_T/`` by a persister (a small child process that
-   maps the same region; see ``crucible.checkpoint.persister``), then the
-   shard's size and checksum go to the coordinator (``ReportShard``). The
-   coordinator commits when every shard is in.
-
-A snapshot waits for the previous persist to finish (measured apart from
-the stall); a persist that failed is reported to the coordinator at once
-(which aborts that checkpoint) and surfaces again, as an error in the log
-and a ``ckpt_error`` event, on the next save or at close.
+How (two phases, at most one save in flight; ``crucible.checkpoint.snapshot``):
+the *snapshot* copies the parts' tensors into a reused shared region on the
+training thread (the only stall); the *persist* writes it as a shard into
+``checkpoints/.tmp-step_T/`` on one long-lived background thread (through
+the persister child process), then the shard's size and checksum go to the
+coordinator (``send_shard``). A snapshot waits for the previous persist to
+finish (measured apart from the stall; a persist stuck for longer than
+``busy_timeout_s`` makes this save be skipped and reported); a persist that
+failed is reported at once (the coordinator aborts that checkpoint) and
+surfaces again, as an error in the log and a ``ckpt_error`` event, on the
+next save or at close.
 
 Restore: at registration the coordinator may name a committed checkpoint
 (``RegisterReply.resume_dir``); the shard is read, checked against the
-manifest's checksum and loaded bit for bit.
+manifest's checksum and loaded bit for bit into every part.
 """
 
 from __future__ import annotations
 
-import gc
+import copy
 import logging
-import mmap
 import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Mapping, Protocol
 
-import grpc
-import numpy as np
 import torch
 
 from crucible._pb import crucible_pb2 as pb
-from crucible.checkpoint import storage
-from crucible.checkpoint.persister import ProcessPersister, ThreadPersister, shard_prefix
+from crucible.checkpoint import store
+from crucible.checkpoint.policies import CkptInfo
+from crucible.checkpoint.shard import CheckpointCorrupt, shard_name
+from crucible.checkpoint.snapshot import Snapshotter
 from crucible.worker import optim
 
 log = logging.getLogger("crucible.ckpt")
 
 STATE_FORMAT = "crucible-worker-state"
 STATE_VERSION = 1
+# The parts a replacement takes from its slot's shard: the stage's training
+# state. RNG and data follow the replica's own timeline, not the shard's step.
+STAGE_PARTS = ("model", "optimizer", "outer")
 
 
-class _LayoutEncoder(storage._Encoder):
-    """``storage``'s encoder, except that tensors are not copied: each is given
-    its place in the data region and kept by reference for the snapshot."""
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
 
-    def _tensor(self, t: torch.Tensor, path: str) -> int:
-        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-            raise TypeError(f"cannot checkpoint a {t.layout}/{t.device.type} tensor at {path or '/'}")
-        meta = {"kind": "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-        return self._add_blob(meta, t.detach(), t.numel() * t.element_size())
+    def load_state_dict(self, state: dict) -> Any: ...
 
 
-class Region:
-    """Host memory for snapshots, shared with the persister (a memfd on Linux)."""
+class RngState:
+    """The process's torch generator states (and the device's, on CUDA) as a part."""
 
-    def __init__(self, size: int, pin: bool = False):
-        self.size = size
-        n = max(size, 1)
-        if hasattr(os, "memfd_create"):
-            self.fd = os.memfd_create("crucible-snapshot", os.MFD_CLOEXEC)
-            os.ftruncate(self.fd, n)
-            self.mm = mmap.mmap(self.fd, n)
-        else:
-            self.fd = -1
-            self.mm = mmap.mmap(-1, n)
-        self.u8 = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.u8.zero_()          # fault the pages in now, not during a snapshot
-        self.pinned = False
-        if pin:
-            try:
-                rc = torch.cuda.cudart().cudaHostRegister(self.u8.data_ptr(), n, 0)
-                self.pinned = int(getattr(rc, "value", rc)) == 0
-            except Exception as e:  # best effort: unpinned copies are still correct
-                log.warning("could not pin the snapshot region: %s", e)
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
 
-    def views(self, blobs: list[dict]) -> list[Any]:
-        out = []
-        for meta in blobs:
-            off, n = meta["offset"], meta["nbytes"]
-            if meta["kind"] == "tensor":
-                dtype = getattr(torch, meta["dtype"])
-                if n == 0:
-                    out.append(torch.empty(meta["shape"], dtype=dtype))
-                else:
-                    out.append(self.u8[off:off + n].view(dtype).view(meta["shape"]))
-            elif meta["kind"] == "ndarray":
-                dt = np.dtype(meta["dtype"])
-                out.append(np.frombuffer(self.mm, dtype=np.uint8, count=n, offset=off).view(dt)
-                           .reshape(meta["shape"]) if n else np.empty(meta["shape"], dtype=dt))
-            else:
-                out.append(memoryview(self.mm)[off:off + n])
+    def state_dict(self) -> dict:
+        out = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            out["cuda"] = torch.cuda.get_rng_state(self.device)
         return out
 
-    def close(self) -> None:
-        if self.pinned:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.u8.data_ptr())
-            except Exception:
-                pass
-        self.u8 = None
-        try:
-            self.mm.close()
-        except BufferError:      # a view is still alive somewhere: let the GC unmap it
-            pass
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+    def load_state_dict(self, state: dict) -> None:
+        if isinstance(state.get("torch"), torch.Tensor):
+            torch.set_rng_state(state["torch"])
+        if self.device.type == "cuda" and isinstance(state.get("cuda"), torch.Tensor):
+            torch.cuda.set_rng_state(state["cuda"], self.device)
 
 
-class Snapshotter:
-    """Phase 1 and 2 for one state tree: ``snapshot(state)`` copies it into the
-    reused region and returns the shard header; ``persist(header, dir, name)``
-    writes the shard. Used by the worker and by ``crucible bench ckpt``."""
+class DataCursor:
+    """Stage 0's place in its replica's data stream, as a part.
 
-    def __init__(self, persister: str = "process", pin: bool = False, on_persister_start=None):
-        if persister == "process" and hasattr(os, "memfd_create"):
-            self.persister = ProcessPersister(on_start=on_persister_start)
-        else:
-            self.persister = ThreadPersister()
-        self.pin = pin
-        self.region: Region | None = None
-        self.sig = None
-        self.dsts: list[Any] = []
-        self.allocations = 0
-        self.data_bytes = 0
+    The batch of step s is windows ``[s·B, (s+1)·B)`` of the permutation drawn
+    from (seed, replica) (``crucible.data``), so the cursor is ``step · B`` and
+    needs no state of its own. Loading checks that the stream the worker will
+    draw from the restored step on is the one the checkpoint was taken in: a
+    shard of another replica is refused; another seed, batch size or a
+    cursor that is not the restored step's is said in the log (the run goes
+    on, on the stream of its present configuration)."""
 
-    def snapshot(self, state: dict) -> dict:
-        # No cyclic garbage collection inside the stall: the small objects the
-        # encoder makes could start a full collection here (hundreds of ms with
-        # torch loaded); it runs on the next allocation after the snapshot instead.
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return self._snapshot(state)
-        finally:
-            if enabled:
-                gc.enable()
+    def __init__(self, batch_size: int, replica: int, seed: int, step: Callable[[], int]):
+        self.batch_size, self.replica, self.seed, self.step = int(batch_size), int(replica), int(seed), step
 
-    def _snapshot(self, state: dict) -> dict:
-        enc = _LayoutEncoder()
-        tree = enc.encode(state)
-        sig = [(m["kind"], m.get("dtype"), tuple(m.get("shape") or ()), m["offset"], m["nbytes"]) for m in enc.blobs]
-        if sig != self.sig or self.region is None or self.region.size != enc.size:
-            self._new_region(enc.size, enc.blobs)
-            self.sig = sig
-        cuda = False
-        for dst, src in zip(self.dsts, enc.payloads):
-            if isinstance(src, torch.Tensor):
-                nb = src.device.type == "cuda"
-                cuda = cuda or nb
-                dst.copy_(src, non_blocking=nb and self.region.pinned)
-            elif isinstance(src, np.ndarray):
-                np.copyto(dst, src.reshape(dst.shape))
-            else:
-                dst[:] = bytes(src)
-        if cuda:
-            torch.cuda.synchronize()
-        self.data_bytes = enc.size
-        return {"format": "crucible-shard", "version": storage.FORMAT_VERSION, "data_bytes": enc.size,
-                "blobs": enc.blobs, "tree": tree}
+    def state_dict(self) -> dict:
+        return {"cursor": self.step() * self.batch_size, "batch_size": self.batch_size, "replica": self.replica,
+                "seed": self.seed}
 
-    def _new_region(self, size: int, blobs: list[dict]) -> None:
-        self.dsts = []
-        if self.region is not None:
-            self.region.close()
-        self.region = Region(size, pin=self.pin)
-        self.dsts = self.region.views(blobs)
-        self.persister.attach(self.region.fd, max(size, 1), self.region.mm)
-        self.allocations += 1
-        log.info("snapshot region: %d bytes in %d blobs (allocation %d)", size, len(blobs), self.allocations)
-
-    def persist(self, header: dict, directory: str, name: str, delay_s: float = 0.0) -> dict:
-        return self.persister.write(shard_prefix(header), header["data_bytes"], directory, name, delay_s)
-
-    def close(self) -> None:
-        self.persister.close()
-        self.dsts = []
-        if self.region is not None:
-            self.region.close()
-            self.region = None
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("replica") != self.replica:
+            raise ValueError(f"the data cursor is of replica {state.get('replica')}, this worker is of replica "
+                             f"{self.replica}")
+        now = self.state_dict()
+        if {k: state.get(k) for k in now} != now:
+            log.warning("r%d: the data stream after this restore differs from the checkpoint's (saved %s, now %s)",
+                        self.replica, {k: state.get(k) for k in now}, now)
 
 
 class WorkerCheckpointer:
     """Snapshot at the step boundary the coordinator names, persist in the
-    background, report; restore from a committed checkpoint."""
+    background, report; restore from a committed checkpoint. See the module
+    docstring for the constructor's arguments."""
 
-    def __init__(self, worker):
-        self.w = worker
-        cfg = worker.cfg
+    def __init__(self, cfg, run_dir: str, replica: int, stage: int, parts: Mapping[str, Stateful], *,
+                 step: Callable[[], int], set_step: Callable[[int], None],
+                 route_state: Callable[[], str | None] = lambda: None,
+                 report: Callable[[dict], None] = lambda event: None,
+                 send_shard: Callable[[pb.ShardReport], bool] = lambda req: False,
+                 on_stall: Callable[[float], None] = lambda seconds: None,
+                 pin: bool = False):
+        self.cfg, self.run_dir, self.replica, self.stage = cfg, run_dir, int(replica), int(stage)
+        self.parts = dict(parts)
+        self.step, self.set_step, self.route_state = step, set_step, route_state
+        self.report, self.send_shard, self.on_stall, self.pin = report, send_shard, on_stall, pin
         self.enabled = bool(cfg.checkpoint.enable_checkpointing)
         self.async_ = bool(cfg.checkpoint.async_checkpointing)
-        self.root = os.path.join(worker.run_dir, "checkpoints")
-        self.name = storage.shard_name(worker.replica, worker.stage)
+        self.root = os.path.join(run_dir, "checkpoints")
+        self.name = shard_name(replica, stage)
         self.delay_s = float(cfg.debug.persist_delay_s)
         self.busy_timeout_s = 30.0       # longest wait for the previous persist before skipping a save
         self.target = 0                  # the coordinator's pending target step (0 = none)
@@ -244,6 +191,13 @@ class WorkerCheckpointer:
         self.last_persist_s = 0.0
         self.saves = 0
 
+    @property
+    def outer_round(self) -> int:
+        return int(self.parts["outer"].round)
+
+    def _event(self, event: str, **fields) -> None:
+        self.report({"event": event, "replica": self.replica, "stage": self.stage, **fields})
+
     # ---- coordinator → worker ---------------------------------------------------
 
     def on_heartbeat(self, reply) -> None:
@@ -256,7 +210,7 @@ class WorkerCheckpointer:
         """Stage 0, about to COMMIT ``step``: should every stage snapshot right
         after it (the coordinator's target is step + 1)?"""
         t = self.target
-        if self.enabled and step + 1 == self.w.cfg.train.steps and step + 1 not in self.handled:
+        if self.enabled and step + 1 == self.cfg.train.steps and step + 1 not in self.handled:
             return True      # the end of the job: always saved
         if not self.enabled or t <= 0 or t in self.handled:
             return False
@@ -264,9 +218,9 @@ class WorkerCheckpointer:
             return True
         if step + 1 > t:  # we learnt the target too late: the coordinator picks another
             self.handled.add(t)
-            self._report_async(pb.ShardReport(ckpt_step=t, name=self.name, replica_step=step + 1,
-                                              error=f"late: replica {self.w.replica} was at step {step + 1} "
-                                                    f"when it learnt target {t}"))
+            self._send_async(pb.ShardReport(ckpt_step=t, name=self.name, replica_step=step + 1,
+                                            error=f"late: replica {self.replica} was at step {step + 1} "
+                                                  f"when it learnt target {t}"))
         return False
 
     def idle(self) -> None:
@@ -276,11 +230,11 @@ class WorkerCheckpointer:
         t = self.target
         if not self.enabled or t <= 0 or t in self.handled:
             return
-        route = self.w.route
-        if route is None or route.state != "paused" or self.w.step > t:
+        step = self.step()
+        if self.route_state() != "paused" or step > t:
             return
         self.handled.add(t)
-        self.save(self.w.step, ckpt_step=t)
+        self.save(step, ckpt_step=t)
 
     def after_commit(self, snapshot: bool) -> None:
         """Every stage, after applying a COMMIT and the outer round it may close.
@@ -288,44 +242,28 @@ class WorkerCheckpointer:
         COMMIT replayed after a route change does not carry the flag."""
         if not self.enabled:
             return
-        step = self.w.step
-        heard = step == self.target or step == self.w.cfg.train.steps   # (the end of the job is always a cut)
-        if snapshot or (self.w.stage != 0 and heard and step not in self.handled):
+        step = self.step()
+        heard = step == self.target or step == self.cfg.train.steps   # (the end of the job is always a cut)
+        if snapshot or (self.stage != 0 and heard and step not in self.handled):
             self.save(step)
 
     # ---- the state ----------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        w = self.w
-        cfg = w.cfg
-        rng = {"torch": torch.get_rng_state()}
-        if w.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(w.device)
-        state = {
-            "format": STATE_FORMAT, "version": STATE_VERSION,
-            "replica": w.replica, "stage": w.stage, "step": w.step, "outer_round": w.outer.round,
-            "config_hash": cfg.digest(),
-            "model": w.model.state_dict(),
-            "optimizer": w.opt.state_dict(),
-            "lr_schedule": {"step": w.step, "next_lr": optim.lr_at(w.step, cfg.train)},
-            "outer": w.outer.state_dict(),
-            "rng": rng,
-        }
-        if w.stage == 0:
-            state["data"] = {"cursor": w.step * cfg.train.batch_size, "batch_size": cfg.train.batch_size,
-                             "replica": w.replica, "seed": cfg.train.seed}
+        step = self.step()
+        state = {"format": STATE_FORMAT, "version": STATE_VERSION, "replica": self.replica, "stage": self.stage,
+                 "step": step, "outer_round": self.outer_round, "config_hash": self.cfg.digest()}
+        for name, part in self.parts.items():
+            state[name] = part.state_dict()
+        state["lr_schedule"] = {"step": step, "next_lr": optim.lr_at(step, self.cfg.train)}
         return state
 
     # ---- save ------------------------------------------------------------------------
 
     def _snapshotter(self) -> Snapshotter:
         if self._snap is None:
-            def started(pid: int) -> None:
-                self.w.ctl.report({"event": "ckpt_persister", "replica": self.w.replica, "stage": self.w.stage,
-                                   "pid": pid})
-
-            self._snap = Snapshotter(self.w.cfg.checkpoint.persister, pin=self.w.device.type == "cuda",
-                                     on_persister_start=started)
+            self._snap = Snapshotter(self.cfg.checkpoint.persister, pin=self.pin,
+                                     on_persister_start=lambda pid: self._event("ckpt_persister", pid=pid))
         return self._snap
 
     def _finish_previous(self, timeout: float | None = None) -> None:
@@ -334,8 +272,12 @@ class WorkerCheckpointer:
         err, self._error = self._error, None
         if err is not None:  # surfaces here: logged and reported, the job goes on
             log.error("%s: the previous checkpoint persist failed: %s", self.name, err)
-            self.w.ctl.report({"event": "ckpt_error", "replica": self.w.replica, "stage": self.w.stage,
-                               "error": f"{type(err).__name__}: {err}"})
+            self._event("ckpt_error", error=f"{type(err).__name__}: {err}")
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight to be written and reported (its error
+        surfaces here: logged and reported as ``ckpt_error``)."""
+        self._finish_previous(timeout)
 
     def save(self, step: int, ckpt_step: int | None = None) -> None:
         """Snapshot the state (at ``step``) for the save of ``ckpt_step`` (the
@@ -346,23 +288,19 @@ class WorkerCheckpointer:
         try:   # the previous persist reads the region this snapshot would overwrite
             self._finish_previous(timeout=self.busy_timeout_s)
         except TimeoutError as e:   # a stuck write: give up this save rather than stall training longer
-            self._report_async(pb.ShardReport(ckpt_step=ckpt_step, name=self.name, replica_step=step,
-                                              error=f"skipped: {e}"))
+            self._send_async(pb.ShardReport(ckpt_step=ckpt_step, name=self.name, replica_step=step,
+                                            error=f"skipped: {e}"))
             return
         t1 = time.perf_counter()
-        snap = self._snapshotter()
-        header = snap.snapshot(self.state_dict())
+        header = self._snapshotter().snapshot(self.state_dict())
         stall = time.perf_counter() - t1
         self.last_stall_s, self.last_wait_s = stall, t1 - t0
-        ledger = getattr(self.w, "ledger", None)
-        if ledger is not None and hasattr(ledger, "add"):
-            ledger.add("checkpoint_stall", stall + self.last_wait_s)
-        args = (ckpt_step, step, header, self.w.outer.round, stall)
+        self.on_stall(stall + self.last_wait_s)
         if self._thread is None:
             self._thread = threading.Thread(target=self._persist_loop, daemon=True, name="ckpt-persist")
             self._thread.start()
         self._idle.clear()
-        self._jobs.put(args)
+        self._jobs.put((ckpt_step, step, header, self.outer_round, stall))
         if not self.async_:   # async_checkpointing = false: the write is part of the stall
             self._idle.wait()
             self.last_stall_s = time.perf_counter() - t1
@@ -381,7 +319,7 @@ class WorkerCheckpointer:
         t0 = time.perf_counter()
         info, err = None, ""
         try:
-            d = storage.tmp_dir(self.root, ckpt_step)
+            d = store.tmp_dir(self.root, ckpt_step)
             info = self._snap.persist(header, str(d), self.name, self.delay_s)
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
@@ -393,90 +331,71 @@ class WorkerCheckpointer:
                              persist_s=self.last_persist_s, error=err)
         if info is not None:
             req.bytes, req.checksum = int(info["bytes"]), info["checksum"]
-        self._report(req)
+        self.send_shard(req)
 
-    def _report(self, req: pb.ShardReport, deadline_s: float = 30.0) -> bool:
-        ctl = self.w.ctl
-        delay, t_end = 0.1, time.monotonic() + deadline_s
-        while True:
-            req.worker_id = ctl.worker_id
-            try:
-                return ctl.stub.ReportShard(req, metadata=ctl.md, timeout=10).accepted
-            except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                        and time.monotonic() < t_end:
-                    time.sleep(delay)
-                    delay = min(2 * delay, 2.0)
-                    continue
-                log.warning("%s: shard report for step %d not delivered: %s %s", self.name, req.ckpt_step,
-                            e.code().name, e.details())
-                return False
-            except ValueError:  # the channel was closed (shutting down)
-                return False
-
-    def _report_async(self, req: pb.ShardReport) -> None:
-        threading.Thread(target=self._report, args=(req,), daemon=True, name="ckpt-report").start()
+    def _send_async(self, req: pb.ShardReport) -> None:
+        threading.Thread(target=self.send_shard, args=(req,), daemon=True, name="ckpt-report").start()
 
     # ---- restore ---------------------------------------------------------------------
 
     def restore(self, resume_dir: str, replica_step: int = 0) -> bool:
         """Load this worker's shard of a committed checkpoint (checksum checked
-        against the manifest); False when there is nothing to restore. A slot
-        that was vacant in it takes its stage's global weights from another
-        replica's shard (θ_local ← θ_global, e ← 0, fresh AdamW: the replacement
-        rule) at its replica's step ``replica_step``."""
+        against the manifest) into every part and set the step from it; False
+        when there is nothing to restore. A slot that was vacant in it takes
+        its stage's global weights from another replica's shard (θ_local ←
+        θ_global, e ← 0, fresh AdamW: the replacement rule) at its replica's
+        step ``replica_step``."""
         if not resume_dir:
             return False
-        w = self.w
         t0 = time.perf_counter()
-        names = {sh["name"] for sh in storage.read_manifest(resume_dir)["shards"]}
+        names = store.shard_names(resume_dir)
         if self.name not in names:
-            source = self._global_from_peer_shard(storage.CkptInfo(path=str(resume_dir), step=replica_step,
-                                                                  time=0.0, metrics={}), names)
-            if source is None:
-                raise storage.CheckpointCorrupt(f"{resume_dir} holds no shard of stage {w.stage}")
-            w.step = w.ctl.step = int(replica_step)
-            self.handled.add(w.step)
-            w.ctl.report({"event": "ckpt_restore", "replica": w.replica, "stage": w.stage, "step": w.step,
-                          "outer_round": w.outer.round, "dir": str(resume_dir), "source": source,
-                          "seconds": time.perf_counter() - t0})
-            log.info("%s: vacant in %s: global weights from %s, step %d", self.name, resume_dir, source, w.step)
-            return True
-        sd = storage.load_shard(resume_dir, self.name)
-        if sd.get("format") != STATE_FORMAT or sd.get("replica") != w.replica or sd.get("stage") != w.stage:
-            raise storage.CheckpointCorrupt(f"{resume_dir}/{self.name}: not the state of r{w.replica}s{w.stage}")
-        self._warn_other_config(sd, f"{resume_dir}/{self.name}")
-        self._load_stage(sd)
-        w.step = w.ctl.step = int(sd["step"])
-        rng = sd.get("rng") or {}
-        if isinstance(rng.get("torch"), torch.Tensor):
-            torch.set_rng_state(rng["torch"])
-        if w.device.type == "cuda" and isinstance(rng.get("cuda"), torch.Tensor):
-            torch.cuda.set_rng_state(rng["cuda"], w.device)
-        if w.stage == 0 and sd.get("data") is not None and hasattr(w, "reader"):
-            w.reader.cursor = int(sd["data"]["cursor"])
-        self.handled.add(w.step)
+            return self._restore_vacant(resume_dir, replica_step, names, t0)
+        where = f"{resume_dir}/{self.name}"
+        sd = store.load_shard(resume_dir, self.name)
+        if sd.get("format") != STATE_FORMAT or sd.get("replica") != self.replica or sd.get("stage") != self.stage:
+            raise CheckpointCorrupt(f"{where}: not the state of r{self.replica}s{self.stage}")
+        self._warn_other_config(sd, where)
+        missing = [name for name in self.parts if name not in sd]
+        if missing:
+            raise CheckpointCorrupt(f"{where}: holds no state of {missing}")
+        step = int(sd["step"])
+        self.set_step(step)        # (before the parts: the data cursor is checked against it)
+        for name, part in self.parts.items():
+            part.load_state_dict(sd[name])
+        self.handled.add(step)
         secs = time.perf_counter() - t0
-        w.ctl.report({"event": "ckpt_restore", "replica": w.replica, "stage": w.stage, "step": w.step,
-                      "outer_round": w.outer.round, "dir": str(resume_dir), "seconds": secs})
-        log.info("%s: restored step %d (outer round %d) from %s in %.2fs", self.name, w.step, w.outer.round,
+        self._event("ckpt_restore", step=step, outer_round=self.outer_round, dir=str(resume_dir), seconds=secs)
+        log.info("%s: restored step %d (outer round %d) from %s in %.2fs", self.name, step, self.outer_round,
                  resume_dir, secs)
         return True
 
+    def _restore_vacant(self, resume_dir: str, replica_step: int, names: set[str], t0: float) -> bool:
+        ck = CkptInfo(path=str(resume_dir), step=replica_step, time=0.0, metrics={})
+        source = self._global_from_peer_shard(ck, names)
+        if source is None:
+            raise CheckpointCorrupt(f"{resume_dir} holds no shard of stage {self.stage}")
+        step = int(replica_step)
+        self.set_step(step)
+        self.handled.add(step)
+        self._event("ckpt_restore", step=step, outer_round=self.outer_round, dir=str(resume_dir), source=source,
+                    seconds=time.perf_counter() - t0)
+        log.info("%s: vacant in %s: global weights from %s, step %d", self.name, resume_dir, source, step)
+        return True
+
     def _load_stage(self, sd: dict) -> None:
-        """Weights, AdamW and outer state (θ_global, error feedback, round) of a shard."""
-        self.w.model.load_state_dict(sd["model"])
-        self.w.opt.load_state_dict(sd["optimizer"])
-        self.w.outer.load_state_dict(sd["outer"])
+        """The stage's training state (weights, AdamW, outer state) of a shard."""
+        for name in STAGE_PARTS:
+            self.parts[name].load_state_dict(sd[name])
 
     def _warn_other_config(self, sd: dict, where: str) -> None:
-        if sd.get("config_hash") != self.w.cfg.digest():
+        if sd.get("config_hash") != self.cfg.digest():
             log.warning("%s: %s was taken under another configuration (%s, this run %s): loading it anyway",
-                        self.name, where, sd.get("config_hash"), self.w.cfg.digest())
+                        self.name, where, sd.get("config_hash"), self.cfg.digest())
 
     def committed_steps(self) -> list[int]:
         try:
-            return [c.step for c in storage.list_checkpoints(os.path.join(self.w.run_dir, "checkpoints"))]
+            return [c.step for c in store.list_checkpoints(self.root)]
         except OSError:
             return []
 
@@ -489,15 +408,15 @@ class WorkerCheckpointer:
         one the coordinator gave. Only checkpoints of step ``min_step`` or later
         qualify (older ones would lose committed training). Returns where the
         state came from, or None."""
-        w = self.w
         try:
-            found = storage.list_checkpoints(os.path.join(w.run_dir, "checkpoints"))
+            found = store.list_checkpoints(self.root)
         except OSError:
             return None
         found = [c for c in found if c.step >= min_step]
         # newest first, but none taken after the replica's present step (a newer one
         # can only be a checkpoint that a resume skipped as damaged)
-        for ck in reversed([c for c in found if c.step <= w.step] or found):
+        step = self.step()
+        for ck in reversed([c for c in found if c.step <= step] or found):
             source = self._load_own(ck) or self._global_from_peer_shard(ck)
             if source is not None:
                 return source
@@ -507,21 +426,20 @@ class WorkerCheckpointer:
         """A shard of this stage's model, checked before anything is loaded
         (load_state_dict copies what matches before it raises, which would leave
         the stage half-loaded)."""
-        w = self.w
         model, outer = sd.get("model"), sd.get("outer") or {}
-        mine = {k: tuple(v.shape) for k, v in w.model.state_dict().items()}
-        if sd.get("format") != STATE_FORMAT or sd.get("stage") != w.stage or not isinstance(model, dict) \
+        mine = {k: tuple(v.shape) for k, v in self.parts["model"].state_dict().items()}
+        if sd.get("format") != STATE_FORMAT or sd.get("stage") != self.stage or not isinstance(model, dict) \
                 or {k: tuple(v.shape) for k, v in model.items()} != mine:
             return False
         theta = outer.get("theta_global")
-        return isinstance(theta, torch.Tensor) and theta.numel() == w.outer.numel
+        return isinstance(theta, torch.Tensor) and theta.numel() == self.parts["outer"].numel
 
     def _shard(self, ck, name: str) -> dict | None:
         try:
-            sd = storage.load_shard(ck.path, name)
+            sd = store.load_shard(ck.path, name)
         except KeyError:
             return None
-        except (storage.CheckpointCorrupt, OSError) as e:
+        except (CheckpointCorrupt, OSError) as e:
             log.warning("%s: %s/%s does not load: %s", self.name, ck.path, name, e)
             return None
         if not self._fits(sd):
@@ -543,19 +461,19 @@ class WorkerCheckpointer:
 
     def _global_from_peer_shard(self, ck, names: set[str] | None = None) -> str | None:
         """θ_global of this stage from another replica's shard in checkpoint ``ck``."""
-        w = self.w
-        for r in range(w.cfg.job.replicas):
-            name = storage.shard_name(r, w.stage)
-            if r == w.replica or (names is not None and name not in names):
+        model, outer = self.parts["model"], self.parts["outer"]
+        for r in range(self.cfg.job.replicas):
+            name = shard_name(r, self.stage)
+            if r == self.replica or (names is not None and name not in names):
                 continue
             sd = self._shard(ck, name)
             if sd is None:
                 continue
             try:
-                if w.outer.mode == "none":    # independent replicas: no global weights to share
-                    w.model.load_state_dict(sd["model"])
+                if outer.mode == "none":    # independent replicas: no global weights to share
+                    model.load_state_dict(sd["model"])
                 else:
-                    w.outer.load_global(sd["outer"]["theta_global"], int(sd["outer"]["round"]))
+                    outer.load_global(sd["outer"]["theta_global"], int(sd["outer"]["round"]))
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 log.warning("%s: %s/%s does not fit this stage: %s", self.name, ck.path, name, e)
                 continue
@@ -571,8 +489,7 @@ class WorkerCheckpointer:
             self._finish_previous(timeout)
         except TimeoutError as e:
             log.error("%s", e)
-        w = self.w
-        if w.cfg.debug.dump_final and w.step >= w.cfg.train.steps:
+        if self.cfg.debug.dump_final and self.step() >= self.cfg.train.steps:
             self.dump_final()
         if self._thread is not None and self._idle.is_set():
             self._jobs.put(None)
@@ -583,13 +500,12 @@ class WorkerCheckpointer:
             self._snap = None
 
     def dump_final(self) -> None:
-        w = self.w
-        out = os.path.join(w.run_dir, "debug")
+        """``debug/final_r{R}s{S}.pt``: the stage's training state and step, for tests."""
+        out = os.path.join(self.run_dir, "debug")
         os.makedirs(out, exist_ok=True)
-        import copy
-
-        torch.save({"model": {k: v.detach().clone() for k, v in w.model.state_dict().items()},
-                    "optimizer": copy.deepcopy(w.opt.state_dict()),
-                    "outer": copy.deepcopy(w.outer.state_dict()),
-                    "step": w.step},
-                   os.path.join(out, f"final_r{w.replica}s{w.stage}.pt"))
+        model, opt, outer = (self.parts[name] for name in STAGE_PARTS)
+        torch.save({"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                    "optimizer": copy.deepcopy(opt.state_dict()),
+                    "outer": copy.deepcopy(outer.state_dict()),
+                    "step": self.step()},
+                   os.path.join(out, f"final_r{self.replica}s{self.stage}.pt"))

@@ -98,6 +98,27 @@ class ControlClient:
         """An urgent event (a suspected neighbour): the reporter sends it at once."""
         self.report(event)
 
+    def report_shard(self, req: pb.ShardReport, deadline_s: float = 30.0) -> bool:
+        """Tell the coordinator a checkpoint shard is written (or failed):
+        retried while the coordinator is unreachable, for ``deadline_s``.
+        Whether it was accepted; False when not delivered."""
+        delay, t_end = 0.1, time.monotonic() + deadline_s
+        while True:
+            req.worker_id = self.worker_id
+            try:
+                return self.stub.ReportShard(req, metadata=self.md, timeout=10).accepted
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        and time.monotonic() < t_end:
+                    time.sleep(delay)
+                    delay = min(2 * delay, 2.0)
+                    continue
+                log.warning("%s: shard report for step %d not delivered: %s %s", req.name, req.ckpt_step,
+                            e.code().name, e.details())
+                return False
+            except ValueError:  # the channel was closed (shutting down)
+                return False
+
     def start_reporting(self) -> None:
         if self._reporter is None:
             self._reporter = threading.Thread(target=self._report_loop, daemon=True, name="reporter")

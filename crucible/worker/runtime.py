@@ -45,7 +45,7 @@ from crucible.health import Health
 from crucible.model import build_stage, tokens_needed
 from crucible.slots import slot_name
 from crucible.worker import optim, pulse
-from crucible.worker.checkpointing import WorkerCheckpointer
+from crucible.worker.checkpointing import DataCursor, RngState, WorkerCheckpointer
 from crucible.worker.control import ControlClient
 from crucible.worker.dataplane import SERVICE, FrameDecoder, Inbox, StageService
 from crucible.worker.debug import DebugHooks
@@ -182,7 +182,7 @@ class Worker:
         self.links = Links(self.replica, self.stage, self.token, cfg, self.decoder, self.inbox,
                            suspect=self.suspect, on_epoch=lambda e: setattr(self.ctl, "epoch", e),
                            check_stop=self._check_stop, idle=lambda: self.ckpt.idle())
-        self.ckpt = WorkerCheckpointer(self)
+        self.ckpt = self._checkpointer()
         self.replacement = Replacement(self.links, self.outer, self.model, self.ckpt, self.ctl, self.token,
                                        cfg.net.max_message_mb, lambda: self.progress.step, self.debug, self.name)
         self.outer_round = OuterRound(self.outer, cfg, self.ctl.outer_exchange, self._report, self.replica,
@@ -196,6 +196,23 @@ class Worker:
         else:
             self.reactor = Reactor(self.stage_step, self.links, self.progress, cfg, self._report, self._committed,
                                    self.suspect, self.debug, self.name)
+
+    def _checkpointer(self) -> WorkerCheckpointer:
+        """The checkpointer, with the parts a shard holds (module doc of
+        crucible.worker.checkpointing) and the few things it reads or sets."""
+        cfg = self.cfg
+        parts = {"model": self.model, "optimizer": self.opt, "outer": self.outer, "rng": RngState(self.device)}
+        if self.first:
+            parts["data"] = DataCursor(cfg.train.batch_size, self.replica, cfg.train.seed, step=lambda: self.step)
+
+        def set_step(step: int) -> None:
+            self.step = self.ctl.step = step
+
+        return WorkerCheckpointer(
+            cfg, self.run_dir, self.replica, self.stage, parts, step=lambda: self.step, set_step=set_step,
+            route_state=self.links.route_state,
+            report=self.ctl.report, send_shard=self.ctl.report_shard,
+            on_stall=lambda s: self.ledger.add("checkpoint_stall", s), pin=self.device.type == "cuda")
 
     def _committed(self, step: int, snapshot: bool) -> None:
         """Every stage, after applying the COMMIT of `step`: the outer round it may
@@ -264,11 +281,7 @@ class Worker:
         log.info("%s: exiting with %d (save in flight %.2fs, shutdown %.2fs)", getattr(self, "name", "worker"),
                  self.exit_code, t1 - t0, time.perf_counter() - t0)
 
-    # ---- what the checkpointer reads (until it takes named parts) -------------------
-
-    @property
-    def route(self):
-        return self.links.route if self.links is not None else None
+    # ---- the step, for the checkpointer and the stopping rules ---------------------
 
     @property
     def step(self) -> int:
