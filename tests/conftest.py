@@ -65,7 +65,7 @@ class Job:
         if os.path.isdir(logs):
             for name in sorted(os.listdir(logs)):
                 with open(os.path.join(logs, name), "rb") as f:
-                    out += f"\n--- {name}\n" + f.read().decode(errors="replace")[-3000:]
+                    out += f"\n--- {name}\n" + f.read().decode(errors="replace")[-6000:]
         return out
 
     def token(self) -> str:
@@ -95,7 +95,24 @@ class Job:
                 if got:
                     return got
             time.sleep(0.2)
+        self.dump_stacks()
         pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{self.output()}")
+
+    def dump_stacks(self) -> None:
+        """Every process of the job writes its threads' stacks to its log
+        (SIGUSR1, crucible.cli): what a stuck one was doing, for the failure."""
+        try:
+            with open(os.path.join(self.run_dir, "pids.json")) as f:
+                pids = json.load(f)
+        except (OSError, ValueError):
+            return
+        for name, pid in pids.items():
+            if name != "launcher":
+                try:
+                    os.kill(int(pid), signal.SIGUSR1)
+                except (OSError, ValueError):
+                    pass
+        time.sleep(1.0)
 
     def events(self, kind: str | None = None) -> list[dict]:
         from crucible.metrics import read_events

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 import signal
 import time
 
 from conftest import TINY
 from test_faults import healthy
+
+# Repeated faults, live clusters: the second step of .ci/run (pytest -m slow).
+pytestmark = pytest.mark.slow
 
 
 def test_twenty_random_kills(start_job):

@@ -12,6 +12,8 @@ fresh persister, and checkpoints keep being committed.
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import random
@@ -22,6 +24,9 @@ from pathlib import Path
 
 from conftest import TINY, Job
 from crucible.checkpoint import store
+
+# Repeated faults, live clusters: the second step of .ci/run (pytest -m slow).
+pytestmark = pytest.mark.slow
 
 PARTIAL = re.compile(r"^\.r\d+s\d+\.shard\.partial-(\d+)-[0-9a-f]+$")
 

@@ -139,6 +139,7 @@ def _coordinator(tmp_path, **overrides):
                               replicas=m.replicas)
     c.ckpt = CheckpointManager(cfg, str(tmp_path), membership=lambda: m, lock=c.cv, metrics=c.metrics,
                                stopping=c.stopping, finished=c.finished)
+    c.ckpt.moving_since = time.monotonic() - 60.0     # the replicas have been stepping for a minute
     return c
 
 
@@ -199,6 +200,9 @@ def test_manager_refuses_bad_reports_and_aborts_on_a_failure_or_a_lost_worker(tm
     _report(c, "r0s1-x", t, error="PersistError: persister process 1 died")
     m._tick()
     assert m.pending is None and "persister" in c.metrics.events[-1]["reason"]
+    m._tick()
+    assert m.target() == 0 and 0.5 < m.retry_at - time.monotonic() <= 1.0   # the next try after a back-off
+    m.retry_at = 0.0
     m._tick()
     t2 = m.target()
     assert t2 > 0
@@ -451,3 +455,29 @@ def test_a_failed_persist_is_reported_at_once_and_surfaces_on_the_next_save(tmp_
         assert len(errors) == 1 and errors[0]["stage"] == 0
     finally:
         ck.close()
+
+
+def test_manager_waits_for_the_step_rate_and_retries_an_aborted_save_soon(tmp_path):
+    """No save is named before the steps have moved for a second (the margin
+    needs the rate), and an aborted save does not hold the next one back by
+    ``minimum_interval_s``: it left nothing."""
+    c = _coordinator(tmp_path, **{"checkpoint.minimum_interval_s": 100000})
+    m = c.ckpt
+    m.moving_since = None
+    m.prepare(resume=False)
+    m._tick()
+    assert m.target() == 0 and m.moving_since is None        # the steps have not moved
+    for rep in c.replicas:
+        rep.step = 11
+    m._tick()
+    assert m.moving_since is not None and m.target() == 0    # moving, but not for a second yet
+    m.moving_since -= 1.0
+    m._tick()
+    t = m.target()
+    assert t > 11
+    _report(c, "r0s1-x", t, error="PersistError: persister process 1 died")
+    m._tick()
+    assert m.pending is None and m.committed == 0
+    m.retry_at = 0.0          # (the back-off is 1 s)
+    m._tick()
+    assert m.target() > 0     # named again, 100000 s interval or not

@@ -9,6 +9,8 @@ declared dead and no replacement.
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import random
@@ -18,6 +20,9 @@ import time
 import torch
 
 from conftest import TINY
+
+# Repeated faults, live clusters: the second step of .ci/run (pytest -m slow).
+pytestmark = pytest.mark.slow
 
 STEPS = 48
 OVERRIDES = [o for o in TINY if not o.startswith(("checkpoint.", "model.n_layer"))] + [
@@ -75,7 +80,9 @@ def test_five_coordinator_kills_change_nothing(start_job):
     assert len(job.events("coordinator_restored")) == 5, job.output()
     assert job.events("fault") == [], job.events("fault")
     assert job.events("replacement_ready") == []
-    assert job.events("step_aborted") == [], job.events("step_aborted")
+    # (a first step slow to start on a loaded host may be aborted and retried: not the kills' doing)
+    aborted = [e for e in job.events("step_aborted") if e["time"] >= kills[0]]
+    assert aborted == [], aborted
     # Every worker took part in every round with both replicas, and said so exactly once.
     outer = job.events("outer")
     assert sorted((e["replica"], e["stage"], e["round"]) for e in outer) == sorted(
@@ -90,5 +97,27 @@ def test_five_coordinator_kills_change_nothing(start_job):
     in_save = [t for t in kills if any(t0 <= t and ends.get(s, float("inf")) >= t for s, t0 in starts.items())]
     assert in_save, "no kill landed while a checkpoint save was open"
 
-    for slot, state in _final_states(job).items():
-        _assert_bitwise(reference[slot], state, f"r{slot[0]}s{slot[1]}")
+    finals = _final_states(job)
+    differ = []
+    for slot, state in finals.items():
+        try:
+            _assert_bitwise(reference[slot], state, f"r{slot[0]}s{slot[1]}")
+        except AssertionError as e:
+            differ.append(str(e).splitlines()[0])
+    assert not differ, (differ, _first_divergence(calm, job))
+
+
+def _first_divergence(calm, job) -> str:
+    """Where the runs part: the first step whose loss differs, the first outer
+    round whose bytes differ (for the failure message)."""
+    def losses(j):
+        return {(e["replica"], e["step"]): e["loss"] for e in j.events("step")}
+    a, b = losses(calm), losses(job)
+    step = min((k for k in a if a[k] != b.get(k)), default=None, key=lambda k: (k[1], k[0]))
+    rounds = {}
+    for j, name in ((calm, "calm"), (job, "kills")):
+        for e in j.events("outer"):
+            rounds.setdefault((e["replica"], e["stage"], e["round"]), {})[name] = (e["bytes_sent"], e["bytes_received"])
+    diff_round = min((k for k, v in rounds.items() if v.get("calm") != v.get("kills")), default=None,
+                     key=lambda k: (k[2], k[0], k[1]))
+    return f"first loss that differs: (replica, step) {step}; first outer round that differs: {diff_round}"

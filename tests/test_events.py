@@ -12,6 +12,7 @@ from crucible.events import KINDS
 WRITTEN = re.compile(r'"event":\s*"([a-z_]+)"')
 READ = re.compile(r'(?:get\("event"\)|\["event"\]|ev\.get\("event"\))\s*(?:==|!=)\s*"([a-z_]+)"')
 MEMBERSHIP = re.compile(r'return "(worker_[a-z]+)"')
+HELPER = re.compile(r'self\._event\(\s*"([a-z_]+)"')     # the worker checkpointer's own reporter
 
 
 def _kinds_in_code() -> dict[str, set[str]]:
@@ -20,7 +21,7 @@ def _kinds_in_code() -> dict[str, set[str]]:
         if "_pb" in path.parts:
             continue
         text = path.read_text()
-        for rx in (WRITTEN, READ, MEMBERSHIP):
+        for rx in (WRITTEN, READ, MEMBERSHIP, HELPER):
             for name in rx.findall(text):
                 found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     return found

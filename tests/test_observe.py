@@ -186,7 +186,7 @@ def test_prometheus_health_tensorboard_report_on_a_run_with_a_fault(start_job, t
 
     # -- stop it: SIGTERM (final checkpoint, then everything stops); health says NOT_SERVING on the way out
     job.proc.send_signal(signal.SIGTERM)
-    assert job.proc.wait(timeout=120) == 130, job.output()
+    assert job.proc.wait(timeout=120) == 128 + signal.SIGTERM, job.output()   # 143: stopped by SIGTERM
     for name, w in watchers.items():
         w.thread.join(30)
         w.close()

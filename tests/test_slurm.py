@@ -28,6 +28,9 @@ import pytest
 from conftest import ROOT, TINY, child_env, crucible_cmd
 from crucible.cluster import slurm
 
+# Repeated faults, live clusters: the second step of .ci/run (pytest -m slow).
+pytestmark = pytest.mark.slow
+
 SCRIPT = os.path.join(ROOT, "launch", "slurm-dev.sh")
 FULL = [0, 1, 2]
 UP_ARGS = ["--replicas", "2", "--stages", "3", "--steps", "1000000", "--resubmit-delay", "0.5", "--partition=debug",

@@ -11,12 +11,17 @@ previous commit.
 The cut. A save is named by its target step T, above every training
 replica's current step: T = (highest step) + margin, the margin covering the
 steps a replica can take before it hears of T (two heartbeat intervals at the
-observed step rate, doubled after a save whose target came too late). T is
+observed step rate, doubled after a save whose target came too late). No save
+is named before the steps have moved for a second (the rate is unknown
+until then), except a preemption's. T is
 sent in every heartbeat reply (``HeartbeatReply.ckpt_step``); stage 0 of each
 training replica marks the COMMIT of step T-1 and every stage snapshots
 right after applying it (and after the outer round of that step, if due).
 A stage 0 that was already past T reports itself late: the save is aborted
-(``ckpt_abort``) and a later one named. The save expects a shard from every
+(``ckpt_abort``) and a later one named. An aborted save left nothing, so it
+does not count towards the policy's interval: the next one is named after a
+short back-off (1 s, doubling with each abort in a row, at most 30 s),
+however long ``minimum_interval_s`` is. The save expects a shard from every
 live worker on the route of every training replica; a slot off its route
 (dead, being replaced) is recorded as vacant, and a paused replica as paused
 with its last step (its slots vacant: the replacement rule restores them).
@@ -99,6 +104,7 @@ log = logging.getLogger("crucible.checkpoints")
 
 TICK_S = 0.05
 PAUSED_GRACE_S = 2.0     # how long a save waits for paused replicas' frozen shards once the rest is in
+RETRY_CAP_S = 30.0       # the longest back-off after aborted saves in a row
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _REPORT_KEYS = ("replica", "stage", "step", "outer_round", "stall_s", "persist_s")
 
@@ -179,12 +185,16 @@ class CheckpointManager:
         self.keep_policy = policy_from_config(d)
         self.pending: Save | None = None
         self.last_start: float | None = None       # monotonic time of the last save's start
+        self.committed_start: float | None = None  # ... of the last committed save's
+        self.retry_at = 0.0                         # after an abort: no new save before this (monotonic)
+        self.aborts_in_row = 0
         self.last_commit_time: float | None = None
         self.latest_committed_step: int | None = None
         self.committed = 0
         self.aborted = 0
         self.boost = 1.0
         self.samples: collections.deque = collections.deque(maxlen=200)   # (monotonic, highest step)
+        self.moving_since: float | None = None      # the sample before the steps first moved
         self.final = FinalSave(metrics, lock)
         self.end_started = False                    # the end save was named (once)
         self.early: dict[str, dict] = {}            # shards of the end save reported before it was named
@@ -449,7 +459,10 @@ class CheckpointManager:
             mono = time.monotonic()
             steps = self.m.replica_steps()
             if steps:
-                self.samples.append((mono, max(steps.values())))
+                top = max(steps.values())
+                if self.moving_since is None and self.samples and top > self.samples[-1][1]:
+                    self.moving_since = self.samples[-1][0]
+                self.samples.append((mono, top))
             p = self.pending
             if p is None:
                 if self.enabled and not self.stopping.is_set():
@@ -482,14 +495,19 @@ class CheckpointManager:
         return not (waiting and mono - p.required_in_mono < PAUSED_GRACE_S)
 
     def _rate(self) -> float:
-        """Steps per second of the fastest replica, over the last few seconds."""
-        if len(self.samples) < 2:
+        """Steps per second of the fastest replica, over the last few seconds
+        since the steps began to move (the idle start would dilute it)."""
+        if len(self.samples) < 2 or self.moving_since is None:
             return 0.0
         t1, s1 = self.samples[-1]
         for t0, s0 in self.samples:
-            if t1 - t0 <= 5.0:
+            if t1 - t0 <= 5.0 and t0 >= self.moving_since:
                 break
         return (s1 - s0) / (t1 - t0) if t1 - t0 >= 0.5 else 0.0
+
+    def _rate_known(self, mono: float) -> bool:
+        """The steps have moved for a second: the margin can be sized."""
+        return self.moving_since is not None and mono - self.moving_since >= 1.0
 
     def _margin(self) -> int:
         lead = 2 * self.job_cfg.fault.heartbeat_interval_s + 2 * TICK_S
@@ -544,6 +562,8 @@ class CheckpointManager:
         training = [r for r, s in states.items() if s == "training"]
         if not training:
             return self.final.impossible("no replica is training")
+        if not ctx.reached_preemption and (mono < self.retry_at or not self._rate_known(mono)):
+            return
         margin = self._margin()
         target = self.save_policy.next_save(max(steps[r] for r in training) + margin, ctx)
         if target is None:
@@ -604,6 +624,9 @@ class CheckpointManager:
         """Under the lock."""
         self.pending = None
         self.aborted += 1
+        self.aborts_in_row += 1
+        self.last_start = self.committed_start       # nothing was saved: the interval runs from the last commit
+        self.retry_at = time.monotonic() + min(RETRY_CAP_S, 2.0 ** (self.aborts_in_row - 1))
         self.metrics.write({"event": "ckpt_abort", "step": p.step, "reason": reason, "final": p.final,
                             "shards_in": sorted(p.reports)})
         log.warning("checkpoint of step %d aborted: %s", p.step, reason)
@@ -659,6 +682,7 @@ class CheckpointManager:
         self.pending = None
         self.latest_committed_step = p.step
         self.last_commit_time = now
+        self.committed_start, self.aborts_in_row = p.started_mono, 0
         self.committed += 1
         self.boost = max(1.0, self.boost * 0.8)
         stalls = [rp["stall_s"] for rp in reports]

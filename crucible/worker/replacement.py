@@ -107,13 +107,13 @@ class Replacement:
         if source is None and slot_step > 0:
             self._stage_lost(slot_step)
         source = source or "init"
+        self.debug.joined(self.outer.theta_global, self.outer.round, source,   # (before the route can hold it)
+                          torch.nn.utils.parameters_to_vector(self.model.parameters()))
         self.ctl.state = "ready"
         self.ctl.heartbeat_now()
         self.ctl.report({"event": "replacement_ready", "replica": self.links.replica, "stage": self.links.stage,
                          "source": source, "step": self.step(), "seconds": time.perf_counter() - t0})
         log.info("%s: replacement ready (weights from %s) in %.2fs", self.name, source, time.perf_counter() - t0)
-        self.debug.joined(self.outer.theta_global, self.outer.round, source,
-                          torch.nn.utils.parameters_to_vector(self.model.parameters()))
 
     def _stage_lost(self, slot_step: int) -> None:
         """Every copy of this stage is gone, and no checkpoint holds it at step
