@@ -39,10 +39,16 @@ def child_env() -> dict:
 class Job:
     """A `crucible launch` in its own process group."""
 
-    def __init__(self, run_dir: str, args: list[str], overrides: list[str], env: dict | None = None):
+    def __init__(self, run_dir: str, args: list[str], overrides: list[str], env: dict | None = None,
+                 check: bool = False):
         self.run_dir = str(run_dir)
         self.log_path = os.path.join(self.run_dir + ".launch.log")
         self.log = open(self.log_path, "wb")
+        if not check and "--no-check" not in args:
+            # The pre-flight (a child that imports torch and builds every stage: ~5 s
+            # of a 2-core machine per launch) has its own tests (test_front_door.py);
+            # the rest launch without it.
+            args = ["--no-check", *args]
         self.proc = subprocess.Popen(crucible_cmd("launch", "--run-dir", self.run_dir, *args, *overrides),
                                      stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env or child_env(), cwd=ROOT, start_new_session=True)
@@ -142,8 +148,9 @@ class Job:
 def start_job(tmp_path):
     jobs: list[Job] = []
 
-    def start(args: list[str], overrides: list[str] = (), name: str = "run", env: dict | None = None) -> Job:
-        job = Job(tmp_path / name, list(args), list(overrides), env=env)
+    def start(args: list[str], overrides: list[str] = (), name: str = "run", env: dict | None = None,
+              check: bool = False) -> Job:
+        job = Job(tmp_path / name, list(args), list(overrides), env=env, check=check)
         jobs.append(job)
         return job
 
@@ -191,3 +198,23 @@ def run_bench(name: str, out_path, timeout: float) -> dict:
     with open(out_path) as f:
         assert json.load(f) == data
     return data
+
+
+def assert_no_secret(job) -> None:
+    """The job's token is in no file under its run directory except ``token``,
+    nor in the launcher's output."""
+    token = job.token().encode()
+    assert len(token) >= 16
+    hits = []
+    for root, _, files in os.walk(job.run_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            if path == os.path.join(job.run_dir, "token"):
+                continue
+            with open(path, "rb") as f:
+                if token in f.read():
+                    hits.append(os.path.relpath(path, job.run_dir))
+    with open(job.log_path, "rb") as f:
+        if token in f.read():
+            hits.append("(the launcher's output)")
+    assert not hits, f"the token is written in {hits}"

@@ -75,7 +75,8 @@ def test_sigkill_of_the_launcher_takes_its_children(start_job):
 
 
 def test_short_job_finishes_and_loss_falls(start_job):
-    job = start_job(["--replicas", "1", "--stages", "2", "--steps", "40"], TINY + ["train.eval_every=20"])
+    # (with the pre-flight: the one launch of the suite that runs it and then trains)
+    job = start_job(["--replicas", "1", "--stages", "2", "--steps", "40"], TINY + ["train.eval_every=20"], check=True)
     assert job.wait(180) == 0, job.output()
     steps = job.events("step")
     assert [e["step"] for e in steps] == list(range(40))

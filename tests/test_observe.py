@@ -19,7 +19,7 @@ import urllib.request
 import grpc
 import pytest
 
-from conftest import ROOT, TINY, child_env, crucible_cmd
+from conftest import ROOT, TINY, assert_no_secret, child_env, crucible_cmd
 
 pytest.importorskip("prometheus_client")
 pytest.importorskip("tensorboard")
@@ -230,6 +230,11 @@ def test_prometheus_health_tensorboard_report_on_a_run_with_a_fault(start_job, t
     assert [x["steps"] for x in done["replicas"]] == [max(e["step"] for e in steps if e["replica"] == r) + 1
                                                      for r in (0, 1)]
     _check_figures(done)
+
+    # -- no secret written anywhere: the token appears in no file of the run
+    # directory but its own (metrics, manifests, shards, logs, TensorBoard,
+    # the report), nor in what the launcher printed
+    assert_no_secret(job)
 
 
 def _first_step_start(steps: list[dict]) -> float:
