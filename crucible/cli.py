@@ -18,6 +18,15 @@ def _common_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="configuration overrides, e.g. train.lr=1e-3")
 
 
+def _tls_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS (README, 'TLS'; also $CRUCIBLE_TLS_DIR, $CRUCIBLE_TLS_HOST, ...)")
+    g.add_argument("--tls-dir", help="mutual TLS: directory of `crucible certs` (ca.pem, HOST.pem, HOST.key)")
+    g.add_argument("--tls-host", help="this host's name in --tls-dir (default: the machine's name)")
+    g.add_argument("--tls-ca", help="mutual TLS: the job's CA certificate (with --tls-cert, --tls-key)")
+    g.add_argument("--tls-cert", help="this host's certificate")
+    g.add_argument("--tls-key", help="this host's private key")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="crucible", description="Fault-tolerant pipelined, data-parallel training.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -29,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds before a dead worker is started again; negative = never")
     p.add_argument("--chaos", help="fault-injection spec (see README)")
     p.add_argument("--no-check", action="store_true", help="skip the pre-flight checks (crucible check)")
+    _tls_flags(p)
 
     p = sub.add_parser("check", help="pre-flight: check the configuration, data and model without training")
     _common_job_args(p)
@@ -45,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="127.0.0.1:0", help="host:port (port 0 = any free port)")
     p.add_argument("--on-sigterm", choices=["stop", "leave"], default="stop",
                    help="stop: final checkpoint, then every worker stops; leave: exit, workers wait for the next")
+    _tls_flags(p)
 
     p = sub.add_parser("worker", help="run one stage worker")
     p.add_argument("--coordinator", required=True, help="coordinator host:port")
@@ -53,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="127.0.0.1:0", help="data-plane host:port (port 0 = any free port)")
     p.add_argument("--advertise", default="", help="host:port other workers dial (default: the bound one)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    _tls_flags(p)
 
     p = sub.add_parser("status", help="show a running job")
     g = p.add_mutually_exclusive_group(required=True)
@@ -60,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--coordinator")
     p.add_argument("--json", action="store_true")
     p.add_argument("--watch", action="store_true")
+    _tls_flags(p)
+
+    p = sub.add_parser("certs", help="make a CA and a TLS certificate per host (mutual TLS)")
+    p.add_argument("--out", required=True, help="directory to write ca.pem, ca.key, HOST.pem, HOST.key into")
+    p.add_argument("--hosts", required=True, help="comma-separated host names or addresses, as others dial them")
+    p.add_argument("--days", type=int, default=365, help="validity of the certificates")
+    p.add_argument("--force", action="store_true", help="make new certificates for hosts that have one")
 
     p = sub.add_parser("kill", help="SIGKILL one worker of a local job (fault injection)")
     p.add_argument("--run-dir", required=True)
@@ -128,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     from crucible import exits
     from crucible.config import ConfigError
+    from crucible.tls import TlsError
 
     try:
         return _run(args)
-    except ConfigError as e:
+    except (ConfigError, TlsError) as e:
         print(f"crucible: {e}", file=sys.stderr)
         return exits.USAGE
     except KeyboardInterrupt:
@@ -148,6 +168,21 @@ def _job_config(args):
         if val is not None:
             overrides.append(f"{key}={val}")
     return Config.load(args.config, overrides)
+
+
+def _setup_tls(args, cfg=None) -> None:
+    """This process's TLS files: the flags, else the environment, else (launch,
+    coordinator) the job's net.tls_* keys; every server and channel uses them."""
+    from crucible import rpc, tls
+
+    files = tls.resolve(args.tls_dir or "", args.tls_host or "", args.tls_ca or "", args.tls_cert or "",
+                        args.tls_key or "")
+    if files is None:
+        files = tls.from_env()
+    if files is None and cfg is not None:
+        net = cfg.net
+        files = tls.resolve(net.tls_dir, args.tls_host or "", net.tls_ca, net.tls_cert, net.tls_key)
+    rpc.use_tls(files)
 
 
 def _fatal(what: str, exc: BaseException) -> int:
@@ -187,6 +222,7 @@ def _run(args) -> int:
     if args.cmd == "launch":
         from crucible.launch import Launcher
 
+        _setup_tls(args, _job_config(args))
         return Launcher(args, args.overrides).run()
 
     if args.cmd == "check":
@@ -199,6 +235,7 @@ def _run(args) -> int:
         from crucible.coordinator.server import serve
 
         cfg = _job_config(args)
+        _setup_tls(args, cfg)
         os.makedirs(args.run_dir, exist_ok=True)
         token = rpc.read_token(args.run_dir)
         if not token:
@@ -225,6 +262,7 @@ def _run(args) -> int:
         if not token:
             print("crucible worker: set CRUCIBLE_TOKEN to the job's token", file=sys.stderr)
             return 2
+        _setup_tls(args)
         try:
             from crucible.worker.runtime import Worker
 
@@ -236,7 +274,13 @@ def _run(args) -> int:
     if args.cmd == "status":
         from crucible.status import main as status_main
 
+        _setup_tls(args)
         return status_main(args)
+
+    if args.cmd == "certs":
+        from crucible.certs import main as certs_main
+
+        return certs_main(args)
 
     if args.cmd == "kill":
         from crucible.kill import kill

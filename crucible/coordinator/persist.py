@@ -122,9 +122,9 @@ def last_sequence_numbers(path: str, tail_bytes: int = 8 << 20) -> dict[str, int
     return out
 
 
-def atomic_write(path: str, text: str) -> None:
+def atomic_write(path: str, text: str, mode: int = 0o644) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -132,8 +132,9 @@ def atomic_write(path: str, text: str) -> None:
 
 
 class LatestFile:
-    def __init__(self, path: str):
+    def __init__(self, path: str, mode: int = 0o644):
         self.path = path
+        self.mode = mode
         self._cv = threading.Condition()
         self._pending: str | None = None
         self._closed = False
@@ -155,7 +156,7 @@ class LatestFile:
                 closed = self._closed
             if text is not None:
                 try:
-                    atomic_write(self.path, text)
+                    atomic_write(self.path, text, self.mode)
                 except OSError as e:
                     log.error("could not write %s: %s", self.path, e)
             if closed:

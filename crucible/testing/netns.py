@@ -197,21 +197,25 @@ class Topology:
     def partition(self, name: str, peers: list[str]) -> None:
         """Drop every packet between `name` and each of `peers`, both ways."""
         h = self.hosts[name]
+        changes = []
         for p in peers:
             peer = self.hosts[p]
-            self._set(self.bridge_ns, h.port, "src", ("cut", peer.ip), _Rule(peer.ip, "drop"))
-            self._set(self.bridge_ns, peer.port, "src", ("cut", h.ip), _Rule(h.ip, "drop"))
+            changes.append((self.bridge_ns, h.port, "src", ("cut", peer.ip), _Rule(peer.ip, "drop")))
+            changes.append((self.bridge_ns, peer.port, "src", ("cut", h.ip), _Rule(h.ip, "drop")))
+        self._apply(changes)
 
     def heal(self, name: str, peers: list[str] | None = None) -> None:
         """Undo partition(name, peers) (every peer of `name` when None)."""
         h = self.hosts[name]
         peers = list(self.hosts) if peers is None else peers
+        changes = []
         for p in peers:
             if p == name:
                 continue
             peer = self.hosts[p]
-            self._set(self.bridge_ns, h.port, "src", ("cut", peer.ip), None)
-            self._set(self.bridge_ns, peer.port, "src", ("cut", h.ip), None)
+            changes.append((self.bridge_ns, h.port, "src", ("cut", peer.ip), None))
+            changes.append((self.bridge_ns, peer.port, "src", ("cut", h.ip), None))
+        self._apply(changes)
 
     def shape(self, name: str, mbit: float | None, peer: str | None = None) -> None:
         """Hold `name`'s link (to and from `peer` only, when given) to `mbit`
@@ -227,14 +231,25 @@ class Topology:
             self._set(p.ns, "eth0", "dst", ("rate", h.ip), _Rule(h.ip, "rate", float(mbit)) if mbit else None)
 
     def _set(self, ns: str, dev: str, match: str, key, rule: _Rule | None) -> None:
-        q = self._qdiscs.setdefault((ns, dev), _Qdisc(ns, dev, match))
-        if rule is None:
-            if key not in q.rules:
-                return
-            del q.rules[key]
-        else:
-            q.rules[key] = rule
-        self._render(q)
+        self._apply([(ns, dev, match, key, rule)])
+
+    def _apply(self, changes: list) -> None:
+        """Change rules, then render each interface that changed once."""
+        touched = []
+        for ns, dev, match, key, rule in changes:
+            q = self._qdiscs.setdefault((ns, dev), _Qdisc(ns, dev, match))
+            if rule is None:
+                if key not in q.rules:
+                    continue
+                del q.rules[key]
+            elif q.rules.get(key) == rule:
+                continue
+            else:
+                q.rules[key] = rule
+            if all(q is not t for t in touched):
+                touched.append(q)
+        for q in touched:
+            self._render(q)
 
     def _render(self, q: _Qdisc) -> None:
         """Replace the interface's qdisc with one that implements its rules:

@@ -15,7 +15,13 @@ contributors, after ``outer.clip``) and applies the same update:
     then         θ_local ← θ_global
 
 A replica left out of a round adds its Δ̂ back into e, so its work is not
-lost. A payload that does not decode is left out by every replica alike (the
+lost. A round skipped because the coordinator was out of reach (``skip``) is
+the same, and is remembered: once the coordinator answers again, the
+round's final outcome is either "abandoned" (nothing more to do) or the
+closed round, which is then applied late (``late_apply``): θ_global takes the
+same update every other replica applied, θ_local moves with it (keeping the
+steps trained since), and, if our own Δ̂ was among the contributions, it
+leaves e again. A payload that does not decode is left out by every replica alike (the
 same bytes fail the same way everywhere), so all replicas still agree.
 """
 
@@ -62,6 +68,7 @@ class OuterState:
         self.nesterov = slc.NesterovOuter(outer_cfg.lr, outer_cfg.momentum) if self.mode == "diloco" else None
         self.round = 0
         self.lock = threading.Lock()   # θ_global is read by PullWeights on another thread
+        self.skipped: list[tuple[int, torch.Tensor | None]] = []   # (round, our Δ̂) not yet settled
 
     def load_global(self, theta: torch.Tensor, outer_round: int) -> None:
         """Replacement rule: θ_global from a peer, θ_local ← θ_global, e ← 0."""
@@ -119,6 +126,40 @@ class OuterState:
             self._set_local()
             self.round += 1
         return {"used": used, "undecodable": bad, "left_out": replica not in used}
+
+    def skip(self, replica: int, round_no: int, mine: torch.Tensor | None) -> None:
+        """The coordinator was out of reach for this round: left out of it (Δ̂
+        back into e, θ_local ← θ_global), and remembered until settled."""
+        self.apply(replica, [], [], mine)
+        self.skipped.append((round_no, mine))
+
+    def late_apply(self, replica: int, contributors: list[int], payloads: list[bytes],
+                   mine: torch.Tensor | None) -> dict:
+        """A round skipped earlier closed for the others: apply its aggregate now."""
+        used, contribs = [], []
+        for r, p in zip(contributors, payloads):
+            try:
+                contribs.append(self.decode(p))
+                used.append(r)
+            except ValueError:
+                pass
+        with self.lock, torch.no_grad():
+            if contribs:
+                before = self.theta_global.clone()
+                agg = slc.aggregate(contribs, clip=self.cfg.clip)
+                if self.mode == "sparseloco":
+                    slc.outer_sgd(self.theta_global, agg, self.cfg.lr)
+                else:
+                    self.nesterov.step(self.theta_global, agg)
+                shift = self.theta_global - before
+                offset = 0
+                for p in self.params:      # θ_local moves with θ_global
+                    n = p.numel()
+                    p.add_(shift[offset:offset + n].view_as(p))
+                    offset += n
+            if replica in used and mine is not None and self.e is not None:
+                self.e.sub_(mine)          # the round took our Δ̂ after all
+        return {"used": used}
 
     def state_dict(self) -> dict:
         return {"theta_global": self.theta_global, "e": self.e, "round": self.round,

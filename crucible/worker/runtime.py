@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from crucible import exits, rpc
+from crucible import exits, identity, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.compress.activations import make_codec
@@ -53,7 +53,7 @@ from crucible.model import build_stage, tokens_needed
 from crucible.wire import from_wire, to_wire, tokens_to_wire
 from crucible.worker import optim, pulse
 from crucible.worker.checkpointing import WorkerCheckpointer
-from crucible.worker.control import ControlClient, RoundGone
+from crucible.worker.control import ControlClient, CoordinatorUnreachable, RoundGone
 from crucible.worker.outer import OuterState
 from crucible.worker.dataplane import SERVICE, Downstream, Event, Inbox, StageService, K, frame_nbytes
 
@@ -109,6 +109,7 @@ class StepStats:
     raw_out: int = 0
     bytes_in: int = 0
     raw_in: int = 0
+    bytes_down: int = 0          # of bytes_out: to the successor (the rest went to the predecessor)
 
     def received(self, ev: Event) -> None:
         self.serialize += ev.decode_s
@@ -117,11 +118,13 @@ class StepStats:
         if ev.sent_at:
             self.transport += max(0.0, ev.recv_at - ev.sent_at)
 
-    def sent(self, frame, seconds: float) -> None:
+    def sent(self, frame, seconds: float, down: bool = False) -> None:
         self.serialize += seconds
         n, raw = frame_nbytes(frame)
         self.bytes_out += n
         self.raw_out += raw
+        if down:
+            self.bytes_down += n
 
     def as_dict(self) -> dict:
         total = time.perf_counter() - self.t0
@@ -129,7 +132,7 @@ class StepStats:
         return {"step_s": total, "compute_s": self.compute, "serialize_s": self.serialize,
                 "transport_s": transport, "idle_s": max(0.0, self.wait - transport),
                 "bytes_out": self.bytes_out, "raw_bytes_out": self.raw_out,
-                "bytes_in": self.bytes_in, "raw_bytes_in": self.raw_in}
+                "bytes_in": self.bytes_in, "raw_bytes_in": self.raw_in, "bytes_down": self.bytes_down}
 
 
 def boundary_codec(spec: str, cfg: Config):
@@ -162,6 +165,7 @@ class Worker:
         self.cfg: Config | None = None
         self.all_routes: list = []
         self.down_epoch, self.down_stage = 0, None
+        self.hello_expect: tuple[int, bytes] = (0, b"")   # (route epoch, tag our predecessor's HELLO carries)
         self.exit_code = 0
         self.pulse = None                 # the liveness process (crucible.worker.pulse)
 
@@ -191,7 +195,11 @@ class Worker:
 
     def attach_upstream(self, stream) -> None:
         with self.cv:
-            self.upstream = stream
+            old, self.upstream = self.upstream, stream
+        if old is not None and old is not stream:
+            # A newer stream took the boundary (a new route, or the old one's peer went
+            # silent): end the old one now, freeing its server thread.
+            old.finish((grpc.StatusCode.FAILED_PRECONDITION, "superseded by a newer stream"))
 
     def detach_upstream(self, stream) -> bool:
         with self.cv:
@@ -262,8 +270,9 @@ class Worker:
         logging.getLogger().name = self.name
         self.ctl.heartbeat_timeout = cfg.fault.heartbeat_timeout
         self.service = StageService(self)
+        rpc.configure(cfg.net.keepalive_s, cfg.fault.heartbeat_timeout)   # a silent peer's stream ends
         self.server, port = rpc.make_server(SERVICE, self.service.handlers(), self.token, self.bind,
-                                            max_workers=8, max_mb=cfg.net.max_message_mb)
+                                            max_workers=16, max_mb=cfg.net.max_message_mb)
         host = self.bind.rpartition(":")[0] or "127.0.0.1"
         if host in ("0.0.0.0", "[::]"):
             host = socket.gethostname()
@@ -323,6 +332,7 @@ class Worker:
                     if self.route is None or r.epoch >= self.route.epoch or update.epoch >> 32 != self.route.epoch >> 32:
                         self.route = r
                         self.ctl.epoch = r.epoch
+                        self.hello_expect = (r.epoch, update.upstream_tag)
                     self.cv.notify_all()
                 if changed:
                     self.inbox.put(Event("notice", note="route", epoch=r.epoch))
@@ -380,7 +390,8 @@ class Worker:
             self.down = None
         if succ is None:
             return
-        hello = pb.Frame(kind=K.HELLO, epoch=route.epoch, src_replica=self.replica, src_stage=self.stage)
+        hello = pb.Frame(kind=K.HELLO, epoch=route.epoch, src_replica=self.replica, src_stage=self.stage,
+                         auth=identity.hello_tag(self.ctl.secret, route.epoch, self.replica, self.stage, succ[0]))
         self.down = Downstream(succ[1], hello, self.token, self.cfg.net.max_message_mb, self.cfg.net.link_mbps,
                                self.inbox.put, self.decode_down)
         self.down_epoch, self.down_stage = route.epoch, succ[0]
@@ -542,7 +553,7 @@ class Worker:
                              f"must be {self.act_shape()} torch.float32 [microbatch, train.seq_len, model.d_model]")
         f = self._frame(kind, step, micro, self.down_epoch, tensor=to_wire(h, self.fwd_codec), targets=targets_msg,
                         **extra)
-        st.sent(f, time.perf_counter() - t0)
+        st.sent(f, time.perf_counter() - t0, down=True)
         self.down.send(f)
 
     def send_up(self, st: StepStats, kind: int, step: int, micro: int, epoch: int | None,
@@ -845,10 +856,22 @@ class Worker:
             log.warning("%s: stalling %ss inside outer round %d (debug.stall_outer)", self.name, secs, self.outer.round)
             time.sleep(float(secs or 0))
         try:
+            self._settle_skipped()
             reply = self.ctl.outer_exchange(self.stage, self.outer.round, payload, self.outer.mode, self.outer.numel,
                                             committed_step, timeout=max(3600.0, 10 * self.cfg.outer.deadline_s))
         except RoundGone as e:
             self._resync_global(f"outer round {round_no} is gone ({e})")
+            return
+        except CoordinatorUnreachable as e:
+            self.outer.skip(self.replica, round_no, mine)
+            log.warning("%s: outer round %d skipped, its update kept in e: %s", self.name, round_no, e)
+            self.ctl.report({"event": "outer_skipped", "replica": self.replica, "stage": self.stage,
+                             "round": round_no, "step": committed_step, "reason": str(e)})
+            return
+        if reply.abandoned:        # another replica skipped it first: nobody applies it
+            self.outer.apply(self.replica, [], [], mine)
+            self.ctl.report({"event": "outer_abandoned", "replica": self.replica, "stage": self.stage,
+                             "round": round_no, "step": committed_step})
             return
         t1 = time.perf_counter()
         if reply.round != self.outer.round:
@@ -864,6 +887,30 @@ class Worker:
         if self.cfg.debug.dump_outer:
             self._dump("outer", reply.round, {"theta_global": self.outer.theta_global.clone(), "round": reply.round,
                                               "contributors": list(reply.contributors)})
+
+    def _settle_skipped(self) -> None:
+        """Rounds this stage skipped (the coordinator was out of reach), oldest
+        first: each one's final outcome, before any later round is applied:
+        applied late if it closed for others, else abandoned for everyone
+        (crucible/coordinator/outer.py). Raises CoordinatorUnreachable."""
+        while self.outer.skipped:
+            round_no, mine = self.outer.skipped[0]
+            try:
+                reply = self.ctl.outer_exchange(self.stage, round_no, b"", self.outer.mode, self.outer.numel,
+                                                self.step, timeout=max(3600.0, 10 * self.cfg.outer.deadline_s),
+                                                peek=True)
+            except RoundGone as e:
+                self.outer.skipped.clear()
+                self._resync_global(f"skipped outer round {round_no} is gone ({e})")
+                return
+            done = None if reply.abandoned else self.outer.late_apply(
+                self.replica, list(reply.contributors), list(reply.payloads), mine)
+            self.outer.skipped.pop(0)
+            log.info("%s: skipped outer round %d settled: %s", self.name, round_no,
+                     "abandoned" if done is None else f"applied late ({list(reply.contributors)})")
+            self.ctl.report({"event": "outer_settled", "replica": self.replica, "stage": self.stage,
+                             "round": round_no, "abandoned": reply.abandoned,
+                             "contributors": list(reply.contributors)})
 
     # ---- tests and debugging ----------------------------------------------------
 
