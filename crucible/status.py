@@ -74,7 +74,7 @@ def main(args) -> int:
     addr, token = resolve(args.run_dir, args.coordinator)
     client = StatusClient(addr, token)
     while True:
-        st = client.get()
+        st = client.get(timeout=3.0 if args.watch else 10.0)
         if st is None:
             why = rpc.explain(addr)
             print(f"coordinator at {addr} does not answer{': ' + why if why else ''}", file=sys.stderr)

@@ -162,16 +162,22 @@ def _tls_client(sock: socket.socket, host: str, address: str, files: Files) -> s
     except (ssl.SSLError, OSError) as e:
         return f"this process's TLS files cannot be used ({files.cert}): {e}"
     ctx.set_alpn_protocols(["h2"])
+    refused = (f"the server at {address} refused this process's certificate (it closed the connection after "
+               f"the TLS handshake): {files.cert} is not signed by the job's CA")
     try:
         with ctx.wrap_socket(sock, server_hostname=host) as s:
             # TLS 1.3 servers judge the client's certificate after the handshake:
-            # their verdict arrives with the first read.
+            # a gRPC server that accepts it answers the HTTP/2 preface with its
+            # SETTINGS; one that refuses it closes the connection.
             s.sendall(_H2_PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
             s.settimeout(2.0)
             try:
-                s.recv(1)
+                if s.recv(9) == b"":
+                    return refused
             except (socket.timeout, TimeoutError):
                 pass
+    except ssl.SSLEOFError:
+        return refused
     except ssl.SSLCertVerificationError as e:
         return (f"the server at {address} presented a certificate this process does not trust "
                 f"({e.verify_message}): is it of the job's CA ({files.ca}), made for '{host}'?")
