@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "soak", "slurm"])
+    p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "soak", "slurm", "network"])
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--quick", action="store_true", help="a short run (for smoke tests)")
     p.add_argument("--out", help="also write the JSON result to this file")
