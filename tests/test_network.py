@@ -109,7 +109,11 @@ def test_link_back_after_eviction_is_fenced_and_rejoins(job):
     stale_id, t_dead = dead[-1]["worker"], dead[-1]["time"]
     job.wait_for(lambda st: any(code == 3 for code, t in job.exits_of("r0s1") if t > t_dead), 60,
                  "the stale r0s1 exiting with status 3")
+    t_exit = next(t for code, t in job.exits_of("r0s1") if code == 3 and t > t_dead)
     st = wait_healthy(job)
+    joined = [e for e in job.events("worker_joined", t_dead) if (e["replica"], e["stage"]) == (0, 1)]
+    print(f"declared dead -> stale exit 3 {t_exit - t_dead:.1f}s (link back 1-3 s after the eviction); "
+          f"-> replacement in the route {joined[-1]['time'] - t_dead:.1f}s" if joined else "")
     holder = next(w for w in st["workers"] if (w["replica"], w["stage"]) == (0, 1))
     assert holder["worker_id"] != stale_id
     # Never two workers in one slot: the stale one's reports were refused from its
@@ -181,6 +185,9 @@ def test_worker_cut_off_from_the_coordinator_only(job):
     t1 = time.time()
     job.wait_for(lambda st: any(code == 3 for code, t in job.exits_of("r1s1") if t > t1 - 1), 60,
                  "the cut-off r1s1 told it is dead (exit 3)")
+    t_exit = next(t for code, t in job.exits_of("r1s1") if code == 3 and t > t1 - 1)
+    print(f"cut off from the coordinator: route change {ev['time'] - t0:.2f}s; after the heal, exit 3 in "
+          f"{t_exit - t1:.1f}s")
     wait_healthy(job)
 
 
@@ -292,5 +299,7 @@ def test_partition_during_outer_round_and_checkpoint(job):
     verify = subprocess.run([sys.executable, "-m", "crucible", "ckpt", "verify", job.run_dir],
                             capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+    rounds = [e for e in job.events("outer_round", t0) if e["stage"] == 1 and e["contributors"] == [0]]
+    print(f"partitioned in a round: {len(rounds)} stage-1 rounds closed with replica 0 only")
     vacant = [e for e in job.events("ckpt_commit", t0) if "r1s1" in e.get("vacant", [])]
     print(f"saves committed with r1s1 vacant: {len(vacant)}; aborted: {len(job.events('ckpt_abort', t0))}")
