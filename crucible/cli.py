@@ -18,6 +18,15 @@ def _common_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="configuration overrides, e.g. train.lr=1e-3")
 
 
+def _tls_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS (README, 'TLS'; also $CRUCIBLE_TLS_DIR, $CRUCIBLE_TLS_HOST, ...)")
+    g.add_argument("--tls-dir", help="mutual TLS: directory of `crucible certs` (ca.pem, HOST.pem, HOST.key)")
+    g.add_argument("--tls-host", help="this host's name in --tls-dir (default: the machine's name)")
+    g.add_argument("--tls-ca", help="mutual TLS: the job's CA certificate (with --tls-cert, --tls-key)")
+    g.add_argument("--tls-cert", help="this host's certificate")
+    g.add_argument("--tls-key", help="this host's private key")
+
+
 def _add_launch(sub) -> None:
     p = sub.add_parser("launch", help="run a coordinator and R x S workers on this machine")
     _common_job_args(p)
@@ -26,6 +35,7 @@ def _add_launch(sub) -> None:
                    help="seconds before a dead worker is started again; negative = never")
     p.add_argument("--chaos", help="fault-injection spec (see README)")
     p.add_argument("--no-check", action="store_true", help="skip the pre-flight checks (crucible check)")
+    _tls_flags(p)
 
 
 def _add_check(sub) -> None:
@@ -46,6 +56,7 @@ def _add_coordinator(sub) -> None:
     p.add_argument("--bind", default="127.0.0.1:0", help="host:port (port 0 = any free port)")
     p.add_argument("--on-sigterm", choices=["stop", "leave"], default="stop",
                    help="stop: final checkpoint, then every worker stops; leave: exit, workers wait for the next")
+    _tls_flags(p)
 
 
 def _add_worker(sub) -> None:
@@ -56,16 +67,24 @@ def _add_worker(sub) -> None:
     p.add_argument("--bind", default="127.0.0.1:0", help="data-plane host:port (port 0 = any free port)")
     p.add_argument("--advertise", default="", help="host:port other workers dial (default: the bound one)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    _tls_flags(p)
 
 
 def _add_inspection(sub) -> None:
-    """status, kill, ckpt, interval."""
+    """status, certs, kill, ckpt, interval."""
     p = sub.add_parser("status", help="show a running job")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--run-dir")
     g.add_argument("--coordinator")
     p.add_argument("--json", action="store_true")
     p.add_argument("--watch", action="store_true")
+    _tls_flags(p)
+
+    p = sub.add_parser("certs", help="make a CA and a TLS certificate per host (mutual TLS)")
+    p.add_argument("--out", required=True, help="directory to write ca.pem, ca.key, HOST.pem, HOST.key into")
+    p.add_argument("--hosts", required=True, help="comma-separated host names or addresses, as others dial them")
+    p.add_argument("--days", type=int, default=365, help="validity of the certificates")
+    p.add_argument("--force", action="store_true", help="make new certificates for hosts that have one")
 
     p = sub.add_parser("kill", help="SIGKILL one worker of a local job (fault injection)")
     p.add_argument("--run-dir", required=True)
@@ -115,7 +134,8 @@ def _add_results(sub) -> None:
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "soak", "slurm"])
+    p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "soak", "slurm",
+                                          "network"])
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--quick", action="store_true", help="a short run (for smoke tests)")
     p.add_argument("--out", help="also write the JSON result to this file")
@@ -156,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     from crucible import exits
     from crucible.config import ConfigError
+    from crucible.tls import TlsError
 
     try:
         return _run(args)
-    except ConfigError as e:
+    except (ConfigError, TlsError) as e:
         print(f"crucible: {e}", file=sys.stderr)
         return exits.USAGE
     except KeyboardInterrupt:
@@ -176,6 +197,21 @@ def _job_config(args):
         if val is not None:
             overrides.append(f"{key}={val}")
     return Config.load(args.config, overrides)
+
+
+def _setup_tls(args, cfg=None) -> None:
+    """This process's TLS files: the flags, else the environment, else (launch,
+    coordinator) the job's net.tls_* keys; every server and channel uses them."""
+    from crucible import rpc, tls
+
+    files = tls.resolve(args.tls_dir or "", args.tls_host or "", args.tls_ca or "", args.tls_cert or "",
+                        args.tls_key or "")
+    if files is None:
+        files = tls.from_env()
+    if files is None and cfg is not None:
+        net = cfg.net
+        files = tls.resolve(net.tls_dir, args.tls_host or "", net.tls_ca, net.tls_cert, net.tls_key)
+    rpc.use_tls(files)
 
 
 def _fatal(what: str, exc: BaseException) -> int:
@@ -214,6 +250,7 @@ def _check(args) -> int:
 def _launch(args) -> int:
     from crucible.launch import Launcher
 
+    _setup_tls(args, _job_config(args))
     return Launcher(args, args.overrides).run()
 
 
@@ -225,6 +262,7 @@ def _coordinator(args) -> int:
 
     die_with_parent()
     cfg = _job_config(args)
+    _setup_tls(args, cfg)
     os.makedirs(args.run_dir, exist_ok=True)
     token = rpc.read_token(args.run_dir)
     if not token:
@@ -253,6 +291,7 @@ def _worker(args) -> int:
     if not token:
         print("crucible worker: set CRUCIBLE_TOKEN to the job's token", file=sys.stderr)
         return exits.USAGE
+    _setup_tls(args)
     try:
         from crucible.worker.runtime import Worker
 
@@ -262,6 +301,13 @@ def _worker(args) -> int:
         return _fatal("worker", e)
 
 
+def _status(args) -> int:
+    from crucible.status import main as status_main
+
+    _setup_tls(args)
+    return status_main(args)
+
+
 def _bench(args) -> int:
     import importlib
 
@@ -269,14 +315,15 @@ def _bench(args) -> int:
 
 
 # The other commands: "module:function", called with the parsed arguments.
-_ELSEWHERE = {"status": "crucible.status:main", "ckpt": "crucible.ckpt_cli:main",
+_ELSEWHERE = {"certs": "crucible.certs:main", "ckpt": "crucible.ckpt_cli:main",
               "interval": "crucible.ckpt_cli:interval_main", "slurm": "crucible.cluster:main",
               "k8s": "crucible.cluster:main", "report": "crucible.report:main", "export": "crucible.export:main",
               "sample": "crucible.export:main"}
 
 
 def _run(args) -> int:
-    here = {"launch": _launch, "check": _check, "coordinator": _coordinator, "worker": _worker, "bench": _bench}
+    here = {"launch": _launch, "check": _check, "coordinator": _coordinator, "worker": _worker, "bench": _bench,
+            "status": _status}
     if args.cmd in here:
         return here[args.cmd](args)
     if args.cmd == "kill":

@@ -117,11 +117,19 @@ class CheckpointConfig:
 
 @dataclass
 class FaultConfig:
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 2.0
+    # The timeouts, shortest first (README, "Timeouts"); Config.validate refuses
+    # a set that breaks this order:
+    #   probe_timeout_s < heartbeat_timeout_s, 2 x heartbeat_interval_s <= heartbeat_timeout_s,
+    #   net.keepalive_s < heartbeat_timeout_s <= rpc_timeout_s <= outer.deadline_s,
+    #   suspicion_limit x rpc_timeout_s <= suspicion_window_s.
+    heartbeat_interval_s: float = 0.5  # each worker (thread and pulse) beats this often
+    heartbeat_timeout_s: float = 2.0   # silence that makes a worker dead (unless most are silent: README);
+                                     # also how long a connection may leave a keepalive ping unanswered
     on_stage_failure: str = "skip"   # skip | wait | restart
-    rpc_timeout_s: float = 10.0       # longest data-plane wait before stage 0 retries a step
-    probe_timeout_s: float = 0.5      # a suspected worker must answer a probe within this
+    rpc_timeout_s: float = 10.0        # longest data-plane wait before stage 0 retries a step
+    probe_timeout_s: float = 0.5       # a suspected worker must answer a probe within this
+    suspicion_limit: int = 3         # contradicted suspicions of one boundary that evict one of its ends (0 = never)
+    suspicion_window_s: float = 120.0  # ... within this many seconds
 
 
 @dataclass
@@ -132,6 +140,19 @@ class NetConfig:
     advertise: str = ""              # the coordinator's address as workers dial it ("" = the bound one)
     max_message_mb: int = 64         # largest gRPC message, control and data plane alike
     link_mbps: float = 0.0           # simulated link rate for the data plane; 0 = off
+    # Every gRPC connection pings its peer after this much silence; a peer that
+    # leaves a ping unanswered for fault.heartbeat_timeout_s is gone (a silent
+    # partition sends no RST: this is how a stream on it ends).
+    keepalive_s: float = 1.0
+    # Mutual TLS for every server and channel (README, "TLS"): a CA, this
+    # host's certificate and key, or tls_dir holding ca.pem, <host>.pem,
+    # <host>.key. A process reads them before it knows the job's
+    # configuration, so workers take --tls-dir / $CRUCIBLE_TLS_DIR; these keys
+    # are for `crucible launch` and the coordinator.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_dir: str = ""
     # The shared token is never configuration (it would be written into
     # metrics.jsonl and every manifest): it comes from $CRUCIBLE_TOKEN or
     # <run_dir>/token (0600), see crucible.rpc.
@@ -305,12 +326,47 @@ class Config:
              "must exceed fault.heartbeat_interval_s")
         need(f.on_stage_failure in ("skip", "wait", "restart"), "fault.on_stage_failure",
              "must be skip, wait or restart")
-        need(f.rpc_timeout_s > 0, "fault.rpc_timeout_s", "must be > 0")
-        need(f.probe_timeout_s > 0, "fault.probe_timeout_s", "must be > 0")
+        need(self.fault.rpc_timeout_s > 0, "fault.rpc_timeout_s", "must be > 0")
+        need(self.fault.probe_timeout_s > 0, "fault.probe_timeout_s", "must be > 0")
+        need(self.fault.suspicion_limit >= 0, "fault.suspicion_limit", "must be >= 0")
+        need(self.fault.suspicion_window_s > 0, "fault.suspicion_window_s", "must be > 0")
         need(1 <= self.net.max_message_mb <= 1024, "net.max_message_mb", "must be in 1..1024")
         need(self.net.link_mbps >= 0, "net.link_mbps", "must be >= 0")
+        need(self.net.keepalive_s > 0, "net.keepalive_s", "must be > 0")
         need(-1 <= self.metrics.prometheus_port <= 65535, "metrics.prometheus_port",
              "must be -1 (off), 0 (any free port) or a port")
+        tls = [k for k in ("net.tls_ca", "net.tls_cert", "net.tls_key") if self.get(k)]
+        need(not tls or len(tls) == 3, tls[0] if tls else "net.tls_ca",
+             "net.tls_ca, net.tls_cert and net.tls_key go together (or use net.tls_dir)")
+        need(not (tls and self.net.tls_dir), "net.tls_dir", "give net.tls_dir or the three files, not both")
+        self._check_timeouts()
+
+    def _check_timeouts(self) -> None:
+        """The timeouts must nest (see FaultConfig): each check says why."""
+        f = self.fault
+
+        def order(ok: bool, key: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"inconsistent timeouts: '{key}' = {self.get(key)!r}: {why}")
+
+        order(2 * f.heartbeat_interval_s <= f.heartbeat_timeout_s, "fault.heartbeat_timeout_s",
+              f"must be at least 2 x fault.heartbeat_interval_s ({f.heartbeat_interval_s}): one late heartbeat "
+              "must not evict a worker")
+        order(f.probe_timeout_s < f.heartbeat_timeout_s, "fault.probe_timeout_s",
+              f"must be below fault.heartbeat_timeout_s ({f.heartbeat_timeout_s}): a probe confirms a failed "
+              "stream faster than silence would")
+        order(self.net.keepalive_s < f.heartbeat_timeout_s, "net.keepalive_s",
+              f"must be below fault.heartbeat_timeout_s ({f.heartbeat_timeout_s}): a dead connection must be "
+              "found within about the time a silent worker is")
+        order(f.heartbeat_timeout_s <= f.rpc_timeout_s, "fault.rpc_timeout_s",
+              f"must be at least fault.heartbeat_timeout_s ({f.heartbeat_timeout_s}): stage 0 must wait for a "
+              "dead neighbour to be routed around before it gives up on a step")
+        order(f.rpc_timeout_s <= self.outer.deadline_s, "outer.deadline_s",
+              f"must be at least fault.rpc_timeout_s ({f.rpc_timeout_s}): a round waits for replicas that are "
+              "retrying a step")
+        order(f.suspicion_limit * f.rpc_timeout_s <= f.suspicion_window_s, "fault.suspicion_window_s",
+              f"must be at least fault.suspicion_limit x fault.rpc_timeout_s ({f.suspicion_limit} x "
+              f"{f.rpc_timeout_s}): each suspicion of a broken link takes up to one rpc_timeout")
 
     def get(self, dotted: str) -> Any:
         section, _, key = dotted.partition(".")

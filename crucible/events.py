@@ -50,6 +50,14 @@ KINDS: dict[str, str] = {
                     "stage, to_step",
     "outer_round": "a round closed: stage, round, contributors, dropped, bytes, seconds",
     "outer_waiting": "a round past outer.deadline_s still waits: stage, round, missing",
+    "outer_skipped": "a stage skipped an outer round, the coordinator out of reach (its update kept in e): "
+                     "replica, stage, round, step, reason",
+    "outer_abandoned": "an outer round nobody applies (a replica skipped it first); the coordinator's: stage, "
+                       "round, contributions, seconds; a worker's: replica, stage, round, step",
+    "outer_settled": "a skipped round's final outcome, once the coordinator answered again: replica, stage, "
+                     "round, abandoned, contributors",
+    "link_eviction": "a broken link between two live workers: one end evicted after repeated contradicted "
+                     "suspicions: replica, stages, evicted",
     "outer_rejected": "a contribution refused (its sender is left out of the round): replica, stage, round, reason",
     "prometheus": "where /metrics is served: address, path",
     "ckpt_start": "a save named: step, margin, final, end, replica_steps, shards, vacant",

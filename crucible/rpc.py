@@ -12,6 +12,13 @@
   ``ValueError`` is INVALID_ARGUMENT, anything else INTERNAL, logged): a bad
   request never surfaces as UNKNOWN and never takes the process down.
 * Message size limits are set on both ends.
+* Keepalive on every connection, both ends: a ping after ``keepalive_s`` of
+  silence, and a peer that leaves it unanswered for ``keepalive_timeout_s``
+  is gone. A silently partitioned peer sends no RST; this is what ends a
+  stream to it (``configure`` sets both from the job's configuration:
+  ``net.keepalive_s`` and ``fault.heartbeat_timeout_s``).
+* TLS (``crucible.tls``): when the process has TLS files, every server is
+  mutual TLS and every channel presents this host's certificate.
 """
 
 from __future__ import annotations
@@ -28,10 +35,38 @@ from typing import Any, Callable, Iterator
 import grpc
 from google.protobuf.message import DecodeError
 
+from crucible import tls
+
 log = logging.getLogger("crucible.rpc")
 
 TOKEN_KEY = "x-crucible-token"
 TOKEN_ENV = "CRUCIBLE_TOKEN"
+
+_keepalive = {"time_s": 1.0, "timeout_s": 2.0}   # before configure(): the defaults of the configuration
+_tls: dict = {}                                  # {"files": tls.Files | None} once resolved
+
+
+def configure(keepalive_s: float, keepalive_timeout_s: float) -> None:
+    """Keepalive of the connections this process makes and serves from now on."""
+    _keepalive.update(time_s=float(keepalive_s), timeout_s=float(keepalive_timeout_s))
+
+
+def use_tls(files: "tls.Files | None") -> None:
+    """This process's TLS files (None = plaintext); exported to its children."""
+    _tls["files"] = files
+    tls.export(files)
+
+
+def tls_files() -> "tls.Files | None":
+    """This process's TLS files: set by use_tls, else from the environment."""
+    if "files" not in _tls:
+        _tls["files"] = tls.from_env()
+    return _tls["files"]
+
+
+def explain(address: str) -> str | None:
+    """Why calls to `address` fail, when TLS is the reason (see tls.diagnose)."""
+    return tls.diagnose(address, tls_files())
 
 
 class BadRequest(ValueError):
@@ -87,14 +122,17 @@ def channel_options(max_mb: int) -> list[tuple[str, Any]]:
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_time_ms", int(_keepalive["time_s"] * 1000)),
+        ("grpc.keepalive_timeout_ms", int(_keepalive["timeout_s"] * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
 def make_channel(address: str, max_mb: int = 64) -> grpc.Channel:
+    files = tls_files()
+    if files is not None:
+        return grpc.secure_channel(address, tls.channel_credentials(files), options=channel_options(max_mb))
     return grpc.insecure_channel(address, options=channel_options(max_mb))
 
 
@@ -214,10 +252,10 @@ def make_server(service: str, handlers: dict, token: str, bind: str, max_workers
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service.rpartition(".")[2]),
         interceptors=[_TokenInterceptor(token)],
-        # Clients ping every 10 s to find dead connections (keepalive): allow it
+        # Clients ping every keepalive_s to find dead connections: allow it
         # instead of answering with GOAWAY "too_many_pings".
         options=channel_options(max_mb) + [("grpc.so_reuseport", 0),
-                                           ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                                           ("grpc.http2.min_recv_ping_interval_without_data_ms", 200),
                                            ("grpc.http2.max_ping_strikes", 0)],
         maximum_concurrent_rpcs=max_workers * 4,
     )
@@ -226,7 +264,11 @@ def make_server(service: str, handlers: dict, token: str, bind: str, max_workers
         from grpc_health.v1 import health_pb2_grpc
 
         health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
-    port = server.add_insecure_port(bind)
+    files = tls_files()
+    if files is not None:
+        port = server.add_secure_port(bind, tls.server_credentials(files))
+    else:
+        port = server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"cannot bind {bind}")
     server.start()

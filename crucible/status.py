@@ -58,6 +58,11 @@ def format_table(st: dict) -> str:
     for r in st["replicas"]:
         lines.append(f"{r['id']:>7} {r['state']:>9} {r['step']:>7} {_fmt(r['loss']):>7} {_fmt(r.get('eval_loss')):>7} "
                      f"{_fmt(r.get('tokens_per_s'), '.0f'):>8}  {' -> '.join(map(str, r['route']))}")
+    for r in st["replicas"]:
+        links = [f"{b['from']}->{b['to']} {_fmt(b.get('down_mbps'), '.1f')}/{_fmt(b.get('up_mbps'), '.1f')}"
+                 for b in r.get("links") or []]
+        if links:
+            lines.append(f"{'r%d' % r['id']:>7} links (Mbit/s down/up over a step): {'  '.join(links)}")
     lines.append(f"{'worker':>7} {'state':>9} {'pid':>7}  address")
     for w in st["workers"]:
         lines.append(f"{'r%ds%d' % (w['replica'], w['stage']):>7} {w['state']:>9} {_fmt(w['pid'], 'd'):>7}  "
@@ -69,9 +74,10 @@ def main(args) -> int:
     addr, token = resolve(args.run_dir, args.coordinator)
     client = StatusClient(addr, token)
     while True:
-        st = client.get()
+        st = client.get(timeout=3.0 if args.watch else 10.0)
         if st is None:
-            print(f"coordinator at {addr} does not answer", file=sys.stderr)
+            why = rpc.explain(addr)
+            print(f"coordinator at {addr} does not answer{': ' + why if why else ''}", file=sys.stderr)
             if not args.watch:
                 return 1
         elif args.json:

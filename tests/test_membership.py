@@ -9,7 +9,7 @@ import threading
 import grpc
 import pytest
 
-from crucible import rpc
+from crucible import PROTOCOL_VERSION, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible.config import Config
 from crucible.coordinator.membership import KEEP_DEAD, Membership, Refused
@@ -167,7 +167,7 @@ def _coordinator(tmp_path, mode="diloco"):
     ids = {}
     for r in range(2):
         for s in range(2):
-            reply = c.Register(pb.RegisterRequest(protocol_version=1, replica=r, stage=s, address=f"h:{r}{s}",
+            reply = c.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=r, stage=s, address=f"h:{r}{s}",
                                                   pid=10 * r + s, host="h", numel=4), None)
             ids[(r, s)] = reply.worker_id
     return c, ids

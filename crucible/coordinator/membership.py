@@ -21,6 +21,27 @@ A stage's size (its parameter count, ``numel``) is fixed by the first worker
 that registers it; a worker that built a stage of another size is refused.
 The outer relay takes sizes from here, never from a contribution.
 
+Silence and isolation
+---------------------
+A worker not heard from for ``fault.heartbeat_timeout_s`` is dead (``judge``),
+with one exception: when more than half of the live workers (alive or
+joining; at least two) are silent at once (none heard for half the timeout),
+the likelier story is that the
+coordinator itself is cut off from the network, not that most of the job
+died in the same two seconds. The coordinator is then *isolated*: silence
+evicts nobody (positive evidence still does: a probe refused by the worker's
+host, a replacement registering into the slot). Isolation ends when a
+majority is heard again; whoever is still silent then gets a full timeout
+from that moment before it is judged. So a coordinator cut off from
+everyone evicts no one, while the workers train on without it.
+
+Identity
+--------
+Each registration gets a secret (``crucible.identity``). A worker's HELLO to
+its successor is signed with it; the successor gets the tag to expect from
+``upstream_tag`` (pushed to it alone). A registration into a slot makes a new
+secret, so a stale holder cannot sign for the slot's new route.
+
 Routes and epochs
 -----------------
 Replica r's route is the ordered list of its stages whose holder is alive (or
@@ -40,6 +61,7 @@ import collections
 import uuid
 from dataclasses import asdict, dataclass, field
 
+from crucible import identity
 from crucible.slots import slot_name
 
 KEEP_DEAD = 4        # dead worker records kept per slot (to tell a stale worker it is stale)
@@ -70,6 +92,8 @@ class WorkerInfo:
     numel: int = 0
     died_at: float = 0.0
     slot_step: int = 0            # steps the slot's previous holder had applied when this one came
+    secret: str = ""              # this registration's secret (crucible.identity); never leaves the coordinator
+                                  # except in its RegisterReply
 
 
 @dataclass
@@ -98,6 +122,7 @@ class Membership:
         self.stage_numel: dict[int, int] = {}
         self.job_started = False
         self.restored = False        # continued from a previous incarnation's state
+        self.isolated = False        # a majority of the live workers is silent: we are the one cut off
 
     @property
     def epoch(self) -> int:
@@ -114,13 +139,19 @@ class Membership:
         return None
 
     def register(self, replica: int, stage: int, address: str, pid: int, host: str, rejoin: bool,
-                 numel: int, now: float) -> tuple[WorkerInfo, bool]:
-        """A worker takes a slot; returns (its record, whether it is a replacement)."""
+                 numel: int, now: float, silent_after: float | None = None) -> tuple[WorkerInfo, bool]:
+        """A worker takes a slot; returns (its record, whether it is a replacement).
+        A holder silent for more than ``silent_after`` seconds (kept only because
+        the coordinator is isolated) gives way to the newcomer."""
         if replica >= 0 or stage >= 0:
             if not (0 <= replica < self.R and 0 <= stage < self.S):
                 raise Refused("INVALID_ARGUMENT", f"slot r{replica}s{stage} does not exist in a {self.R}x{self.S} job")
             slot = (replica, stage)
             held = self.holder(slot)
+            if held is not None and silent_after is not None and held.state in ("alive", "joining") \
+                    and now - held.last_seen > silent_after and not rejoin:
+                self.declare_dead(held, now)
+                held = None
             if held is not None:
                 if not (rejoin and held.pid == pid and held.host == host):
                     raise Refused("ALREADY_EXISTS", f"slot {slot_name(*slot)} is held by live worker "
@@ -144,7 +175,7 @@ class Membership:
         prev = self.workers.get(self.slots[slot] or "")
         w = WorkerInfo(f"{slot_name(*slot)}-{uuid.uuid4().hex[:8]}", slot[0], slot[1], address, pid, host,
                        state="joining" if replacement else "alive", last_seen=now, registered_at=now,
-                       numel=numel, slot_step=prev.step if prev is not None else 0)
+                       numel=numel, slot_step=prev.step if prev is not None else 0, secret=identity.new_secret())
         self.workers[w.worker_id] = w
         self.slots[slot] = w.worker_id
         self._prune(slot)
@@ -188,6 +219,40 @@ class Membership:
     def overdue(self, now: float, timeout: float) -> list[WorkerInfo]:
         return [w for w in self.workers.values()
                 if w.state in ("alive", "joining") and now - w.last_seen > timeout]
+
+    def judge(self, now: float, timeout: float) -> tuple[list[WorkerInfo], str | None]:
+        """Who silence evicts now, and a change of isolation ("isolated" when a
+        majority of at least two live workers went silent, "reconnected" when
+        a majority is heard again; None: no change). See "Silence and isolation"."""
+        live = [w for w in self.workers.values() if w.state in ("alive", "joining")]
+        silent = [w for w in live if now - w.last_seen > timeout]
+        # "At once": a healthy worker beats several times per timeout, so half of
+        # it without a beat already counts; the workers cut off together all pass
+        # that mark before the first of them is overdue.
+        quiet = [w for w in live if now - w.last_seen > timeout / 2]
+        if len(live) >= 2 and 2 * len(quiet) > len(live):
+            if self.isolated:
+                return [], None
+            self.isolated = True
+            return [], "isolated"
+        if self.isolated:
+            self.isolated = False
+            for w in silent:          # a full timeout from now to be heard
+                w.last_seen = now
+            return [], "reconnected"
+        return silent, None
+
+    def upstream_tag(self, w: WorkerInfo) -> bytes:
+        """The tag a HELLO from w's predecessor must carry at w's replica's route
+        epoch (crucible.identity); b"" when w has no predecessor in the route."""
+        route = self.routes.get(w.replica, [])
+        if w.stage not in route or route.index(w.stage) == 0:
+            return b""
+        up = route[route.index(w.stage) - 1]
+        holder = self.holder((w.replica, up))
+        if holder is None or not holder.secret:
+            return b""
+        return identity.hello_tag(holder.secret, self.route_epoch[w.replica], w.replica, up, w.stage)
 
     def _prune(self, slot: tuple[int, int]) -> None:
         dead = sorted((w for w in self.workers.values() if (w.replica, w.stage) == slot and w.state == "dead"),

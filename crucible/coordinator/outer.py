@@ -31,6 +31,21 @@ fewer when they are large); payloads of closed rounds are not kept in memory.
 A call waits at most ``WAIT_S`` for its round to close, then answers
 UNAVAILABLE; the worker asks again (the same request), so no server thread
 is held for longer, and a stopped coordinator frees every waiter.
+
+Skipped and abandoned rounds. A worker that cannot reach the coordinator for
+``fault.heartbeat_timeout_s`` during a round (the coordinator is cut off, or
+the worker is) does not wait: it *skips* the round (adds its Δ̂ back into
+``e``, applies nothing) and trains on. Before its next round it asks about
+the skipped one with ``peek``; the round's outcome is then made final, the
+same for every replica:
+
+* the round had already answered someone (a reply went out): it stands; the
+  skipper applies it late (``OuterState.late_apply``), like everyone else;
+* otherwise it is *abandoned*: written to disk as such, and every request for
+  it, now or after a restart, gets ``abandoned``: nobody applies it, every
+  contributor adds its Δ̂ back into ``e``.
+
+So all replicas still apply the same rounds in the same order.
 """
 
 from __future__ import annotations
@@ -107,8 +122,13 @@ class Round:
     contributors: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     warned: bool = False
+    answered: bool = False     # a reply went out: the round can no longer be abandoned
+    abandoned: bool = False
 
     def reply(self) -> pb.OuterReply:
+        if self.abandoned:
+            return pb.OuterReply(round=self.number, abandoned=True)
+        self.answered = True
         return pb.OuterReply(round=self.number, contributors=self.contributors,
                              payloads=[self.payloads[x] for x in self.contributors], dropped=self.dropped)
 
@@ -125,7 +145,7 @@ class RoundStore:
 
     def write(self, rnd: Round) -> None:
         head = json.dumps({"round": rnd.number, "stage": rnd.stage, "contributors": rnd.contributors,
-                           "dropped": rnd.dropped,
+                           "dropped": rnd.dropped, "abandoned": rnd.abandoned,
                            "sizes": [len(rnd.payloads[r]) for r in rnd.contributors]}).encode()
         path = self._path(rnd.stage, rnd.number)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -142,7 +162,7 @@ class RoundStore:
         except (OSError, struct.error, ValueError):
             return None
         rnd = Round(stage, number, sealed=True, closed=True, contributors=list(head["contributors"]),
-                    dropped=list(head["dropped"]))
+                    dropped=list(head["dropped"]), abandoned=bool(head.get("abandoned", False)))
         at = ROUND_FILE.size + n
         for r, size in zip(rnd.contributors, head["sizes"]):
             rnd.payloads[r] = data[at:at + size]
@@ -221,10 +241,14 @@ class OuterRelay:
             return      # the next waiter tries again
         rnd.closed = True
         self.rounds.pop((rnd.stage, rnd.number), None)
-        c.metrics.write({"event": "outer_round", "stage": rnd.stage, "round": rnd.number,
-                         "contributors": rnd.contributors, "dropped": rnd.dropped,
-                         "bytes": sum(len(rnd.payloads[r]) for r in rnd.contributors),
-                         "seconds": time.time() - rnd.opened})
+        if rnd.abandoned:
+            c.metrics.write({"event": "outer_abandoned", "stage": rnd.stage, "round": rnd.number,
+                             "contributions": sorted(rnd.payloads), "seconds": time.time() - rnd.opened})
+        else:
+            c.metrics.write({"event": "outer_round", "stage": rnd.stage, "round": rnd.number,
+                             "contributors": rnd.contributors, "dropped": rnd.dropped,
+                             "bytes": sum(len(rnd.payloads[r]) for r in rnd.contributors),
+                             "seconds": time.time() - rnd.opened})
         c.cv.notify_all()
 
     def poke(self) -> None:
@@ -255,6 +279,24 @@ class OuterRelay:
             stage, number, self.c.cfg.outer.H))
         return rnd
 
+    def _peek(self, rnd: Round, replica: int, context, t_end: float) -> pb.OuterReply:
+        """Under the lock: replica skipped this round. Its result if a reply of it
+        went out; else the round is abandoned, for everyone."""
+        if not rnd.closed and not rnd.sealed and not rnd.answered:
+            rnd.abandoned = rnd.sealed = True
+            log.warning("outer round %d of stage %d abandoned: %s skipped it, out of the coordinator's reach",
+                        rnd.number, rnd.stage, slot_name(replica, rnd.stage))
+            self.c.cv.notify_all()
+        while not rnd.closed:
+            if not context.is_active() or self.c.stopping.is_set() or time.monotonic() > t_end:
+                raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "round still open; ask again")
+            if rnd.sealed and not rnd.writing:
+                self._finish(rnd)
+                continue
+            self.c.cv.wait(0.5)
+            self._maybe_close(rnd)
+        return rnd.reply()
+
     def exchange(self, req: pb.OuterRequest, context) -> pb.OuterReply:
         c = self.c
         mode = c.cfg.outer.mode
@@ -276,6 +318,8 @@ class OuterRelay:
                 c.cv.wait(0.5)
             rnd = self._round(req.stage, req.round)
             r = w.replica
+            if req.peek:
+                return self._peek(rnd, r, context, t_end)
             if req.payload and not rnd.sealed:
                 numel = c.m.stage_numel.get(req.stage)
                 try:

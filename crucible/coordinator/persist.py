@@ -138,8 +138,9 @@ def last_sequence_numbers(path: str, tail_bytes: int = 8 << 20) -> dict[str, int
 
 
 class LatestFile:
-    def __init__(self, path: str):
+    def __init__(self, path: str, mode: int = 0o644):
         self.path = path
+        self.mode = mode
         self._cv = threading.Condition()
         self._pending: str | None = None
         self._closed = False
@@ -161,7 +162,7 @@ class LatestFile:
                 closed = self._closed
             if text is not None:
                 try:
-                    atomic_write(self.path, text)
+                    atomic_write(self.path, text, mode=self.mode)
                 except OSError as e:
                     log.error("could not write %s: %s", self.path, e)
             if closed:

@@ -17,6 +17,23 @@ Protocol (what a worker can rely on)
   for ``fault.heartbeat_timeout_s`` is declared dead. A coordinator that was
   itself stalled (its monitor ran late) credits everyone with the stall
   before it judges anyone.
+* **Isolation** (``membership.py``, "Silence and isolation"): when more than
+  half of the live workers go silent at once, the coordinator takes itself to
+  be the one cut off and evicts nobody for silence (``coordinator_isolated``
+  event) until a majority is heard again (``coordinator_reconnected``); then
+  the still-silent get a full timeout. Meanwhile it probes the silent ones
+  every timeout: a probe that the worker's host refuses (the process is gone)
+  still evicts, and so does a replacement registering into a silent worker's
+  slot. Workers train on without the coordinator; outer rounds they cannot
+  reach it for are skipped (``outer.py``, ``abandoned``).
+* **Suspicions**: a worker whose stream to a neighbour fails reports it; a
+  probe that fails evicts the neighbour. A probe that answers contradicts the
+  suspicion; ``fault.suspicion_limit`` of those about one boundary evict one of
+  its ends (``suspicion.py``): a link between two live workers that does not
+  work must not stall their replica for ever.
+* **Identity** (``crucible/identity.py``): Register issues a per-registration
+  secret; WatchRoutes needs it and pushes each worker the HELLO tag it must
+  expect from its predecessor.
 * **Report** carries events (JSON objects with an ``event`` field) numbered by
   ``(source, seq)``: a retried batch is written to ``metrics.jsonl`` once.
 * **Status** is the job at a glance, the JSON that ``crucible status --json``
@@ -56,9 +73,11 @@ from crucible.config import Config
 from crucible.health import Health
 from crucible.coordinator import exporters
 from crucible.coordinator.checkpoints import CheckpointManager
+from crucible.coordinator.links import LinkRates
 from crucible.coordinator.membership import Membership, Refused, WorkerInfo
 from crucible.coordinator.outer import OuterRelay
 from crucible.coordinator.persist import LatestFile, MetricsLog, last_sequence_numbers
+from crucible.coordinator.suspicion import SuspicionBook
 from crucible.files import atomic_write
 from crucible.slots import slot_name
 from crucible.version import version as crucible_version
@@ -86,7 +105,7 @@ class Coordinator:
         self.incarnation = self._bump_incarnation()
         self.cv = threading.Condition()
         self.m = Membership(cfg.job.replicas, cfg.job.stages, cfg.fault.on_stage_failure, self.incarnation)
-        self.state_file = LatestFile(os.path.join(self.run_dir, STATE_FILE))
+        self.state_file = LatestFile(os.path.join(self.run_dir, STATE_FILE), mode=0o600)   # holds secrets
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         self.report_seq = last_sequence_numbers(metrics_path)    # source -> newest seq written
         self.metrics = MetricsLog(metrics_path)
@@ -98,6 +117,9 @@ class Coordinator:
         self.port = 0
         self.restart_requested = False
         self._probing: set[tuple[int, int]] = set()
+        self.links = LinkRates()     # each boundary's throughput, for status
+        self.suspicions = SuspicionBook(cfg.job.stages, cfg.fault.suspicion_limit, cfg.fault.suspicion_window_s)
+        self._evidence_probe_at: dict[str, float] = {}     # isolated: when each silent worker was last probed
         self.outer = OuterRelay(self)
         self.ckpt = CheckpointManager(cfg, self.run_dir, membership=lambda: self.m, lock=self.cv, metrics=self.metrics,
                                       stopping=self.stopping, finished=self.finished, incarnation=self.incarnation)
@@ -161,6 +183,7 @@ class Coordinator:
 
     def start(self, bind: str) -> int:
         n = len(self.m.slots)
+        rpc.configure(self.cfg.net.keepalive_s, self.cfg.fault.heartbeat_timeout_s)
         handlers = {
             "JobInfo": rpc.unary("JobInfo", pb.JobInfoRequest, pb.JobInfoReply, self.JobInfo),
             "Register": rpc.unary("Register", pb.RegisterRequest, pb.RegisterReply, self.Register),
@@ -214,6 +237,7 @@ class Coordinator:
 
     def _declare_dead(self, w: WorkerInfo, why: str, probe_s: float | None = None) -> None:
         self.m.declare_dead(w, time.time())
+        self.suspicions.forget(w.replica, w.stage)
         if self.cfg.fault.on_stage_failure == "restart" and self.job_started:
             self.restart_requested = True
         self.metrics.write({"event": "fault", "kind": "worker_dead", "worker": w.worker_id,
@@ -252,15 +276,18 @@ class Coordinator:
         with self.cv:
             try:
                 w, replacement = self.m.register(req.replica, req.stage, req.address, req.pid, req.host,
-                                                 req.rejoin, int(req.numel), time.time())
+                                                 req.rejoin, int(req.numel), time.time(),
+                                                 silent_after=self.cfg.fault.heartbeat_timeout_s)
             except Refused as e:
                 raise rpc.RpcFault(_status(e.code), e.message) from None
             self.metrics.write({"event": "worker_registered", "worker": w.worker_id, "replica": w.replica,
                                 "stage": w.stage, "address": req.address, "pid": req.pid,
                                 "replacement": replacement, "rejoin": req.rejoin, "numel": req.numel})
             self._changed(f"{slot_name(w.replica, w.stage)} registered")
+            self.suspicions.forget(w.replica, w.stage)
             return pb.RegisterReply(worker_id=w.worker_id, replica=w.replica, stage=w.stage,
-                                    config_json=self.cfg.to_json(), routes=self._route_update(),
+                                    config_json=self.cfg.to_json(), routes=self._route_update(w),
+                                    secret=bytes.fromhex(w.secret),
                                     run_dir=self.run_dir, incarnation=self.incarnation,
                                     replacement=replacement, replica_step=self.m.replica_step(w.replica),
                                     slot_step=w.slot_step,
@@ -279,7 +306,10 @@ class Coordinator:
 
     def WatchRoutes(self, req: pb.WatchRequest, context):
         with self.cv:
-            self.member(req.worker_id)
+            w = self.member(req.worker_id)
+            if w.secret and req.secret.hex() != w.secret:
+                raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"WatchRoutes for {req.worker_id} without that registration's secret")
         sent = -1
         while context.is_active() and not self.stopping.is_set():
             with self.cv:
@@ -287,7 +317,7 @@ class Coordinator:
                     self.cv.wait(timeout=1.0)
                     if self.epoch == sent:
                         continue
-                update, sent = self._route_update(), self.epoch
+                update, sent = self._route_update(w), self.epoch
             yield update
 
     def Report(self, req: pb.ReportRequest, context) -> pb.ReportReply:
@@ -345,6 +375,8 @@ class Coordinator:
         """Under self.cv: what an event tells the coordinator."""
         kind = ev["event"]
         rep = self.m.replicas[w.replica]
+        if kind in ("step", "stage_step"):
+            self.links.observe(w.replica, w.stage, ev)
         if kind == "step" and w.stage == 0:
             rep.step = int(ev.get("step", rep.step)) + 1
             rep.loss = ev.get("loss")
@@ -356,7 +388,8 @@ class Coordinator:
         elif kind == "worker_error":
             self._record_error((w.replica, w.stage), ev, w.worker_id)
         elif kind == "suspect":
-            self._start_probe(ev.get("replica"), ev.get("stage"), str(ev.get("reason", "")))
+            self._start_probe(ev.get("replica"), ev.get("stage"), str(ev.get("reason", "")),
+                              reporter=w.stage if ev.get("replica") == w.replica else None)
         elif kind == "stage_lost" and not self.restart_requested:
             # No live copy of a stage, and its newest checkpoint is older than its last
             # weights: the whole job goes back to the latest checkpoint (every worker is
@@ -381,8 +414,10 @@ class Coordinator:
                                 "steps": [r.step for r in self.m.replicas]})
             self.finished.set()
 
-    def _route_update(self) -> pb.RouteUpdate:
-        return pb.RouteUpdate(epoch=self.epoch, routes=[pb.Route(**r) for r in self.m.routes_view()])
+    def _route_update(self, w: WorkerInfo | None = None) -> pb.RouteUpdate:
+        """The routes; for worker `w`, with the HELLO tag it must expect."""
+        return pb.RouteUpdate(epoch=self.epoch, routes=[pb.Route(**r) for r in self.m.routes_view()],
+                              upstream_tag=self.m.upstream_tag(w) if w is not None else b"")
 
     def _monitor(self) -> None:
         timeout = self.cfg.fault.heartbeat_timeout_s
@@ -402,10 +437,39 @@ class Coordinator:
                         and now - self.started > timeout and not self.ckpt.resume_requested \
                         and self.m.start_after_grace():
                     self._changed("coordinator restarted: grace period over")
-                for w in self.m.overdue(now, timeout):
+                evict, change = self.m.judge(now, timeout)
+                if change is not None:
+                    self._isolation_changed(change, now, timeout)
+                for w in evict:
                     self._declare_dead(w, f"no heartbeat for {now - w.last_seen:.1f}s")
+                if self.m.isolated:
+                    self._probe_silent(now, timeout)
 
-    def _start_probe(self, replica, stage, reason: str) -> None:
+    def _isolation_changed(self, change: str, now: float, timeout: float) -> None:
+        """Under self.cv: we lost (or found again) a majority of the workers."""
+        silent = sorted(slot_name(w.replica, w.stage) for w in self.m.overdue(now, timeout / 2))
+        live = sum(1 for w in self.m.workers.values() if w.state in ("alive", "joining"))
+        self.metrics.write({"event": f"coordinator_{change}", "silent": silent, "live": live})
+        if change == "isolated":
+            log.warning("%d of %d live workers are silent: this coordinator is probably cut off from the "
+                        "network; nobody is evicted for silence until a majority is heard again (%s)",
+                        len(silent), live, ", ".join(silent))
+        else:
+            log.warning("a majority of the workers is heard again; still silent (a full timeout from now): %s",
+                        ", ".join(silent) or "none")
+            self._evidence_probe_at.clear()
+
+    def _probe_silent(self, now: float, timeout: float) -> None:
+        """Under self.cv, isolated: probe each silent worker once a timeout. A
+        refused connection (the process is gone, its host answers) evicts it."""
+        for w in self.m.overdue(now, timeout):
+            if now - self._evidence_probe_at.get(w.worker_id, 0.0) < timeout:
+                continue
+            self._evidence_probe_at[w.worker_id] = now
+            self._start_probe(w.replica, w.stage, "silent while the coordinator is isolated", evidence=True)
+
+    def _start_probe(self, replica, stage, reason: str, reporter: int | None = None,
+                     evidence: bool = False) -> None:
         """Under self.cv: one probe at a time per slot (a burst of suspicions
         about one worker starts one thread, not one each)."""
         if not isinstance(replica, int) or not isinstance(stage, int) or (replica, stage) not in self.m.slots:
@@ -413,15 +477,20 @@ class Coordinator:
         if (replica, stage) in self._probing:
             return
         self._probing.add((replica, stage))
-        threading.Thread(target=self._probe, args=(replica, stage, reason), daemon=True, name="probe").start()
+        threading.Thread(target=self._probe, args=(replica, stage, reason, reporter, evidence), daemon=True,
+                         name="probe").start()
 
-    def _probe(self, replica: int, stage: int, reason: str) -> None:
+    def _probe(self, replica: int, stage: int, reason: str, reporter: int | None = None,
+               evidence: bool = False) -> None:
         """A neighbour's data-plane call failed: confirm with a probe before evicting,
-        so that a slow worker is not evicted for being slow once."""
+        so that a slow worker is not evicted for being slow once. A probe that
+        answers counts against the boundary (``suspicion.py``). With
+        ``evidence`` (isolated, the worker is silent) only a refused
+        connection evicts: a probe that times out proves nothing."""
         try:
             with self.cv:
                 w = self.m.holder((replica, stage))
-                if w is None or w.state != "alive":
+                if w is None or w.state not in (("alive", "joining") if evidence else ("alive",)):
                     return
                 address, wid = w.address, w.worker_id
             t0 = time.time()
@@ -429,15 +498,36 @@ class Coordinator:
                 with rpc.make_channel(address) as ch:
                     pbg.StageStub(ch).Probe(pb.ProbeRequest(), metadata=rpc.metadata(self.token),
                                             timeout=self.cfg.fault.probe_timeout_s)
-                return  # alive: it was a hiccup
+                if reporter is not None:
+                    with self.cv:
+                        evict = self.suspicions.contradicted(replica, reporter, stage, time.time())
+                        if evict is not None:
+                            self._evict_for_link(replica, reporter, stage, evict)
+                return  # alive: it was a hiccup (or a link between two live workers)
             except grpc.RpcError as e:
                 why = f"probe failed ({e.code().name}) after: {reason}"
+                refused = e.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (e.details() or "").lower()
+            if evidence and not refused:
+                return
             with self.cv:
-                if self.m.slots.get((replica, stage)) == wid and w.state == "alive":
+                if self.m.slots.get((replica, stage)) == wid and w.state in ("alive", "joining"):
                     self._declare_dead(w, why, probe_s=time.time() - t0)
         finally:
             with self.cv:
                 self._probing.discard((replica, stage))
+
+    def _evict_for_link(self, replica: int, reporter: int, suspect: int, stage: int) -> None:
+        """Under self.cv: the boundary reporter-suspect failed suspicion_limit
+        times while both ends answered probes: evict `stage` (one of the two)."""
+        w = self.m.holder((replica, stage))
+        if w is None or w.state != "alive":
+            return
+        other = suspect if stage == reporter else reporter
+        why = (f"its stream with {slot_name(replica, other)} failed {self.cfg.fault.suspicion_limit} times in "
+               f"{self.cfg.fault.suspicion_window_s:.0f}s while both answered probes (a broken link)")
+        self.metrics.write({"event": "link_eviction", "replica": replica, "stages": sorted((reporter, suspect)),
+                            "evicted": stage})
+        self._declare_dead(w, why)
 
     def status(self) -> dict:
         with self.cv:
@@ -452,7 +542,8 @@ class Coordinator:
                 reps.append({"id": rep.id, "state": rep.state, "step": rep.step, "loss": rep.loss,
                              "epoch": self.m.route_epoch[rep.id],
                              "eval_loss": rep.eval_loss, "tokens_per_s": tps, "route": list(self.m.routes[rep.id]),
-                             "goodput": rep.goodput})
+                             "goodput": rep.goodput,
+                             "links": self.links.boundaries(rep.id, list(self.m.routes[rep.id]))})
             workers = []
             for (r, s), wid in sorted(self.m.slots.items()):
                 w = self.m.workers.get(wid) if wid else None
@@ -472,6 +563,7 @@ class Coordinator:
                 "replicas": reps,
                 "workers": workers,
                 "checkpoint": self.ckpt.status(),
+                "isolated": self.m.isolated,
             }
 
 

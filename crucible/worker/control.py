@@ -4,6 +4,13 @@ watch, reports, outer exchange.
 Each concern has its own thread, so none delays another: heartbeats (a beat
 never waits behind a report), the route watch, and the reporter.
 
+The coordinator may be out of reach (it is cut off, or this worker is) while
+the data plane works: nothing of the training loop waits on it for long.
+``last_ok`` is when it last answered; an outer round that cannot reach it for
+``fault.heartbeat_timeout_s`` raises ``CoordinatorUnreachable`` (the worker
+skips the round, see ``crucible/coordinator/outer.py``), and a call refused
+because this worker was declared dead ends the worker (exit status 3).
+
 Reports are exactly once: every event gets a sequence number from this
 process's ``source`` when it is reported; the reporter sends them in order,
 in batches that start at the oldest unacknowledged one, and the coordinator
@@ -26,7 +33,7 @@ from typing import Callable
 
 import grpc
 
-from crucible import PROTOCOL_VERSION, rpc
+from crucible import PROTOCOL_VERSION, exits, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.retry import Backoff, retry
@@ -43,6 +50,15 @@ class RoundGone(Exception):
     """The outer round this stage asked for closed too long ago to be replayed."""
 
 
+class CoordinatorUnreachable(Exception):
+    """The coordinator has not answered for fault.heartbeat_timeout_s: an outer
+    round is skipped instead of waited for."""
+
+
+def _evicted(e: grpc.RpcError) -> bool:
+    return e.code() == grpc.StatusCode.FAILED_PRECONDITION and "declared dead" in (e.details() or "")
+
+
 class ControlClient:
     def __init__(self, address: str, token: str, max_mb: int = 64):
         self.address = address
@@ -57,6 +73,8 @@ class ControlClient:
         self.on_reregister = None
         self.registered = threading.Event()   # cleared while a re-registration is due
         self.heartbeat_timeout = 2.0
+        self.secret = b""                     # this registration's secret (crucible.identity)
+        self.last_ok = time.monotonic()       # when the coordinator last answered a call
         self._hb_lock = threading.Lock()
         self.source = uuid.uuid4().hex[:12]
         self._seq = 0
@@ -66,9 +84,29 @@ class ControlClient:
 
     # ---- joining ------------------------------------------------------------------
 
+    def _retry(self, call, deadline_s: float):
+        """``retry`` a call to the coordinator; when it has been UNAVAILABLE for
+        2 s, ask why (``rpc.explain``): a TLS mismatch is said at once instead
+        of retried until the deadline."""
+        explained_at = time.monotonic() + 2.0
+
+        def once():
+            nonlocal explained_at
+            try:
+                return call()
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() >= explained_at:
+                    explained_at = time.monotonic() + 10.0
+                    why = rpc.explain(self.address)
+                    if why:
+                        raise RuntimeError(f"cannot reach the coordinator: {why}") from None
+                raise
+
+        return retry(once, deadline_s, stop=self.stop)
+
     def job_info(self, replica: int, stage: int, deadline_s: float = 120.0) -> pb.JobInfoReply:
         req = pb.JobInfoRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage)
-        return retry(lambda: self.stub.JobInfo(req, metadata=self.md, timeout=10), deadline_s, stop=self.stop)
+        return self._retry(lambda: self.stub.JobInfo(req, metadata=self.md, timeout=10), deadline_s)
 
     def register(self, replica: int, stage: int, address: str, numel: int, deadline_s: float = 60.0,
                  rejoin: bool = False) -> pb.RegisterReply:
@@ -76,8 +114,9 @@ class ControlClient:
         req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage,
                                  address=address, pid=os.getpid(), host=socket.gethostname(), numel=numel)
         req.rejoin = rejoin
-        reply = retry(lambda: self.stub.Register(req, metadata=self.md, timeout=10), deadline_s, stop=self.stop)
-        self.worker_id = reply.worker_id
+        reply = self._retry(lambda: self.stub.Register(req, metadata=self.md, timeout=10), deadline_s)
+        self.worker_id, self.secret = reply.worker_id, reply.secret
+        self.last_ok = time.monotonic()
         self.registered.set()
         return reply
 
@@ -146,6 +185,7 @@ class ControlClient:
             self.stub.Report(pb.ReportRequest(worker_id=self.worker_id, events_json=[x for _, x in batch],
                                               source=self.source, seq=batch[0][0]),
                              metadata=self.md, timeout=timeout)
+            self.last_ok = time.monotonic()
         except grpc.RpcError as e:
             if e.code() in TRANSIENT:
                 log.debug("report deferred (%s); %d events pending", e.code().name, len(self._pending))
@@ -174,9 +214,11 @@ class ControlClient:
 
     def _heartbeat(self, timeout: float) -> pb.HeartbeatReply:
         with self._hb_lock:
-            return self.stub.Heartbeat(
+            reply = self.stub.Heartbeat(
                 pb.HeartbeatRequest(worker_id=self.worker_id, epoch=self.epoch, step=self.step, state=self.state),
                 metadata=self.md, timeout=timeout)
+            self.last_ok = time.monotonic()
+            return reply
 
     def heartbeat_loop(self, interval: float, on_command: Callable[[str], None],
                        on_reply: Callable[[pb.HeartbeatReply], None] | None = None) -> None:
@@ -206,7 +248,8 @@ class ControlClient:
         backoff = Backoff()
         while not self.stop.is_set():
             try:
-                for update in self.stub.WatchRoutes(pb.WatchRequest(worker_id=self.worker_id), metadata=self.md):
+                for update in self.stub.WatchRoutes(pb.WatchRequest(worker_id=self.worker_id, secret=self.secret),
+                                                    metadata=self.md):
                     on_update(update)
                     backoff.reset()
                     if self.stop.is_set():
@@ -220,21 +263,36 @@ class ControlClient:
     # ---- outer rounds --------------------------------------------------------------------
 
     def outer_exchange(self, stage: int, round_: int, payload: bytes, mode: str, numel: int, step: int,
-                       timeout: float) -> pb.OuterReply:
+                       timeout: float, peek: bool = False) -> pb.OuterReply:
         """Contribute to an outer round and wait for it to close. The same request
         is asked again while the round is open (each call waits a bounded time),
         across a coordinator restart too. A refused payload is left out; we then
-        abstain to receive the round's result all the same."""
-        req = pb.OuterRequest(stage=stage, round=round_, payload=payload, mode=mode, numel=numel, step=step)
+        abstain to receive the round's result all the same. ``peek``: ask about
+        a round this worker skipped (its result, or ``abandoned``). Raises
+        CoordinatorUnreachable when the coordinator has not answered anything
+        for heartbeat_timeout."""
+        req = pb.OuterRequest(stage=stage, round=round_, payload=payload, mode=mode, numel=numel, step=step,
+                              peek=peek)
         backoff = Backoff()
         t_end = time.monotonic() + timeout
         while True:
             req.worker_id = self.worker_id
             try:
-                return self.stub.OuterExchange(req, metadata=self.md,
-                                               timeout=max(1.0, min(60.0, t_end - time.monotonic())))
+                reply = self.stub.OuterExchange(req, metadata=self.md,
+                                                timeout=max(1.0, min(60.0, t_end - time.monotonic())))
+                self.last_ok = time.monotonic()
+                return reply
             except grpc.RpcError as e:
                 code = e.code()
+                if _evicted(e):
+                    log.warning("outer round %d: %s", round_, e.details())
+                    raise SystemExit(exits.EVICTED) from None
+                asked_again = code == grpc.StatusCode.UNAVAILABLE and (
+                    "ask again" in (e.details() or "") or "retry" in (e.details() or ""))
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not asked_again \
+                        and time.monotonic() - self.last_ok > self.heartbeat_timeout:
+                    raise CoordinatorUnreachable(f"no answer from the coordinator for "
+                                                 f"{time.monotonic() - self.last_ok:.1f}s ({code.name})") from None
                 if code == grpc.StatusCode.INVALID_ARGUMENT and req.payload:
                     log.error("outer contribution refused: %s", e.details())
                     req.payload = b""

@@ -10,7 +10,8 @@ FORWARD of step s and before any FORWARD of step s+1.
 Incoming frames are checked on the stream's reader thread, before anything is
 queued for the compute thread: the sender must be this worker's predecessor
 in the current route and carry the route's epoch (a lower epoch gets
-FAILED_PRECONDITION); tensors must match their declared and expected dtype,
+FAILED_PRECONDITION), and its HELLO must be signed by the registration that
+holds that slot (``crucible/identity.py``; PERMISSION_DENIED otherwise); tensors must match their declared and expected dtype,
 shape and byte count (INVALID_ARGUMENT). A bad stream is closed with that
 status; the worker and every other stream go on.
 
@@ -35,7 +36,7 @@ from typing import Any, Callable
 import grpc
 import torch
 
-from crucible import rpc
+from crucible import identity, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.wire import WireError, from_wire, tokens_from_wire
@@ -322,6 +323,11 @@ class StageService:
         if pred is None or hello.src_stage != pred:
             raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
                                f"stage {hello.src_stage} is not this stage's predecessor ({pred}) in the route")
+        tag_epoch, tag = links.hello_expect
+        if tag_epoch != hello.epoch or not identity.same(tag, hello.auth):
+            raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
+                               f"HELLO claims stage {hello.src_stage} of replica {links.replica} but is not signed by "
+                               f"the worker registered in that slot")
 
 
 class UpstreamStream:

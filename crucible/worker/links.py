@@ -21,8 +21,10 @@ import threading
 import time
 from typing import Callable
 
+import grpc
 import torch
 
+from crucible import identity
 from crucible._pb import crucible_pb2 as pb
 from crucible.wire import to_wire, tokens_to_wire
 from crucible.worker.dataplane import Downstream, Event, FrameDecoder, Inbox, K
@@ -36,16 +38,19 @@ class RouteChanged(Exception):
 class Links:
     def __init__(self, replica: int, stage: int, token: str, cfg, decoder: FrameDecoder, inbox: Inbox,
                  suspect: Callable[[int, str], None], on_epoch: Callable[[int], None],
-                 check_stop: Callable[[], None], idle: Callable[[], None]):
+                 check_stop: Callable[[], None], idle: Callable[[], None],
+                 secret: Callable[[], bytes] = lambda: b""):
         self.replica, self.stage, self.token, self.cfg = replica, stage, token, cfg
         self.decoder, self.inbox = decoder, inbox
         self.suspect, self.on_epoch, self.check_stop, self.idle = suspect, on_epoch, check_stop, idle
+        self.secret = secret              # this registration's secret: it signs our HELLOs (crucible.identity)
         self.cv = threading.Condition()
         self.route: pb.Route | None = None
         self.all_routes: list = []
         self.upstream = None
         self.down: Downstream | None = None
         self.down_epoch, self.down_stage = 0, None
+        self.hello_expect: tuple[int, bytes] = (0, b"")   # (route epoch, tag our predecessor's HELLO carries)
         self.last_commit: tuple[int, float] | None = None   # stage 0: (step, coef) of the last COMMIT sent
 
     # ---- the route ----------------------------------------------------------
@@ -62,6 +67,7 @@ class Links:
                     changed_to = r.epoch
                 if cur is None or r.epoch >= cur.epoch or update.epoch >> 32 != cur.epoch >> 32:
                     self.route = r
+                    self.hello_expect = (r.epoch, update.upstream_tag)
                     self.on_epoch(r.epoch)
             self.all_routes = list(update.routes)
             self.cv.notify_all()
@@ -122,7 +128,11 @@ class Links:
 
     def attach_upstream(self, stream) -> None:
         with self.cv:
-            self.upstream = stream
+            old, self.upstream = self.upstream, stream
+        if old is not None and old is not stream:
+            # A newer stream took the boundary (a new route, or the old one's peer went
+            # silent): end the old one now, freeing its server thread.
+            old.finish((grpc.StatusCode.FAILED_PRECONDITION, "superseded by a newer stream"))
 
     def detach_upstream(self, stream) -> bool:
         with self.cv:
@@ -153,7 +163,8 @@ class Links:
             self.down = None
         if succ is None:
             return
-        hello = pb.Frame(kind=K.HELLO, epoch=route.epoch, src_replica=self.replica, src_stage=self.stage)
+        hello = pb.Frame(kind=K.HELLO, epoch=route.epoch, src_replica=self.replica, src_stage=self.stage,
+                         auth=identity.hello_tag(self.secret(), route.epoch, self.replica, self.stage, succ[0]))
         self.down = Downstream(succ[1], hello, self.token, self.cfg.net.max_message_mb, self.cfg.net.link_mbps,
                                self.inbox.put, self.decoder.decode_down)
         self.down_epoch, self.down_stage = route.epoch, succ[0]
@@ -189,7 +200,7 @@ class Links:
                              f"must be {shape} torch.float32 [microbatch, train.seq_len, model.d_model]")
         f = self.frame(kind, step, micro, self.down_epoch, tensor=to_wire(h, self.decoder.fwd_codec),
                        targets=targets_msg, **extra)
-        st.sent(f, time.perf_counter() - t0)
+        st.sent(f, time.perf_counter() - t0, down=True)
         self.down.send(f)
 
     def send_commit(self, step: int, coef: float, snapshot: bool = False) -> None:

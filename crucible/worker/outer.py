@@ -15,12 +15,19 @@ contributors, after ``outer.clip``) and applies the same update:
     then         θ_local ← θ_global
 
 A replica left out of a round adds its Δ̂ back into e, so its work is not
-lost. A payload that does not decode is left out by every replica alike (the
+lost. A round skipped because the coordinator was out of reach (``skip``) is
+the same, and is remembered: once the coordinator answers again, the
+round's final outcome is either "abandoned" (nothing more to do) or the
+closed round, which is then applied late (``late_apply``): θ_global takes the
+same update every other replica applied, θ_local moves with it (keeping the
+steps trained since), and, if our own Δ̂ was among the contributions, it
+leaves e again. A payload that does not decode is left out by every replica alike (the
 same bytes fail the same way everywhere), so all replicas still agree.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -29,6 +36,8 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from crucible.compress import sparseloco as slc
+
+log = logging.getLogger("crucible.worker")
 
 DENSE_HEADER = struct.Struct("<4sQ")
 DENSE_MAGIC = b"DNS0"
@@ -63,6 +72,7 @@ class OuterState:
         self.nesterov = slc.NesterovOuter(outer_cfg.lr, outer_cfg.momentum) if self.mode == "diloco" else None
         self.round = 0
         self.lock = threading.Lock()   # θ_global is read by PullWeights on another thread
+        self.skipped: list[tuple[int, torch.Tensor | None]] = []   # (round, our Δ̂) not yet settled
 
     def load_global(self, theta: torch.Tensor, outer_round: int) -> None:
         """Replacement rule: θ_global from a peer, θ_local ← θ_global, e ← 0."""
@@ -121,6 +131,40 @@ class OuterState:
             self.round += 1
         return {"used": used, "undecodable": bad, "left_out": replica not in used}
 
+    def skip(self, replica: int, round_no: int, mine: torch.Tensor | None) -> None:
+        """The coordinator was out of reach for this round: left out of it (Δ̂
+        back into e, θ_local ← θ_global), and remembered until settled."""
+        self.apply(replica, [], [], mine)
+        self.skipped.append((round_no, mine))
+
+    def late_apply(self, replica: int, contributors: list[int], payloads: list[bytes],
+                   mine: torch.Tensor | None) -> dict:
+        """A round skipped earlier closed for the others: apply its aggregate now."""
+        used, contribs = [], []
+        for r, p in zip(contributors, payloads):
+            try:
+                contribs.append(self.decode(p))
+                used.append(r)
+            except ValueError:
+                pass
+        with self.lock, torch.no_grad():
+            if contribs:
+                before = self.theta_global.clone()
+                agg = slc.aggregate(contribs, clip=self.cfg.clip)
+                if self.mode == "sparseloco":
+                    slc.outer_sgd(self.theta_global, agg, self.cfg.lr)
+                else:
+                    self.nesterov.step(self.theta_global, agg)
+                shift = self.theta_global - before
+                offset = 0
+                for p in self.params:      # θ_local moves with θ_global
+                    n = p.numel()
+                    p.add_(shift[offset:offset + n].view_as(p))
+                    offset += n
+            if replica in used and mine is not None and self.e is not None:
+                self.e.sub_(mine)          # the round took our Δ̂ after all
+        return {"used": used}
+
     def state_dict(self) -> dict:
         return {"theta_global": self.theta_global, "e": self.e, "round": self.round,
                 "nesterov": self.nesterov.state_dict() if self.nesterov else None}
@@ -148,7 +192,7 @@ class OuterRound:
         self.replica, self.stage, self.debug, self.resync = replica, stage, debug, resync
 
     def after(self, committed_step: int) -> None:
-        from crucible.worker.control import RoundGone
+        from crucible.worker.control import CoordinatorUnreachable, RoundGone
 
         state = self.state
         if not state.due(committed_step):
@@ -162,10 +206,23 @@ class OuterRound:
         t_enc = time.perf_counter() - t0
         self.debug.in_outer_round(round_no)
         try:
+            self._settle_skipped(committed_step)
             reply = self.exchange(self.stage, round_no, payload, state.mode, state.numel, committed_step,
                                   timeout=max(3600.0, 10 * self.cfg.outer.deadline_s))
         except RoundGone as e:
             self.resync(f"outer round {round_no} is gone ({e})")
+            return
+        except CoordinatorUnreachable as e:
+            state.skip(self.replica, round_no, mine)
+            log.warning("r%ds%d: outer round %d skipped, its update kept in e: %s", self.replica, self.stage,
+                        round_no, e)
+            self.report({"event": "outer_skipped", "replica": self.replica, "stage": self.stage,
+                         "round": round_no, "step": committed_step, "reason": str(e)})
+            return
+        if reply.abandoned:        # another replica skipped it first: nobody applies it
+            state.apply(self.replica, [], [], mine)
+            self.report({"event": "outer_abandoned", "replica": self.replica, "stage": self.stage,
+                         "round": round_no, "step": committed_step})
             return
         t1 = time.perf_counter()
         if reply.round != round_no:
@@ -178,3 +235,28 @@ class OuterRound:
                      "dense_bytes": 4 * state.numel, "encode_s": t_enc, "apply_s": time.perf_counter() - t1,
                      "seconds": time.perf_counter() - t0})
         self.debug.outer_done(reply.round, state.theta_global, list(reply.contributors))
+
+    def _settle_skipped(self, step: int) -> None:
+        """Rounds this stage skipped (the coordinator was out of reach), oldest
+        first: each one's final outcome, before any later round is applied:
+        applied late if it closed for others, else abandoned for everyone
+        (crucible/coordinator/outer.py). Raises CoordinatorUnreachable."""
+        from crucible.worker.control import RoundGone
+
+        state = self.state
+        while state.skipped:
+            round_no, mine = state.skipped[0]
+            try:
+                reply = self.exchange(self.stage, round_no, b"", state.mode, state.numel, step,
+                                      timeout=max(3600.0, 10 * self.cfg.outer.deadline_s), peek=True)
+            except RoundGone as e:
+                state.skipped.clear()
+                self.resync(f"skipped outer round {round_no} is gone ({e})")
+                return
+            done = None if reply.abandoned else state.late_apply(
+                self.replica, list(reply.contributors), list(reply.payloads), mine)
+            state.skipped.pop(0)
+            log.info("r%ds%d: skipped outer round %d settled: %s", self.replica, self.stage, round_no,
+                     "abandoned" if done is None else f"applied late ({list(reply.contributors)})")
+            self.report({"event": "outer_settled", "replica": self.replica, "stage": self.stage,
+                         "round": round_no, "abandoned": reply.abandoned, "contributors": list(reply.contributors)})

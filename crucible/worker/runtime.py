@@ -121,7 +121,7 @@ class Worker:
         self.service = StageService()
         self.health = Health(SERVICE)
         self.server, port = rpc.make_server(SERVICE, self.service.handlers(), self.token, self.bind,
-                                            max_workers=8, max_mb=1024, health=self.health)
+                                            max_workers=16, max_mb=1024, health=self.health)
         host = self.bind.rpartition(":")[0] or "127.0.0.1"
         if host in ("0.0.0.0", "[::]"):
             host = socket.gethostname()
@@ -140,6 +140,10 @@ class Worker:
         self.name = slot_name(self.replica, self.stage)
         logging.getLogger().name = self.name
         self.ctl.heartbeat_timeout = cfg.fault.heartbeat_timeout_s
+        # Keepalive of the connections made from now on (the successor's, peers'): a
+        # silent peer's stream ends. (The server and the coordinator's channel, made
+        # before the configuration was known, use the same defaults.)
+        rpc.configure(cfg.net.keepalive_s, cfg.fault.heartbeat_timeout_s)
         self._build()
         reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel)
         log.info("%s registered as %s at %s%s", self.name, reply.worker_id, self.address,
@@ -181,7 +185,7 @@ class Worker:
         cfg = self.cfg
         self.links = Links(self.replica, self.stage, self.token, cfg, self.decoder, self.inbox,
                            suspect=self.suspect, on_epoch=lambda e: setattr(self.ctl, "epoch", e),
-                           check_stop=self._check_stop, idle=lambda: self.ckpt.idle())
+                           check_stop=self._check_stop, idle=lambda: self.ckpt.idle(), secret=lambda: self.ctl.secret)
         self.ckpt = self._checkpointer()
         self.replacement = Replacement(self.links, self.outer, self.model, self.ckpt, self.ctl, self.token,
                                        cfg.net.max_message_mb, lambda: self.progress.step, self.debug, self.name)

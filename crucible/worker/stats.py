@@ -52,6 +52,7 @@ class StepStats:
     raw_out: int = 0
     bytes_in: int = 0
     raw_in: int = 0
+    bytes_down: int = 0          # of bytes_out: to the successor (the rest went to the predecessor)
 
     def received(self, ev: Event) -> None:
         self.serialize += ev.decode_s
@@ -60,11 +61,13 @@ class StepStats:
         if ev.sent_at:
             self.transport += max(0.0, ev.recv_at - ev.sent_at)
 
-    def sent(self, frame, seconds: float) -> None:
+    def sent(self, frame, seconds: float, down: bool = False) -> None:
         self.serialize += seconds
         n, raw = frame_nbytes(frame)
         self.bytes_out += n
         self.raw_out += raw
+        if down:
+            self.bytes_down += n
 
     def as_dict(self) -> dict:
         total = time.perf_counter() - self.t0
@@ -72,4 +75,4 @@ class StepStats:
         return {"step_s": total, "compute_s": self.compute, "serialize_s": self.serialize,
                 "transport_s": transport, "idle_s": max(0.0, self.wait - transport),
                 "bytes_out": self.bytes_out, "raw_bytes_out": self.raw_out,
-                "bytes_in": self.bytes_in, "raw_bytes_in": self.raw_in}
+                "bytes_in": self.bytes_in, "raw_bytes_in": self.raw_in, "bytes_down": self.bytes_down}

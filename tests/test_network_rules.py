@@ -1,0 +1,231 @@
+"""The rules behind the network faults, in milliseconds (no processes):
+isolation (a majority silent at once evicts nobody), broken links (repeated
+contradicted suspicions), HELLO tags, skipped and abandoned outer rounds, the
+late application of a skipped round, and the timeouts that must nest.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from crucible import PROTOCOL_VERSION, identity
+from crucible._pb import crucible_pb2 as pb
+from crucible.config import Config, ConfigError
+from crucible.coordinator.membership import Membership
+from crucible.coordinator.suspicion import SuspicionBook
+from test_membership import _Ctx, _coordinator, _dense, _exchange_all
+
+T = 2.0
+
+
+def _full(R=2, S=3, now=0.0):
+    m = Membership(R, S)
+    ids = {}
+    for r in range(R):
+        for s in range(S):
+            w, _ = m.register(r, s, f"h{r}{s}:1", 100 + 10 * r + s, "h", False, 0, now)
+            ids[(r, s)] = w
+    m.recompute_routes()
+    return m, ids
+
+
+def test_a_minority_silent_is_evicted():
+    m, ids = _full()
+    for w in ids.values():
+        w.last_seen = 10.0
+    ids[(0, 1)].last_seen = 7.9
+    evict, change = m.judge(10.0, T)
+    assert evict == [ids[(0, 1)]] and change is None and not m.isolated
+
+
+def test_a_majority_silent_at_once_evicts_nobody_until_heard_again():
+    m, ids = _full()
+    # The coordinator's link goes down at t = 10: the beats stop, 0.5 s apart at most.
+    for i, w in enumerate(ids.values()):
+        w.last_seen = 10.0 - 0.1 * i
+    # The first worker overdue: the others are already quiet for half the timeout.
+    evict, change = m.judge(12.0, T)
+    assert evict == [] and change == "isolated" and m.isolated
+    for t in (13.0, 20.0, 60.0):
+        assert m.judge(t, T) == ([], None)
+    # The link is back: 4 of 6 are heard; the other two get a full timeout from now.
+    for (r, s), w in ids.items():
+        if (r, s) not in ((1, 0), (1, 2)):
+            w.last_seen = 61.0
+    evict, change = m.judge(61.0, T)
+    assert evict == [] and change == "reconnected" and not m.isolated
+
+    def beat(t):
+        for (r, s), w in ids.items():
+            if (r, s) not in ((1, 0), (1, 2)):
+                w.last_seen = t
+    beat(62.5)
+    assert m.judge(62.5, T) == ([], None)
+    beat(63.5)
+    evict, _ = m.judge(63.5, T)
+    assert sorted((w.replica, w.stage) for w in evict) == [(1, 0), (1, 2)]
+
+
+def test_isolation_needs_two_live_workers():
+    m = Membership(1, 1)
+    w, _ = m.register(0, 0, "h:1", 1, "h", False, 0, 0.0)
+    m.recompute_routes()
+    assert m.judge(3.0, T) == ([w], None)
+
+
+def test_a_replacement_takes_the_slot_of_a_worker_silent_while_isolated():
+    m, ids = _full()
+    for w in ids.values():
+        w.last_seen = 0.0
+    m.judge(10.0, T)
+    assert m.isolated
+    new, replacement = m.register(0, 1, "h01:2", 999, "h", False, 0, 10.0, silent_after=T)
+    assert replacement and ids[(0, 1)].state == "dead" and m.slots[(0, 1)] == new.worker_id
+    with pytest.raises(Exception, match="held by live worker"):   # one that is heard from keeps its slot
+        ids[(0, 2)].last_seen = 10.0
+        m.register(0, 2, "h02:2", 998, "h", False, 0, 10.0, silent_after=T)
+
+
+def test_hello_tags_follow_the_route_and_the_registration():
+    m, ids = _full()
+    s1, s2 = ids[(0, 1)], ids[(0, 2)]
+    epoch = m.route_epoch[0]
+    assert m.upstream_tag(s2) == identity.hello_tag(s1.secret, epoch, 0, 1, 2)
+    assert m.upstream_tag(ids[(0, 0)]) == b""               # stage 0 has no predecessor
+    assert s1.secret != ids[(1, 1)].secret and len(bytes.fromhex(s1.secret)) == 32
+    # s1 dies: s2's predecessor is s0, at a new epoch.
+    m.declare_dead(s1, 1.0)
+    m.recompute_routes()
+    assert m.upstream_tag(s2) == identity.hello_tag(ids[(0, 0)].secret, m.route_epoch[0], 0, 0, 2)
+    # Its replacement registers with a secret of its own; the stale one's tag is worthless.
+    new, _ = m.register(0, 1, "h01:9", 5, "h", False, 0, 2.0)
+    m.heartbeat(new, 0, "ready", 2.0)
+    m.recompute_routes()
+    tag = m.upstream_tag(s2)
+    assert tag == identity.hello_tag(new.secret, m.route_epoch[0], 0, 1, 2)
+    assert not identity.same(identity.hello_tag(s1.secret, m.route_epoch[0], 0, 1, 2), tag)
+    assert not identity.same(b"", b"")
+
+
+def test_a_link_that_keeps_failing_evicts_its_inner_end():
+    book = SuspicionBook(stages=3, limit=3, window_s=60)
+    assert book.contradicted(0, 1, 2, 0.0) is None            # s1 suspects s2 (last stage)
+    assert book.contradicted(0, 2, 1, 5.0) is None            # and s2 suspects s1: one boundary
+    assert book.contradicted(0, 1, 2, 10.0) == 1              # the inner end goes
+    assert book.contradicted(0, 1, 2, 11.0) is None           # counted afresh
+    # Strikes older than the window do not count.
+    book = SuspicionBook(stages=4, limit=3, window_s=10)
+    for t in (0.0, 20.0, 40.0):
+        assert book.contradicted(1, 1, 2, t) is None
+    assert book.contradicted(1, 1, 2, 41.0) is None and book.contradicted(1, 2, 1, 42.0) == 1   # both inner: suspect
+    assert SuspicionBook(stages=2, limit=1, window_s=10).contradicted(0, 0, 1, 0.0) == 1
+    assert SuspicionBook(stages=3, limit=0, window_s=10).contradicted(0, 1, 2, 0.0) is None
+
+
+def test_a_skipped_round_is_abandoned_for_everyone(tmp_path):
+    c, ids = _coordinator(tmp_path)
+    try:
+        a = _dense([1.0, 0.0, 0.0, 0.0])
+        # Replica 1 contributed to round 0 of stage 0 and waits; replica 0 could not
+        # reach the coordinator, skipped the round, and now asks how it ended.
+        result = {}
+
+        def waiter():
+            result["r1"] = c.outer.exchange(pb.OuterRequest(worker_id=ids[(1, 0)], stage=0, round=0, payload=a,
+                                                            mode="diloco", numel=4, step=1), _Ctx())
+        t = threading.Thread(target=waiter)
+        t.start()
+        import time
+        time.sleep(0.3)
+        peek = c.outer.exchange(pb.OuterRequest(worker_id=ids[(0, 0)], stage=0, round=0, mode="diloco", numel=4,
+                                                step=1, peek=True), _Ctx())
+        t.join(10)
+        assert peek.abandoned and result["r1"].abandoned and not result["r1"].contributors
+        # Final, also for a late request and after a restart.
+        again = c.outer.exchange(pb.OuterRequest(worker_id=ids[(1, 0)], stage=0, round=0, payload=a,
+                                                 mode="diloco", numel=4, step=1), _Ctx())
+        assert again.abandoned
+        # A round that answered someone stands: a later peek gets it.
+        out, _ = _exchange_all(c, ids, 1, 0, {0: a, 1: a})
+        late = c.outer.exchange(pb.OuterRequest(worker_id=ids[(0, 1)], stage=1, round=0, mode="diloco", numel=4,
+                                                step=1, peek=True), _Ctx())
+        assert not late.abandoned and list(late.contributors) == [0, 1] == list(out[0].contributors)
+        # A peek at a round nobody opened abandons it too.
+        assert c.outer.exchange(pb.OuterRequest(worker_id=ids[(0, 1)], stage=1, round=1, mode="diloco", numel=4,
+                                                step=3, peek=True), _Ctx()).abandoned
+    finally:
+        c.stop()
+    c._lock_file.close()
+    from crucible.coordinator.server import Coordinator
+
+    c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)
+    try:
+        assert c2.outer.exchange(pb.OuterRequest(worker_id=ids[(0, 0)], stage=0, round=0, payload=a, mode="diloco",
+                                                 numel=4, step=1), _Ctx()).abandoned
+    finally:
+        c2.stop()
+
+
+def test_late_apply_matches_applying_on_time():
+    torch = pytest.importorskip("torch")
+    from crucible.compress import sparseloco as slc
+    from crucible.worker.outer import OuterState
+
+    cfg = Config.load(None, {"outer.mode": "sparseloco", "outer.chunk": 64, "outer.k": 8}).outer
+
+    def replica(seed):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 8)
+        st = OuterState(model, cfg, replicas=2)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        return model, st
+
+    (m0, s0), (m1, s1) = replica(1), replica(2)
+    p0, mine0 = s0.prepare()
+    p1, mine1 = s1.prepare()
+    s0.apply(0, [0, 1], [p0, p1], mine0)                     # replica 0 got the round's reply
+    e_before = s1.e.clone()
+    s1.skip(1, 0, mine1)                                       # replica 1 could not reach the coordinator
+    assert s1.skipped == [(0, mine1)] and torch.equal(s1.e, e_before + mine1)
+    local = torch.nn.utils.parameters_to_vector(m1.parameters()).detach().clone()
+    with torch.no_grad():                                      # it trains on meanwhile
+        for p in m1.parameters():
+            p.add_(0.01)
+    trained = torch.nn.utils.parameters_to_vector(m1.parameters()).detach() - local
+    theta_before = s1.theta_global.clone()
+    s1.late_apply(1, [0, 1], [p0, p1], mine1)                  # the round stood: apply it now
+    assert torch.equal(s1.theta_global, s0.theta_global)       # every replica's θ_global agrees
+    assert torch.equal(s1.e, e_before)                         # our Δ̂ was used: it left e again
+    now = torch.nn.utils.parameters_to_vector(m1.parameters()).detach()
+    torch.testing.assert_close(now - s1.theta_global, trained, rtol=0, atol=1e-6)   # the steps since are kept
+    assert not torch.equal(theta_before, s1.theta_global)
+    assert slc is not None
+
+
+@pytest.mark.parametrize("override, key", [
+    ({"fault.rpc_timeout_s": 1.0}, "fault.rpc_timeout_s"),
+    ({"fault.probe_timeout_s": 2.5}, "fault.probe_timeout_s"),
+    ({"fault.heartbeat_interval_s": 1.5}, "fault.heartbeat_timeout_s"),
+    ({"net.keepalive_s": 3.0}, "net.keepalive_s"),
+    ({"outer.deadline_s": 5.0}, "outer.deadline_s"),
+    ({"fault.suspicion_window_s": 20.0}, "fault.suspicion_window_s"),
+])
+def test_inconsistent_timeouts_are_refused_with_the_reason(override, key):
+    with pytest.raises(ConfigError) as e:
+        Config.load(None, override)
+    assert str(e.value).startswith(f"inconsistent timeouts: '{key}'")
+    assert "must be" in str(e.value)
+
+
+def test_the_default_timeouts_nest():
+    cfg = Config.load(None, [])
+    f = cfg.fault
+    assert 2 * f.heartbeat_interval_s <= f.heartbeat_timeout_s <= f.rpc_timeout_s <= cfg.outer.deadline_s
+    assert f.probe_timeout_s < f.heartbeat_timeout_s and cfg.net.keepalive_s < f.heartbeat_timeout_s
+    Config.load(None, {"fault.heartbeat_timeout_s": 10})      # what the load tests use still holds
+    assert PROTOCOL_VERSION >= 2
