@@ -22,7 +22,9 @@ MODEL = [o for o in TINY if not o.startswith("model.n_layer")] + ["model.n_layer
 
 
 def _pid(job, replica, stage) -> int:
-    return next(w["pid"] for w in job.status()["workers"] if (w["replica"], w["stage"]) == (replica, stage))
+    # (status, like any call, may time out on a host this loaded: wait for an answer)
+    return job.wait_for(lambda st: next((w["pid"] for w in st["workers"] if (w["replica"], w["stage"]) ==
+                                         (replica, stage)), None), 60, f"the pid of r{replica}s{stage}")
 
 
 def _fault_of(job, pid):

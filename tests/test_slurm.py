@@ -28,8 +28,8 @@ import pytest
 from conftest import ROOT, TINY, child_env, crucible_cmd
 from crucible.cluster import slurm
 
-# Repeated faults, live clusters: the second step of .ci/run (pytest -m slow).
-pytestmark = pytest.mark.slow
+# The live cluster's tests run in the second step of .ci/run (pytest -m slow).
+live = pytest.mark.slow
 
 SCRIPT = os.path.join(ROOT, "launch", "slurm-dev.sh")
 FULL = [0, 1, 2]
@@ -274,6 +274,7 @@ def job(cluster, tmp_path_factory):
         j.cleanup()
 
 
+@live
 def test_bad_partition_is_one_line_and_leaves_no_job(cluster, tmp_path):
     j = SlurmJob(str(tmp_path / "bad"))
     p = j.cli("up", "--run-dir", j.run_dir, "--partition=no-such-partition", "--steps", "10", *TINY)
@@ -281,6 +282,7 @@ def test_bad_partition_is_one_line_and_leaves_no_job(cluster, tmp_path):
     assert [x for x in slurm.query_jobs(j.state().names()).values() if x.active] == []
 
 
+@live
 def test_finished_job_is_not_resubmitted_and_the_supervisor_exits(cluster, tmp_path):
     j = SlurmJob(str(tmp_path / "short"))
     try:
@@ -299,6 +301,7 @@ def test_finished_job_is_not_resubmitted_and_the_supervisor_exits(cluster, tmp_p
         j.cleanup()
 
 
+@live
 def test_trains_under_slurm_one_job_per_slot(job):
     st = job.wait_for(lambda s: s if healthy(s) else None, 120, "every slot RUNNING and alive")
     ids = [s["job_id"] for s in st["slots"]]
@@ -318,6 +321,7 @@ def test_trains_under_slurm_one_job_per_slot(job):
                  "steps committing")
 
 
+@live
 def test_scancel_inner_slot_skips_then_resubmitted_job_rejoins(job):
     st = job.wait_for(lambda s: s if healthy(s) else None, 120, "healthy before the scancel")
     old = slot_of(st, "r1s1")
@@ -350,6 +354,7 @@ def test_scancel_inner_slot_skips_then_resubmitted_job_rejoins(job):
           f"{back[0]['time'] - start[0]['time']:.2f}s")
 
 
+@live
 def test_down_final_checkpoint_and_no_job_left(job):
     job.wait_for(lambda s: s if healthy(s) else None, 120, "healthy before down")
     run = job.state()
@@ -370,6 +375,7 @@ def test_down_final_checkpoint_and_no_job_left(job):
     assert [j for j in slurm.query_jobs(run.names()).values() if j.active] == []
 
 
+@live
 def test_resume_then_scancel_coordinator_every_worker_keeps_its_slot(job):
     # `up --resume` continues from down's final checkpoint ...
     final = _events(job.run_dir, "slurm_down")[-1]["final_checkpoint"]

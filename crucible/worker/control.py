@@ -6,10 +6,15 @@ never waits behind a report), the route watch, and the reporter.
 
 The coordinator may be out of reach (it is cut off, or this worker is) while
 the data plane works: nothing of the training loop waits on it for long.
-``last_ok`` is when it last answered; an outer round that cannot reach it for
-``fault.heartbeat_timeout_s`` raises ``CoordinatorUnreachable`` (the worker
-skips the round, see ``crucible/coordinator/outer.py``), and a call refused
-because this worker was declared dead ends the worker (exit status 3).
+``last_ok`` is when it last answered; an outer round that hears nothing from
+it for ``fault.heartbeat_timeout_s`` raises ``CoordinatorUnreachable`` (the
+worker skips the round, see ``crucible/coordinator/outer.py``), and a call
+refused because this worker was declared dead ends the worker (exit status 3).
+Silence is not the same as a refused connection: a coordinator whose host
+refuses connections is down, not cut off, and is being restarted (by the
+launcher, Slurm, Kubernetes); its rounds are redone when it is back
+(``coordinator/outer.py`` keeps them on disk), so the worker waits for it
+instead of skipping: a coordinator restart changes nothing.
 
 Reports are exactly once: every event gets a sequence number from this
 process's ``source`` when it is reported; the reporter sends them in order,
@@ -53,6 +58,12 @@ class RoundGone(Exception):
 class CoordinatorUnreachable(Exception):
     """The coordinator has not answered for fault.heartbeat_timeout_s: an outer
     round is skipped instead of waited for."""
+
+
+def _refused(e: grpc.RpcError) -> bool:
+    """The coordinator's host refused the connection: nothing listens there now
+    (a coordinator being restarted), as opposed to silence (a partition)."""
+    return e.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in (e.details() or "").lower()
 
 
 def _evicted(e: grpc.RpcError) -> bool:
@@ -275,6 +286,7 @@ class ControlClient:
                               peek=peek)
         backoff = Backoff()
         t_end = time.monotonic() + timeout
+        heard = 0.0
         while True:
             req.worker_id = self.worker_id
             try:
@@ -289,8 +301,10 @@ class ControlClient:
                     raise SystemExit(exits.EVICTED) from None
                 asked_again = code == grpc.StatusCode.UNAVAILABLE and (
                     "ask again" in (e.details() or "") or "retry" in (e.details() or ""))
+                if _refused(e):
+                    heard = time.monotonic()     # its host answered: down and restarting, not cut off
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not asked_again \
-                        and time.monotonic() - self.last_ok > self.heartbeat_timeout:
+                        and time.monotonic() - max(self.last_ok, heard) > self.heartbeat_timeout:
                     raise CoordinatorUnreachable(f"no answer from the coordinator for "
                                                  f"{time.monotonic() - self.last_ok:.1f}s ({code.name})") from None
                 if code == grpc.StatusCode.INVALID_ARGUMENT and req.payload:
