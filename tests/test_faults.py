@@ -84,6 +84,7 @@ def test_inner_stage_killed_is_skipped_then_replaced_bitwise(job):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_sigstopped_stage_is_skipped_and_comes_back_as_a_replacement(job):
     st = wait_healthy(job)
     victim = worker(st, 0, 1)
@@ -112,6 +113,7 @@ def test_stage0_killed_pauses_its_replica_only(job):
     job.wait_for(lambda s: s["replicas"][1]["step"] >= before + 2, 30, "r1 training again")
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_whole_replica_killed(job):
     st = wait_healthy(job)
     for s in range(4):

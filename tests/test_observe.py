@@ -111,6 +111,7 @@ def _check_figures(summary: dict) -> None:
         assert f"report/{os.path.basename(path)}" in html
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_prometheus_health_tensorboard_report_on_a_run_with_a_fault(start_job, tmp_path):
     job = start_job(["--replicas", "2", "--stages", "3", "--steps", "100000"], OBSERVED)
     metrics_path = os.path.join(job.run_dir, "metrics.jsonl")

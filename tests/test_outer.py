@@ -25,7 +25,7 @@ def _dumps(run_dir):
     return out
 
 
-@pytest.mark.parametrize("mode", ["sparseloco", "diloco"])
+@pytest.mark.parametrize("mode", ["sparseloco", pytest.param("diloco", marks=pytest.mark.slow)])
 def test_replicas_agree_bitwise_after_every_round(mode, start_job):
     job = start_job(["--replicas", "2", "--stages", "2", "--steps", "9", "--respawn-delay", "-1"],
                     TINY + [f"outer.mode={mode}", "outer.H=3", "debug.dump_outer=true"])

@@ -31,6 +31,7 @@ def _healthy(st) -> bool:
         all(w["state"] == "alive" for w in st["workers"])
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_wait_policy_pauses_the_replica_until_the_replacement_is_ready(start_job):
     job = start_job(["--replicas", "2", "--stages", "3", "--steps", "1000000", "--respawn-delay", "3"],
                     TINY + ["outer.H=4", "fault.on_stage_failure=wait"])
@@ -86,6 +87,7 @@ def _checkpoint_works(job, timeout: float) -> dict | None:
     return None
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_restart_policy_restarts_everything_from_the_checkpoint(start_job):
     job = start_job(["--replicas", "2", "--stages", "3", "--steps", "1000000", "--respawn-delay", "1"],
                     TINY + ["outer.H=4", "fault.on_stage_failure=restart", "checkpoint.enable_checkpointing=true",

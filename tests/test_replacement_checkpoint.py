@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import torch
 
 from conftest import TINY
@@ -20,6 +21,7 @@ from crucible.checkpoint import store
 from crucible.checkpoint.shard import write_shard
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_lost_stage_of_a_lone_replica_rolls_the_job_back_to_the_checkpoint(start_job):
     job = start_job(["--replicas", "1", "--stages", "3", "--steps", "1000000", "--respawn-delay", "0.5"],
                     TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=100000"])

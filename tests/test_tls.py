@@ -97,6 +97,7 @@ def status(job):
         return job.status()
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_tls_job_trains_and_the_token_is_still_required(tls_job):
     st = status(tls_job)
     assert st["replicas"][0]["route"] == [0, 1, 2]
@@ -114,6 +115,7 @@ def test_tls_job_trains_and_the_token_is_still_required(tls_job):
         tls_job.wait_for(lambda s: s["replicas"][0]["step"] > before + 5, 60, "more steps")
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_plaintext_worker_and_status_get_a_clear_error(tls_job):
     env = dict(child_env(), CRUCIBLE_TOKEN=tls_job.token())
     p = run(["worker", "--coordinator", tls_job.address()], env=env)
@@ -123,6 +125,7 @@ def test_plaintext_worker_and_status_get_a_clear_error(tls_job):
     assert p.returncode == 1 and "speaks TLS and this process does not" in p.stderr, p.stderr
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_a_certificate_of_another_ca_is_refused(tls_job):
     other = tls_job.base / "other"
     env = dict(child_env(), CRUCIBLE_TOKEN=tls_job.token())
@@ -136,6 +139,7 @@ def test_a_certificate_of_another_ca_is_refused(tls_job):
     assert p.returncode == 1 and "presented a certificate this process does not trust" in p.stderr, p.stderr
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_tls_client_to_a_plaintext_server(tls_job, tmp_path):
     coord = subprocess.Popen(crucible_cmd("coordinator", "--run-dir", str(tmp_path / "plain"), "--bind", "127.0.0.1:0",
                                           "--replicas", "1", "--stages", "2", *TINY),
@@ -162,6 +166,7 @@ def _pipe(job, address: str, hello: pb.Frame) -> grpc.RpcError:
     return e.value
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_a_stream_claiming_another_workers_slot_is_refused(tls_job):
     st = status(tls_job)
     epoch = st["replicas"][0]["epoch"]

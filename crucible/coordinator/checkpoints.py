@@ -20,7 +20,7 @@ right after applying it (and after the outer round of that step, if due).
 A stage 0 that was already past T reports itself late: the save is aborted
 (``ckpt_abort``) and a later one named. An aborted save left nothing, so it
 does not count towards the policy's interval: the next one is named after a
-short back-off (1 s, doubling with each abort in a row, at most 30 s),
+short back-off (1 s, doubling with each abort in a row, at most 8 s),
 however long ``minimum_interval_s`` is. The save expects a shard from every
 live worker on the route of every training replica; a slot off its route
 (dead, being replaced) is recorded as vacant, and a paused replica as paused
@@ -104,7 +104,7 @@ log = logging.getLogger("crucible.checkpoints")
 
 TICK_S = 0.05
 PAUSED_GRACE_S = 2.0     # how long a save waits for paused replicas' frozen shards once the rest is in
-RETRY_CAP_S = 30.0       # the longest back-off after aborted saves in a row
+RETRY_CAP_S = 8.0        # the longest back-off after aborted saves in a row
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _REPORT_KEYS = ("replica", "stage", "step", "outer_round", "stall_s", "persist_s")
 
