@@ -46,3 +46,18 @@ def state(pid: int) -> str | None:
 
 def has_proc() -> bool:
     return os.path.isdir("/proc/self")
+
+
+def kill_group(proc, wait_s: float = 10.0) -> None:
+    """SIGKILL a process started in its own group (``start_new_session``),
+    with the whole group, and reap it (waiting at most ``wait_s``)."""
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        pass

@@ -187,14 +187,7 @@ def _stop(proc: subprocess.Popen, grace: float) -> None:
             proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
+    procs.kill_group(proc)
 
 
 def _die_with_bench() -> None:

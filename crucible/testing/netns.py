@@ -41,6 +41,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from crucible.procs import kill_group
+
 SUBNET = ipaddress.ip_network("198.18.0.0/15")
 PREFIX_RE = re.compile(r"^cr(\d+)n\d+(?:br|h\d+)$")
 BIG_RATE = "10gbit"
@@ -177,14 +179,7 @@ class Topology:
 
     def kill(self, proc: subprocess.Popen) -> None:
         """SIGKILL a process started here, with its whole group."""
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+        kill_group(proc)
 
     # ---- faults ------------------------------------------------------------
 
