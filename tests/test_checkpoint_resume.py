@@ -151,6 +151,7 @@ def test_sigkill_then_resume_is_bitwise_exact(reference, sigkilled_and_resumed):
     _same_final_state(run_dir, reference["dumps"])
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_corrupted_shard_is_caught_and_resume_falls_back(reference, sigkilled_and_resumed):
     run_dir = sigkilled_and_resumed["run_dir"]
     root = os.path.join(run_dir, "checkpoints")

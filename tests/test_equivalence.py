@@ -51,7 +51,7 @@ def ref():
     return reference()
 
 
-@pytest.mark.parametrize("stages", [1, 2, 4])
+@pytest.mark.parametrize("stages", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 4])
 def test_pipeline_equals_single_process(stages, ref, start_job):
     job = start_job(["--replicas", "1", "--stages", str(stages), "--steps", "1", "--respawn-delay", "-1"],
                     _cfg_overrides(stages), name=f"s{stages}")

@@ -102,6 +102,7 @@ def test_sigstopped_stage_is_skipped_and_comes_back_as_a_replacement(job):
     assert regs[-1]["replacement"] is True
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_stage0_killed_pauses_its_replica_only(job):
     st = wait_healthy(job)
     os.kill(worker(st, 1, 0)["pid"], signal.SIGKILL)

@@ -44,6 +44,7 @@ def test_replicas_agree_bitwise_after_every_round(mode, start_job):
         assert all(e["bytes_sent"] * 50 < e["dense_bytes"] for e in outer)
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_worker_killed_inside_a_round_does_not_hang_the_others(start_job):
     job = start_job(["--replicas", "2", "--stages", "2", "--steps", "100000", "--respawn-delay", "-1"],
                     TINY + ["outer.H=3", "debug.stall_outer=r1s1:600"])
@@ -58,6 +59,7 @@ def test_worker_killed_inside_a_round_does_not_hang_the_others(start_job):
     assert all(e["contributors"] == [0] for e in rounds)
 
 
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_malformed_contribution_right_after_a_coordinator_restart(start_job):
     """The first contribution a restarted coordinator sees for a round is of the
     wrong size: only its sender is left out of that round; every other round
