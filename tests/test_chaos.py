@@ -10,8 +10,8 @@ import time
 from conftest import TINY
 from test_faults import healthy
 
-# Repeated faults, live clusters: the second step of .ci/run (pytest -m slow).
-pytestmark = pytest.mark.slow
+# Minutes of repeated faults or load: pytest -m soak (and .ci/suite-loop.py), outside CI.
+pytestmark = pytest.mark.soak
 
 
 def test_twenty_random_kills(start_job):

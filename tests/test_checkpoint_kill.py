@@ -25,8 +25,8 @@ from pathlib import Path
 from conftest import TINY, Job
 from crucible.checkpoint import store
 
-# Repeated faults, live clusters: the second step of .ci/run (pytest -m slow).
-pytestmark = pytest.mark.slow
+# Minutes of repeated faults or load: pytest -m soak (and .ci/suite-loop.py), outside CI.
+pytestmark = pytest.mark.soak
 
 PARTIAL = re.compile(r"^\.r\d+s\d+\.shard\.partial-(\d+)-[0-9a-f]+$")
 

@@ -481,3 +481,36 @@ def test_manager_waits_for_the_step_rate_and_retries_an_aborted_save_soon(tmp_pa
     m.retry_at = 0.0          # (the back-off is 1 s)
     m._tick()
     assert m.target() > 0     # named again, 100000 s interval or not
+
+
+def test_ckpt_verify_of_a_checkpoint_deleted_meanwhile_is_not_damage(tmp_path, monkeypatch, capsys):
+    """A running job's preservation policy may delete a checkpoint between
+    `ckpt verify` listing it and reading it: gone, not damaged."""
+    import types
+
+    from crucible import ckpt_cli
+
+    c = _coordinator(tmp_path)
+    c.ckpt.prepare(resume=False)
+    steps = []
+    for _ in range(2):
+        c.ckpt._tick()
+        t = c.ckpt.target()
+        for wid in sorted(c.workers):
+            _report(c, wid, t)
+        c.ckpt._tick()
+        steps.append(t)
+        for rep in c.replicas:
+            rep.step = t + 1
+    real = store.verify
+
+    def verify_after_retention(path, on_shard=None):
+        if str(path).endswith(f"{steps[0]:08d}"):
+            store.delete(path)        # the job's retention, between the listing and the read
+        return real(path, on_shard)
+
+    monkeypatch.setattr(store, "verify", verify_after_retention)
+    rc = ckpt_cli.cmd_verify(types.SimpleNamespace(dir=str(tmp_path), json=False))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"step {steps[1]}: ok" in out and f"step {steps[0]}: deleted" in out and "DAMAGED" not in out

@@ -15,7 +15,8 @@ import pytest
 from conftest import TINY
 from crucible.testing.stress import cpu_hogs, fsync_hog, oversubscribe
 
-pytestmark = pytest.mark.slow
+# Minutes of repeated faults or load: pytest -m soak (and .ci/suite-loop.py), outside CI.
+pytestmark = pytest.mark.soak
 
 JOB = ["--replicas", "2", "--stages", "3", "--steps", "1000000", "--respawn-delay", "-1"]
 MODEL = [o for o in TINY if not o.startswith("model.n_layer")] + ["model.n_layer=3"]
