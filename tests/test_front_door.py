@@ -160,6 +160,7 @@ def test_mistake_stops_the_launch_with_its_cause(mistake, trained, run_copy, tmp
     args = ["--run-dir", run_copy, "--resume", "--replicas", "1", "--stages", "2", "--steps", "30", *SMALL,
             *make(tmp_path)]
     code, out, secs = _launch(args, _env(str(trained)))
+    print(f"{mistake}: exit {code} after {secs:.1f}s: {out.strip()}")
     assert code == 1, out
     assert cause in out, out
     assert secs < 30, f"took {secs:.1f}s:\n{out}"
