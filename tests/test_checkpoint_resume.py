@@ -22,7 +22,7 @@ import torch
 from conftest import ROOT, TINY, Job, child_env, crucible_cmd
 from crucible.checkpoint import store
 
-N = 30
+N = 60
 CKPT = TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=0", "outer.H=3",
                "debug.dump_final=true", "fault.heartbeat_interval_s=0.2", "fault.heartbeat_timeout_s=6"]
 ARGS = ["--replicas", "2", "--stages", "2", "--steps", str(N), "--respawn-delay", "-1"]
