@@ -86,7 +86,7 @@ EOF
 step "crucible launch (1 replica x 2 stages, 5 steps)"
 setsid "$V/crucible" launch --replicas 1 --stages 2 --steps 5 --run-dir "$T/run" \
     model.n_layer=2 model.d_model=32 model.n_head=2 train.seq_len=32 train.batch_size=8 \
-    train.microbatches=2 train.eval_every=0 data.max_bytes=200000 fault.heartbeat_timeout_s=30 \
+    train.microbatches=2 train.eval_every=0 data.max_bytes=200000 fault.heartbeat_timeout_s=30 fault.rpc_timeout_s=30 \
     > "$T/launch.out" 2>&1 < /dev/null &
 LPID=$!
 deadline=$(( $(date +%s) + 300 ))
