@@ -155,6 +155,23 @@ def _report(c, wid, step, **kw):
     return c.ckpt.report_shard(req, None)
 
 
+def _commit_saves(c, n: int) -> list[int]:
+    """From a fresh manager: name, fill and commit ``n`` saves in turn (the
+    replicas moving past each); their steps."""
+    c.ckpt.prepare(resume=False)
+    steps = []
+    for _ in range(n):
+        c.ckpt._tick()
+        t = c.ckpt.target()
+        for wid in sorted(c.workers):
+            _report(c, wid, t)
+        c.ckpt._tick()
+        steps.append(t)
+        for rep in c.replicas:
+            rep.step = t + 1
+    return steps
+
+
 def test_manager_names_a_target_collects_shards_commits_and_keeps_the_newest(tmp_path):
     c = _coordinator(tmp_path)
     m = c.ckpt
@@ -214,17 +231,7 @@ def test_manager_refuses_bad_reports_and_aborts_on_a_failure_or_a_lost_worker(tm
 
 def test_manager_resume_falls_back_over_a_damaged_checkpoint(tmp_path):
     c = _coordinator(tmp_path)
-    c.ckpt.prepare(resume=False)
-    steps = []
-    for _ in range(2):
-        c.ckpt._tick()
-        t = c.ckpt.target()
-        for wid in sorted(c.workers):
-            _report(c, wid, t)
-        c.ckpt._tick()
-        steps.append(t)
-        for rep in c.replicas:
-            rep.step = t + 1
+    steps = _commit_saves(c, 2)
     newest = store.step_dir(c.ckpt.root, steps[-1])
     (newest / "r0s1.shard").write_bytes(b"garbage")
     c2 = _coordinator(tmp_path)
@@ -491,17 +498,7 @@ def test_ckpt_verify_of_a_checkpoint_deleted_meanwhile_is_not_damage(tmp_path, m
     from crucible import ckpt_cli
 
     c = _coordinator(tmp_path)
-    c.ckpt.prepare(resume=False)
-    steps = []
-    for _ in range(2):
-        c.ckpt._tick()
-        t = c.ckpt.target()
-        for wid in sorted(c.workers):
-            _report(c, wid, t)
-        c.ckpt._tick()
-        steps.append(t)
-        for rep in c.replicas:
-            rep.step = t + 1
+    steps = _commit_saves(c, 2)
     real = store.verify
 
     def verify_after_retention(path, on_shard=None):
