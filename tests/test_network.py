@@ -9,7 +9,7 @@ RST, no ICMP), checks the documented outcome, and leaves the job whole again
 starts a worker again 1 s after it exits (as ``crucible launch`` does).
 
 Skipped, with the reason, where namespaces cannot be made (not root, no ip/tc).
-Slow (minutes in all): ``pytest -m slow tests/test_network.py``.
+Slow (minutes in all): ``pytest -m slow tests/test_network.py`` (the coordinator-partition case: ``-m soak``).
 """
 
 from __future__ import annotations
