@@ -9,7 +9,7 @@ RST, no ICMP), checks the documented outcome, and leaves the job whole again
 starts a worker again 1 s after it exits (as ``crucible launch`` does).
 
 Skipped, with the reason, where namespaces cannot be made (not root, no ip/tc).
-Slow (minutes in all): ``pytest -m slow tests/test_network.py`` (the coordinator-partition case: ``-m soak``).
+Slow (minutes in all): ``pytest -m slow tests/test_network.py``.
 """
 
 from __future__ import annotations
@@ -132,7 +132,6 @@ def test_link_back_after_eviction_is_fenced_and_rejoins(job):
 # round, and two replicas can each block in a round the other's skipper has not
 # reported yet (stage 1 waits for r0, stage 2 for r1). Fix: report skipped
 # rounds as soon as the coordinator answers again, apply them at the next one.
-@pytest.mark.soak
 def test_coordinator_partitioned_from_everyone(job):
     """The coordinator's link is down for 10 s; the workers still reach each
     other. Steps go on; no one is evicted (the coordinator is isolated: a

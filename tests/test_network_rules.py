@@ -168,6 +168,74 @@ def test_a_skipped_round_is_abandoned_for_everyone(tmp_path):
         c2.stop()
 
 
+def test_a_skipped_round_is_made_final_as_soon_as_the_coordinator_answers(tmp_path):
+    """The cross-wait after a coordinator partition: replica 0 skipped round 0
+    of stage 1 and replica 1 skipped round 0 of stage 0; each replica's other
+    stage waits in the round the other one skipped, so neither pipeline reaches
+    its next round. The skipper must make its skipped round final (abandoned)
+    on its own as soon as the coordinator answers, not at its next round."""
+    torch = pytest.importorskip("torch")
+    from crucible.worker.control import CoordinatorUnreachable
+    from crucible.worker.outer import OuterRound, OuterState
+
+    c, ids = _coordinator(tmp_path)
+    stop = threading.Event()
+    try:
+        cfg = c.cfg
+        reachable = threading.Event()
+        calls = []
+        results = {}
+
+        def exchange_for(r):
+            def exchange(stage, round_no, payload, mode, numel, step, timeout, peek=False):
+                calls.append((r, stage, round_no, peek))
+                if not reachable.is_set():
+                    raise CoordinatorUnreachable("cut off (test)")
+                return c.outer.exchange(pb.OuterRequest(worker_id=ids[(r, stage)], stage=stage, round=round_no,
+                                                        payload=payload, mode=mode, numel=numel, step=step,
+                                                        peek=peek), _Ctx())
+            return exchange
+
+        def stage_of(r, s):
+            torch.manual_seed(0)
+            state = OuterState(torch.nn.Linear(3, 1), cfg.outer, replicas=2)
+            events = []
+            rnd = OuterRound(state, cfg, exchange_for(r), events.append, r, s, debug=_NoDebug(),
+                             resync=lambda why: pytest.fail(why), stop=stop)
+            return rnd, events
+
+        skipper, skipper_events = stage_of(1, 0)      # r1s0: cut off during round 0
+        skipper.after(1)                                # step 1 = the end of round 0 (H = 2)
+        assert skipper.state.skipped and skipper_events[-1]["event"] == "outer_skipped"
+        reachable.set()                                 # the partition heals
+        waiter, _ = stage_of(0, 0)                      # r0s0 contributes to round 0 and waits
+
+        def wait():
+            results["r0s0"] = waiter.exchange(0, 0, waiter.state.prepare()[0], "diloco", 4, 1, timeout=30)
+        t = threading.Thread(target=wait)
+        t.start()
+        t.join(10)                                      # the skipper never reaches its next round here
+        assert not t.is_alive(), "replica 0 still waits in the round replica 1 skipped"
+        assert results["r0s0"].abandoned
+        # Before its next round the skipper applies the outcome it already has (no second ask).
+        asked = len([x for x in calls if x[0] == 1 and x[3]])
+        skipper._settle_skipped(3)
+        assert not skipper.state.skipped and not skipper.state.outcomes
+        assert len([x for x in calls if x[0] == 1 and x[3]]) == asked
+        assert skipper_events[-1]["event"] == "outer_settled" and skipper_events[-1]["abandoned"]
+    finally:
+        stop.set()
+        c.stop()
+
+
+class _NoDebug:
+    def in_outer_round(self, n):
+        pass
+
+    def outer_done(self, *a):
+        pass
+
+
 def test_late_apply_matches_applying_on_time():
     torch = pytest.importorskip("torch")
     from crucible.compress import sparseloco as slc

@@ -35,9 +35,12 @@ is held for longer, and a stopped coordinator frees every waiter.
 Skipped and abandoned rounds. A worker that cannot reach the coordinator for
 ``fault.heartbeat_timeout_s`` during a round (the coordinator is cut off, or
 the worker is) does not wait: it *skips* the round (adds its Δ̂ back into
-``e``, applies nothing) and trains on. Before its next round it asks about
-the skipped one with ``peek``; the round's outcome is then made final, the
-same for every replica:
+``e``, applies nothing) and trains on. As soon as the coordinator answers
+again it asks about the skipped round with ``peek`` (from a thread of its
+own: a replica waiting in that round must not wait for the skipper's next
+round, which may wait behind a round the other replica skipped); the round's
+outcome is then made final, the same for every replica, and the skipper
+applies it before its next round:
 
 * the round had already answered someone (a reply went out): it stands; the
   skipper applies it late (``OuterState.late_apply``), like everyone else;

@@ -16,9 +16,12 @@ contributors, after ``outer.clip``) and applies the same update:
 
 A replica left out of a round adds its Δ̂ back into e, so its work is not
 lost. A round skipped because the coordinator was out of reach (``skip``) is
-the same, and is remembered: once the coordinator answers again, the
-round's final outcome is either "abandoned" (nothing more to do) or the
-closed round, which is then applied late (``late_apply``): θ_global takes the
+the same, and is remembered: as soon as the coordinator answers again, a
+background thread asks for the round's final outcome (``OuterRound``'s
+settler: this makes it final at once, so a replica that waits in that round
+is not held until our next round, which may itself wait behind it), and
+before our next round it is applied: "abandoned" (nothing more to do) or the
+closed round, applied late (``late_apply``): θ_global takes the
 same update every other replica applied, θ_local moves with it (keeping the
 steps trained since), and, if our own Δ̂ was among the contributions, it
 leaves e again. A payload that does not decode is left out by every replica alike (the
@@ -32,6 +35,7 @@ import struct
 import threading
 import time
 
+import grpc
 import torch
 from torch.nn.utils import parameters_to_vector
 
@@ -73,6 +77,7 @@ class OuterState:
         self.round = 0
         self.lock = threading.Lock()   # θ_global is read by PullWeights on another thread
         self.skipped: list[tuple[int, torch.Tensor | None]] = []   # (round, our Δ̂) not yet settled
+        self.outcomes: dict[int, object] = {}   # skipped round -> its final reply, once asked for
 
     def load_global(self, theta: torch.Tensor, outer_round: int) -> None:
         """Replacement rule: θ_global from a peer, θ_local ← θ_global, e ← 0."""
@@ -187,9 +192,13 @@ class OuterRound:
     and one closed too long ago to replay sends it to a peer for the global
     weights (``resync``)."""
 
-    def __init__(self, state: OuterState, cfg, exchange, report, replica: int, stage: int, debug, resync):
+    def __init__(self, state: OuterState, cfg, exchange, report, replica: int, stage: int, debug, resync,
+                 stop: threading.Event | None = None):
         self.state, self.cfg, self.exchange, self.report = state, cfg, exchange, report
         self.replica, self.stage, self.debug, self.resync = replica, stage, debug, resync
+        self.stop = stop or threading.Event()
+        self._settler: threading.Thread | None = None
+        self._settle_lock = threading.Lock()
 
     def after(self, committed_step: int) -> None:
         from crucible.worker.control import CoordinatorUnreachable, RoundGone
@@ -213,7 +222,9 @@ class OuterRound:
             self.resync(f"outer round {round_no} is gone ({e})")
             return
         except CoordinatorUnreachable as e:
-            state.skip(self.replica, round_no, mine)
+            with self._settle_lock:
+                state.skip(self.replica, round_no, mine)
+            self._start_settler()
             log.warning("r%ds%d: outer round %d skipped, its update kept in e: %s", self.replica, self.stage,
                         round_no, e)
             self.report({"event": "outer_skipped", "replica": self.replica, "stage": self.stage,
@@ -246,17 +257,58 @@ class OuterRound:
         state = self.state
         while state.skipped:
             round_no, mine = state.skipped[0]
+            with self._settle_lock:
+                reply = state.outcomes.pop(round_no, None)
             try:
-                reply = self.exchange(self.stage, round_no, b"", state.mode, state.numel, step,
-                                      timeout=max(3600.0, 10 * self.cfg.outer.deadline_s), peek=True)
+                if reply is None:
+                    reply = self.exchange(self.stage, round_no, b"", state.mode, state.numel, step,
+                                          timeout=max(3600.0, 10 * self.cfg.outer.deadline_s), peek=True)
             except RoundGone as e:
-                state.skipped.clear()
+                with self._settle_lock:
+                    state.skipped.clear()
+                    state.outcomes.clear()
                 self.resync(f"skipped outer round {round_no} is gone ({e})")
                 return
             done = None if reply.abandoned else state.late_apply(
                 self.replica, list(reply.contributors), list(reply.payloads), mine)
-            state.skipped.pop(0)
+            with self._settle_lock:
+                state.skipped.pop(0)
             log.info("r%ds%d: skipped outer round %d settled: %s", self.replica, self.stage, round_no,
                      "abandoned" if done is None else f"applied late ({list(reply.contributors)})")
             self.report({"event": "outer_settled", "replica": self.replica, "stage": self.stage,
                          "round": round_no, "abandoned": reply.abandoned, "contributors": list(reply.contributors)})
+
+    def _start_settler(self) -> None:
+        with self._settle_lock:
+            if self._settler is not None and self._settler.is_alive():
+                return
+            self._settler = threading.Thread(target=self._settle_loop, daemon=True,
+                                              name=f"outer-settler-s{self.stage}")
+            self._settler.start()
+
+    def _settle_loop(self) -> None:
+        """Ask for the final outcome of every skipped round as soon as the
+        coordinator answers (the asking makes it final: see the module's
+        docstring), and keep it for ``_settle_skipped``. Touches no weights."""
+        from crucible.worker.control import CoordinatorUnreachable, RoundGone
+
+        state = self.state
+        while not self.stop.is_set():
+            with self._settle_lock:
+                todo = [n for n, _ in state.skipped if n not in state.outcomes]
+            if not todo:
+                return
+            try:
+                reply = self.exchange(self.stage, todo[0], b"", state.mode, state.numel, 0, timeout=60.0, peek=True)
+            except (CoordinatorUnreachable, RoundGone, grpc.RpcError, SystemExit) as e:
+                # Unreachable still (ask again shortly); gone or refused: the
+                # training thread asks itself before its next round and deals with it.
+                if not isinstance(e, CoordinatorUnreachable):
+                    return
+                self.stop.wait(1.0)
+                continue
+            with self._settle_lock:
+                if any(n == todo[0] for n, _ in state.skipped):
+                    state.outcomes[todo[0]] = reply
+            log.info("r%ds%d: skipped outer round %d made final: %s", self.replica, self.stage, todo[0],
+                     "abandoned" if reply.abandoned else f"closed with {list(reply.contributors)}")

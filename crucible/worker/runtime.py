@@ -190,7 +190,7 @@ class Worker:
         self.replacement = Replacement(self.links, self.outer, self.model, self.ckpt, self.ctl, self.token,
                                        cfg.net.max_message_mb, lambda: self.progress.step, self.debug, self.name)
         self.outer_round = OuterRound(self.outer, cfg, self.ctl.outer_exchange, self._report, self.replica,
-                                      self.stage, self.debug, self.replacement.resync)
+                                      self.stage, self.debug, self.replacement.resync, stop=self.ctl.stop)
         self.service.ready(self.links, self.decoder,
                            lambda stage: weight_chunks(self.outer, stage, self.stage, self.progress.step),
                            lambda: self.progress.step, cfg.fault.rpc_timeout_s)
