@@ -135,7 +135,10 @@ def _add_results(sub) -> None:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("what", choices=["pipeline", "outer", "activations", "ckpt", "chaos", "soak", "slurm",
-                                          "network"])
+                                          "network", "readme"],
+                   help="a benchmark, or readme: regenerate the README's figures from bench/results")
+    p.add_argument("--check", action="store_true",
+                   help="bench readme: change nothing; exit 1 when a README figure differs from its result file")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument("--quick", action="store_true", help="a short run (for smoke tests)")
     p.add_argument("--out", help="also write the JSON result to this file")
@@ -145,6 +148,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--seed", type=int, help="bench soak, slurm: the faults' random seed (default 1)")
     p.add_argument("--stress", type=int, help="bench soak: spinning processes next to the job (default: one a core)")
     p.add_argument("--outer", choices=["sparseloco", "diloco"], help="bench soak: outer mode (default sparseloco)")
+    p.add_argument("--kinds", help="bench soak: the fault kinds, comma-separated (default: all); 'none': a "
+                                   "fault-free run that only samples the coordinator's memory")
 
 
 def build_parser() -> argparse.ArgumentParser:

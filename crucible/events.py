@@ -26,7 +26,8 @@ KINDS: dict[str, str] = {
     "outer_resync": "a stage too far behind the outer rounds took θ_global from a peer: replica, stage, reason, "
                     "source, step",
     "replacement_ready": "a replacement has its weights: replica, stage, source (peer slot, checkpoint or init), "
-                         "step, seconds",
+                         "step, seconds, startup_s (seconds per start-up phase since the process started: imported, "
+                         "job_info, built, registered, wired, ready, and the total)",
     "stage_lost": "a replacement found no live copy of its stage and no new-enough checkpoint: replica, stage, "
                   "slot_step, reason",
     "suspect": "a worker's call to a neighbour failed: replica, stage (the neighbour), by, reason",

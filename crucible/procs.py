@@ -44,6 +44,20 @@ def state(pid: int) -> str | None:
         return None
 
 
+def started_at(pid: int | None = None) -> float | None:
+    """When `pid` (default: this process) started, as a Unix time (the
+    kernel's start time in clock ticks after boot, plus the boot time); None
+    without /proc."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def has_proc() -> bool:
     return os.path.isdir("/proc/self")
 

@@ -38,7 +38,14 @@ Measures (the JSON's ``definitions`` say the same):
 * ``processes_left``: processes of the launch's session still alive after the
   launcher exited on SIGTERM (before the bench kills the group).
 * ``coordinator_rss_mb``: the coordinator's resident memory, sampled every 5 s
-  (per incarnation: a restart starts a new process).
+  (per incarnation: a restart starts a new process); ``coordinator_rss``:
+  per incarnation, its first sample after one minute, the last, the growth.
+
+``--kinds`` picks the fault kinds (default all). ``--kinds none`` is a
+fault-free run that only watches memory (issue 10: a 10-minute
+``--outer diloco`` run keeps the coordinator's memory flat, at most
+max(10 MB, 5%) of growth after its first minute), of the default job's model
+(not the small one above); it is its own reference.
 
 Targets over at least 200 injected faults: 0 false evictions, 0 lost commits,
 0 checkpoints failing verify, 0 processes left behind.
@@ -55,11 +62,13 @@ import tempfile
 import time
 
 from crucible.bench import common
+from crucible.config import Config
 from crucible.bench.common import progress
 from crucible.slots import slot_name
 from crucible.testing.stress import cpu_hogs, oversubscribe
 
 KINDS = ("kill", "stop", "coordinator", "persister", "in_round", "in_save")
+RSS_SLACK_MB, RSS_SLACK = 10.0, 0.05   # "flat": grows by at most this after the first minute
 MODEL = ["model.n_layer=4", "model.d_model=64", "model.n_head=4", "train.seq_len=64", "train.batch_size=16",
          "train.microbatches=4", "train.eval_every=20", "train.eval_batches=4", "data.max_bytes=8000000",
          "checkpoint.minimum_interval_s=5", "outer.H=5", "train.warmup_steps=20"]
@@ -107,11 +116,12 @@ def _rss_mb(pid: int) -> float | None:
 
 
 class Soak:
-    def __init__(self, run_dir: str, overrides: list[str], seed: int, gap_s: float):
+    def __init__(self, run_dir: str, overrides: list[str], seed: int, gap_s: float, kinds: tuple[str, ...] = KINDS):
         self.run_dir = run_dir
         self.launch = common.Launch(run_dir, 2, 4, 1_000_000, overrides + ["--respawn-delay", "1"])
         self.rng = random.Random(seed)
         self.gap_s = gap_s
+        self.kinds = kinds
         self.injected: list[dict] = []
         self.rss: list[dict] = []
         self.stopped: dict[int, float] = {}       # pid -> when to SIGCONT
@@ -219,8 +229,8 @@ class Soak:
             st = self._status()
             if self.watch_rounds(st, H, want_round):
                 want_round = False
-            if now >= next_fault and not want_round:
-                kind = self.rng.choice(KINDS)
+            if now >= next_fault and not want_round and self.kinds:
+                kind = self.rng.choice(self.kinds)
                 if kind == "in_round":
                     want_round = True
                     next_fault = now + self.rng.expovariate(1.0 / self.gap_s)
@@ -326,6 +336,33 @@ def reference_run(workdir: str, overrides: list[str], steps: int, timeout_s: flo
         return {"exit_code": code, "heldout": heldout(launch.events("eval"))}
 
 
+def _kinds(spec: str | None) -> tuple[str, ...]:
+    if not spec:
+        return KINDS
+    if spec.strip() == "none":
+        return ()
+    kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise SystemExit(f"crucible bench soak: unknown fault kind(s) {bad}; known: {', '.join(KINDS)}, or none")
+    return kinds
+
+
+def rss_summary(samples: list[dict]) -> dict:
+    """The coordinator's memory over the run: per incarnation (pid), the first
+    and last sample after its first minute, and the growth between them."""
+    out = {}
+    for pid in dict.fromkeys(x["pid"] for x in samples):
+        xs = [x for x in samples if x["pid"] == pid and x.get("rss_mb") is not None]
+        if not xs:
+            continue
+        warm = [x for x in xs if x["t"] >= xs[0]["t"] + 60] or xs[-1:]
+        out[str(pid)] = {"seconds": round(xs[-1]["t"] - xs[0]["t"], 1), "max_mb": max(x["rss_mb"] for x in xs),
+                         "after_1min_mb": warm[0]["rss_mb"], "last_mb": xs[-1]["rss_mb"],
+                         "growth_after_1min_mb": round(xs[-1]["rss_mb"] - warm[0]["rss_mb"], 1)}
+    return out
+
+
 def main(args) -> int:
     quick = bool(getattr(args, "quick", False))
     minutes = float(getattr(args, "minutes", None) or (1.5 if quick else 15.0))
@@ -334,13 +371,15 @@ def main(args) -> int:
     stress = getattr(args, "stress", None)
     stress = oversubscribe(1.0) if stress is None else int(stress)
     outer = getattr(args, "outer", None) or "sparseloco"
-    model = QUICK_MODEL if quick else MODEL
+    kinds = _kinds(getattr(args, "kinds", None))
+    # The memory run is about the default job (its closed DiLoCo rounds once kept 850 MB).
+    model = QUICK_MODEL if quick else MODEL if kinds else []
     overrides = model + [f"outer.mode={outer}"]
-    H = int(next(o for o in model if o.startswith("outer.H=")).split("=")[1])
+    H = Config.load(None, dict(o.split("=", 1) for o in model)).outer.H
     result: dict = {"bench": "soak", "quick": quick, "environment": common.environment(),
                     "settings": {"minutes": minutes, "mean_gap_s": gap, "seed": seed, "stress_processes": stress,
                                  "replicas": 2, "stages": 4, "overrides": overrides, "respawn_delay_s": 1.0,
-                                 "kinds": list(KINDS)},
+                                 "kinds": list(kinds)},
                     "definitions": DEFINITIONS,
                     }
     errors: list[str] = []
@@ -348,7 +387,7 @@ def main(args) -> int:
     soak = None
     try:
         with cpu_hogs(stress, max_seconds=minutes * 60 + 1800):
-            soak = Soak(os.path.join(workdir, "soak"), overrides, seed, gap)
+            soak = Soak(os.path.join(workdir, "soak"), overrides, seed, gap, kinds)
             try:
                 soak.run(minutes * 60, H, startup_s=300)
             except RuntimeError as e:
@@ -362,7 +401,10 @@ def main(args) -> int:
             res["faults"] = [{k: v for k, v in i.items() if not k.startswith("_")} for i in soak.injected]
             result["soak"] = res
             reached = min(int(v) for v in res["steps_reached"].values()) if res["steps_reached"] else 0
-            ref = reference_run(workdir, overrides, reached, timeout_s=minutes * 60 + 600)
+            if not kinds:      # fault-free already: its own reference
+                ref = {"heldout": heldout(events)}
+            else:
+                ref = reference_run(workdir, overrides, reached, timeout_s=minutes * 60 + 600)
         ours, theirs = heldout(events), ref["heldout"]
         common_steps = sorted(set(ours) & set(theirs))
         if common_steps:
@@ -372,13 +414,19 @@ def main(args) -> int:
         else:
             errors.append("no evaluation step reached by both runs")
         res = result["soak"]
+        result["coordinator_rss"] = rss_summary(res["coordinator_rss_mb"])
         result["targets"] = {
-            "faults_at_least_200": res["injected_total"] >= 200,
             "no_false_evictions": res["false_evictions"] == 0,
             "no_lost_commits": res["commits_lost"] == 0,
             "no_checkpoint_failing_verify": res["checkpoints"]["failing_verify"] == 0,
             "no_process_left": res["processes_left"] == 0,
         }
+        if kinds:
+            result["targets"]["faults_at_least_200"] = res["injected_total"] >= 200
+        else:     # the fault-free run is about memory: flat after its first minute
+            result["targets"]["coordinator_memory_flat"] = all(
+                x["growth_after_1min_mb"] <= max(RSS_SLACK_MB, RSS_SLACK * x["after_1min_mb"])
+                for x in result["coordinator_rss"].values()) and bool(result["coordinator_rss"])
     except Exception as e:  # noqa: BLE001 - a benchmark reports what failed, in its JSON
         errors.append(f"{type(e).__name__}: {e}")
     finally:

@@ -73,6 +73,15 @@ def pull_weights(address: str, stage: int, numel: int, token: str, max_mb: int) 
     return torch.frombuffer(buf, dtype=torch.float32).clone(), int(rnd)
 
 
+def _phase_seconds(phases: dict[str, float]) -> dict[str, float]:
+    """{phase: Unix time it ended} (in order) -> {phase: seconds it took}, and the total."""
+    names = list(phases)
+    out = {b: round(phases[b] - phases[a], 3) for a, b in zip(names, names[1:])}
+    if len(names) > 1:
+        out["total"] = round(phases[names[-1]] - phases[names[0]], 3)
+    return out
+
+
 class Replacement:
     """Joining a running job (``join``), and catching up with the outer rounds
     (``resync``). ``ckpt`` is the worker's checkpointer (for the fallback),
@@ -99,7 +108,10 @@ class Replacement:
                 time.sleep(0.2)
         return None
 
-    def join(self, slot_step: int) -> None:
+    def join(self, slot_step: int, phases: dict[str, float] | None = None) -> None:
+        """Take the stage's weights (a peer, else a checkpoint), then say ready.
+        ``phases``: when each start-up phase of this process ended (Unix times),
+        reported with ``replacement_ready`` as seconds per phase."""
         t0 = time.perf_counter()
         source = self._from_peer()
         if source is None:   # nobody could give this stage: a committed checkpoint, if one is new enough
@@ -111,9 +123,12 @@ class Replacement:
                           torch.nn.utils.parameters_to_vector(self.model.parameters()))
         self.ctl.state = "ready"
         self.ctl.heartbeat_now()
+        startup = _phase_seconds({**(phases or {}), "ready": time.time()})
         self.ctl.report({"event": "replacement_ready", "replica": self.links.replica, "stage": self.links.stage,
-                         "source": source, "step": self.step(), "seconds": time.perf_counter() - t0})
-        log.info("%s: replacement ready (weights from %s) in %.2fs", self.name, source, time.perf_counter() - t0)
+                         "source": source, "step": self.step(), "seconds": time.perf_counter() - t0,
+                         "startup_s": startup})
+        log.info("%s: replacement ready (weights from %s) in %.2fs; since the process started: %s", self.name,
+                 source, time.perf_counter() - t0, ", ".join(f"{k} {v:.2f}s" for k, v in startup.items()))
 
     def _stage_lost(self, slot_step: int) -> None:
         """Every copy of this stage is gone, and no checkpoint holds it at step

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from crucible import exits, rpc
+from crucible import exits, procs, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible.compress.activations import make_codec
 from crucible.config import Config
@@ -84,6 +84,8 @@ class Worker:
         self.ckpt = None
         self.links: Links | None = None
         self.progress = Progress()
+        # Where start-up time goes (a replacement reports it): Unix times of each phase's end.
+        self.phases: dict[str, float] = {"process_start": procs.started_at() or time.time(), "imported": time.time()}
 
     # ---- life cycle -------------------------------------------------------
 
@@ -101,9 +103,10 @@ class Worker:
                              name="routes").start()
             # SIGTERM (our own node preempted, a pod evicted): stop at once, exit 143 = lost, not done.
             signal.signal(signal.SIGTERM, lambda *_: self._stop(self.exit_code or exits.interrupted(signal.SIGTERM)))
+            self.phases["wired"] = time.time()
             if reply.replacement:
                 self.progress.set(int(reply.replica_step))
-                self.replacement.join(int(reply.slot_step))
+                self.replacement.join(int(reply.slot_step), self.phases)
             self.health.set(True)
             (self.driver if self.first else self.reactor).run()
             return self.exit_code
@@ -132,6 +135,7 @@ class Worker:
         is built before the worker joins: the coordinator checks its size at
         Register, and no heartbeat deadline runs while it is built."""
         info = self.ctl.job_info(self.replica, self.stage)
+        self.phases["job_info"] = time.time()
         if info.replica < 0:
             raise RuntimeError(f"the job at {self.coordinator} has no vacant slot")
         self.cfg = cfg = Config.from_dict(json.loads(info.config_json))
@@ -145,7 +149,9 @@ class Worker:
         # before the configuration was known, use the same defaults.)
         rpc.configure(cfg.net.keepalive_s, cfg.fault.heartbeat_timeout_s)
         self._build()
+        self.phases["built"] = time.time()
         reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel)
+        self.phases["registered"] = time.time()
         log.info("%s registered as %s at %s%s", self.name, reply.worker_id, self.address,
                  " (replacement)" if reply.replacement else "")
         self._wire()
