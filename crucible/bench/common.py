@@ -451,8 +451,31 @@ def environment() -> dict:
         "torch": _version("torch"),
         "grpcio": _version("grpcio"),
         "protobuf": _version("protobuf"),
+        "gpu": _gpu(),
         "loadavg_start": loadavg(),
     }
+
+
+def _gpu() -> str | None:
+    """The accelerator the benchmark could use (only when torch is already loaded)."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    except Exception:  # noqa: BLE001 - no driver: no GPU
+        pass
+    return None
+
+
+def full_config(overrides) -> dict | None:
+    """The whole configuration a benchmark's job ran with: the defaults plus
+    its overrides (``key=value`` strings), as the job itself loads them."""
+    from crucible.config import Config, ConfigError
+
+    try:
+        return Config.load(None, dict(o.split("=", 1) for o in overrides)).to_dict()
+    except (ConfigError, ValueError, TypeError):
+        return None
 
 
 def round_floats(x, nd: int = 6):
@@ -486,6 +509,9 @@ def finish(result: dict, errors: list[str], args, print_table: Callable | None =
     rounded (``round_nd``), a table on stderr unless ``--json``, the JSON on
     stdout (and ``--out``); the exit status (1 when anything failed)."""
     result["environment"]["loadavg_end"] = loadavg()
+    overrides = (result.get("settings") or {}).get("overrides")
+    if isinstance(overrides, list) and "config" not in result:
+        result["config"] = full_config(overrides)
     result["errors"] = errors
     if round_nd is not None:
         result = round_floats(result, round_nd)
