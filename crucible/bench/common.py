@@ -478,6 +478,26 @@ def full_config(overrides) -> dict | None:
         return None
 
 
+def verdict(value: float | None, limit: float, noise: float | None = None) -> str | None:
+    """The verdict on a figure whose target is ``value <= limit``: "met",
+    "missed", or "within noise" when it misses by less than ``noise`` (the
+    spread of the same measurement repeated: the miss cannot be told from
+    chance). None when nothing was measured."""
+    if value is None:
+        return None
+    if value <= limit:
+        return "met"
+    if noise is not None and value - limit <= noise:
+        return "within noise"
+    return "missed"
+
+
+def spread(xs: list[float]) -> float | None:
+    """Relative spread of repeats of one measurement: max / min - 1."""
+    xs = [x for x in xs if x]
+    return max(xs) / min(xs) - 1 if len(xs) > 1 else None
+
+
 def round_floats(x, nd: int = 6):
     """``x`` with every float rounded to ``nd`` digits (non-finite ones as
     None, which JSON can hold), through dicts, lists and tuples."""
