@@ -27,7 +27,7 @@ KINDS: dict[str, str] = {
                     "source, step",
     "replacement_ready": "a replacement has its weights: replica, stage, source (peer slot, checkpoint or init), "
                          "step, seconds, startup_s (seconds per start-up phase since the process started: imported, "
-                         "job_info, built, registered, wired, ready, and the total)",
+                         "job_info, built, registered, wired, ready, and the total; cpu_s: the CPU seconds it used; loadavg)",
     "stage_lost": "a replacement found no live copy of its stage and no new-enough checkpoint: replica, stage, "
                   "slot_step, reason",
     "suspect": "a worker's call to a neighbour failed: replica, stage (the neighbour), by, reason",

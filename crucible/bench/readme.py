@@ -58,7 +58,7 @@ def _provenance(r: dict) -> str:
 # ---- renderers ------------------------------------------------------------------------------
 
 
-def network(r: dict) -> str:
+def network(r: dict, name: str = "network") -> str:
     s, t = r["summary"], r["targets"]
     rc, nc = s["route_change_s"], s["next_commit_s"]
     tab = s["step_s_p50"]
@@ -72,7 +72,7 @@ def network(r: dict) -> str:
     cost, noise = s.get("tls_step_cost"), s.get("tls_noise")
     c = s["checks"]
     lines = [
-        f"`crucible bench network --json` ({_provenance(r)}; `bench/results/network.json`):",
+        f"`crucible bench network --json` ({_provenance(r)}; `bench/results/{name}.json`):",
         "",
         f"* **Silent partitions**: {s['partitions']} partitions of a random inner worker, one every "
         f"{r['settings'].get('every_s', 30)} s, each {r['settings'].get('down_s', '?')} s down: partition → "
@@ -100,7 +100,7 @@ def network(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def soak(r: dict) -> str:
+def soak(r: dict, name: str = "soak") -> str:
     x, t = r["soak"], r["targets"]
     st = r["settings"]
     inj = ", ".join(f"{k} {v}" for k, v in x["injected"].items())
@@ -109,7 +109,7 @@ def soak(r: dict) -> str:
     ck = x["checkpoints"]
     return "\n".join([
         f"`crucible bench soak --minutes {st['minutes']:g} --gap {st['mean_gap_s']:g}` ({_provenance(r)}; "
-        f"`bench/results/soak.json`), {st['stress_processes']} spinning processes next to the job:",
+        f"`bench/results/{name}.json`), {st['stress_processes']} spinning processes next to the job:",
         "",
         f"* faults injected {x['injected_total']} ({inj}); detected: {det};",
         f"* false evictions {x['false_evictions']}, commits lost {x['commits_lost']}, checkpoints committed "
@@ -123,14 +123,14 @@ def soak(r: dict) -> str:
     ]) + "\n"
 
 
-def soak_memory(r: dict) -> str:
+def soak_memory(r: dict, name: str = "soak_memory") -> str:
     st = r["settings"]
     rows = [f"| {pid} | {v['seconds']:.0f} s | {v['after_1min_mb']:.1f} MB | {v['last_mb']:.1f} MB | "
             f"{v['growth_after_1min_mb']:+.1f} MB | {v['max_mb']:.1f} MB |" for pid, v in r["coordinator_rss"].items()]
     return "\n".join([
         f"`crucible bench soak --outer {next(o for o in st['overrides'] if o.startswith('outer.mode')).split('=')[1]}"
         f" --kinds none --minutes {st['minutes']:g}` (the default job, no faults; {_provenance(r)}; "
-        f"`bench/results/soak_memory.json`), the coordinator's resident memory:",
+        f"`bench/results/{name}.json`), the coordinator's resident memory:",
         "",
         "| coordinator pid | sampled over | after 1 min | at the end | growth | max |",
         "|---|---|---|---|---|---|",
@@ -141,13 +141,13 @@ def soak_memory(r: dict) -> str:
     ]) + "\n"
 
 
-def slurm(r: dict) -> str:
+def slurm(r: dict, name: str = "slurm") -> str:
     s = r["summary"]
     c = s["checks"]
     return "\n".join([
         f"`crucible bench slurm --json` ({r['settings']['scancels']} random `scancel`s of a "
         f"{r['settings']['replicas']} x {r['settings']['stages']} job's slots on the single-node dev cluster; "
-        f"{_provenance(r)}; `bench/results/slurm.json`):",
+        f"{_provenance(r)}; `bench/results/{name}.json`):",
         "",
         "| measure | p50 | max | target |",
         "|---|---|---|---|",
@@ -167,8 +167,8 @@ def slurm(r: dict) -> str:
     ]) + "\n"
 
 
-RENDERERS: dict[str, Callable[[dict], str]] = {
-    "network": network, "soak": soak, "soak_memory": soak_memory, "slurm": slurm,
+RENDERERS: dict[str, Callable[[dict, str], str]] = {
+    "network": network, "soak": soak, "soak_memory": soak_memory, "slurm": slurm, "slurm_full_load": slurm,
 }
 
 
@@ -181,7 +181,7 @@ def render_readme(text: str, root: str = ROOT) -> tuple[str, list[str]]:
         if name not in RENDERERS:
             raise SystemExit(f"crucible bench readme: README part {name!r} has no renderer "
                              f"(known: {', '.join(RENDERERS)})")
-        body = RENDERERS[name](load(name, root))
+        body = RENDERERS[name](load(name, root), name)
         if body != m.group("body"):
             changed.append(name)
         return m.group(1) + body + m.group(4)

@@ -21,7 +21,11 @@ Measures (per scancel, then summarised):
   job's first process) to the ``route_change`` that has the slot's stage back
   in a training route. Target: ``<= 15 s``. The job's start-up (Python,
   torch import) is most of it: ``job_start_to_registered_s`` is the part up
-  to the worker's registration.
+  to the worker's registration; ``startup_s`` the worker's own split (from
+  ``replacement_ready``: seconds per phase since its process started, the
+  CPU seconds it used, the load average), ``startup_p50_s`` its medians.
+* The job's data plane is paced by a simulated 10 Mbit/s link (``PACE``),
+  as across hosts; the unpaced run is ``bench/results/slurm_full_load.json``.
 * ``lost_commits``: committed steps that a replica later committed again or
   lost: for each replica, every ``step`` event whose step is not above the
   highest committed before it (a regression), plus every decrease of a
@@ -58,6 +62,12 @@ MODEL = ["model.n_layer=3", "model.d_model=64", "model.n_head=2", "train.seq_len
 # replacement, it lags the other by many steps, and down's final checkpoint waits until
 # it catches up, so the preemption timeout is longer than the default 60 s.
 COMMON = ["checkpoint.minimum_interval_s=5", "outer.H=10", "checkpoint.preemption_timeout_s=240"]
+# The data plane paced by a simulated 10 Mbit/s link (``net.link_mbps``): the
+# stages wait on their links as they would across hosts, instead of the job's
+# 7 processes spinning on this machine's 2 cores (load 14 in the unpaced run,
+# ``bench/results/slurm_full_load.json``), which leaves a starting worker a
+# fraction of a core that no cluster node would.
+PACE = ["net.link_mbps=10"]
 FULL = {"replicas": 2, "stages": 3, "scancels": 10, "seed": 1}
 QUICK = {"replicas": 2, "stages": 3, "scancels": 2, "seed": 1}
 HEALTHY_TIMEOUT = 300.0
@@ -140,6 +150,10 @@ def _measure(events: list[dict], slot: str, job_id: int, t_cancel: float, t_next
                    and e.get("replica") == r and e.get("stage") == s]
             if reg:   # the job's start-up (Python, torch) up to its registration
                 out["job_start_to_registered_s"] = reg[0]["time"] - t_start
+            ready = [e for e in after if e.get("event") == "replacement_ready" and e["time"] >= t_start
+                     and e.get("replica") == r and e.get("stage") == s]
+            if ready and ready[0].get("startup_s"):   # the worker's own split of its start-up
+                out["startup_s"] = ready[0]["startup_s"]
             for e in after:
                 if e.get("event") == "route_change" and e["time"] >= t_start \
                         and s in e["routes"].get(str(r), []) and e["states"].get(str(r)) == "training":
@@ -176,7 +190,8 @@ def run_bench(workdir: str, settings: dict, result: dict) -> list[str]:
     run_dir = os.path.join(workdir, "run")
     hb_timeout = 2.0
     up = _run(common.crucible_argv("slurm", "up", "--run-dir", run_dir, "--replicas", str(R), "--stages", str(S),
-                                   "--steps", "1000000", "--resubmit-delay", "1", *MODEL, *COMMON), timeout=120)
+                                   "--steps", "1000000", "--resubmit-delay", "1", *MODEL, *COMMON, *PACE),
+                     timeout=120)
     if up.returncode != 0:
         return [f"crucible slurm up failed: {(up.stderr or up.stdout).strip()[-500:]}"]
     watch = Watch(run_dir)
@@ -237,6 +252,9 @@ def run_bench(workdir: str, settings: dict, result: dict) -> list[str]:
         "job_start_to_route_s": {"p50": _pct(back, 0.5), "max": max(back, default=None)},
         "job_start_to_registered_s": {"p50": _pct([p["job_start_to_registered_s"] for p in per
                                                    if "job_start_to_registered_s" in p], 0.5)},
+        "startup_p50_s": {k: _pct([p["startup_s"][k] for p in per if k in p.get("startup_s", {})], 0.5)
+                          for k in ("imported", "job_info", "built", "registered", "wired", "ready", "total",
+                                    "cpu_s", "loadavg")},
         "extra_submissions": sum(max(0, p["submissions"] - 1) for p in per),
         "lost_commits": regress + watch.decreases,
         "step_regressions_in_events": regress,
@@ -273,7 +291,7 @@ def main(args) -> int:
         settings["seed"] = args.seed
     version = {k: v for k, v in code_version().items() if k != "root"}   # no path of this machine
     result: dict = {"bench": "slurm", "quick": quick, **version, "environment": common.environment(),
-                    "settings": {**settings, "overrides": MODEL + COMMON}, "definitions": __doc__}
+                    "settings": {**settings, "overrides": MODEL + COMMON + PACE}, "definitions": __doc__}
     try:
         result["slurm_version"] = slurm.run_cmd(["sinfo", "--version"]).strip()
         nodes = slurm.run_cmd(["sinfo", "-h", "-o", "%D %c %P"]).split()

@@ -21,6 +21,8 @@ global weights from a peer the same way (``resync``).
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import time
 from typing import Callable
 
@@ -124,6 +126,9 @@ class Replacement:
         self.ctl.state = "ready"
         self.ctl.heartbeat_now()
         startup = _phase_seconds({**(phases or {}), "ready": time.time()})
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        startup["cpu_s"] = round(ru.ru_utime + ru.ru_stime, 3)     # what start-up needs, whatever the load
+        startup["loadavg"] = round(os.getloadavg()[0], 2)
         self.ctl.report({"event": "replacement_ready", "replica": self.links.replica, "stage": self.links.stage,
                          "source": source, "step": self.step(), "seconds": time.perf_counter() - t0,
                          "startup_s": startup})
