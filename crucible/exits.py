@@ -49,7 +49,14 @@ def describe(code: int | None) -> str:
 
 
 def last_line(exc: BaseException) -> str:
-    """``ValueError: data.path '/x': no such file or folder``: the exception's last line."""
+    """``ValueError: data.path '/x': no such file or folder``: the exception's last line
+    (a gRPC error: ``gRPC UNAVAILABLE: its details``, not the last line of its repr)."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        try:
+            return f"gRPC {code().name}: {(details() or '').strip().splitlines()[0] if details() else ''}".strip()
+        except Exception:  # noqa: BLE001 - not a finished call after all: fall back to the text
+            pass
     text = traceback.format_exception_only(type(exc), exc)[-1].strip()
     return text.splitlines()[-1] if text else type(exc).__name__
 

@@ -297,3 +297,41 @@ def test_the_default_timeouts_nest():
     assert f.probe_timeout_s < f.heartbeat_timeout_s and cfg.net.keepalive_s < f.heartbeat_timeout_s
     Config.load(None, {"fault.heartbeat_timeout_s": 10})      # what the load tests use still holds
     assert PROTOCOL_VERSION >= 2
+
+
+def test_a_grpc_error_is_told_in_one_line():
+    """A worker that dies of a gRPC error tells the coordinator its code and
+    details, not the last line of the error's repr (a lone '>')."""
+    from crucible import exits
+
+    class Err(Exception):
+        def code(self):
+            return pb_status.UNAVAILABLE
+
+        def details(self):
+            return "round still open; ask again"
+
+        def __str__(self):
+            return "<_InactiveRpcError of RPC that terminated with:\n\tstatus = ...\n>"
+
+    import grpc as pb_grpc
+    pb_status = pb_grpc.StatusCode
+    assert exits.last_line(Err()) == "gRPC UNAVAILABLE: round still open; ask again"
+    assert exits.last_line(ValueError("bad value for 'x'")) == "ValueError: bad value for 'x'"
+
+
+def test_a_worker_told_to_stop_leaves_its_outer_round_without_a_traceback():
+    """The job ends while a worker waits in an outer round (the stopping
+    coordinator answers "ask again", or is gone): the worker was told "stop",
+    so the call ends with Stopping, which the round takes as the end, instead
+    of a gRPC error escaping the worker's loop."""
+    from crucible.worker.control import ControlClient, Stopping
+
+    cli = ControlClient("127.0.0.1:1", "t")        # nothing listens there: UNAVAILABLE, transient
+    cli.worker_id = "r0s0-x"
+    cli.stop.set()
+    try:
+        with pytest.raises(Stopping):
+            cli.outer_exchange(0, 0, b"", "diloco", 4, 1, timeout=30)
+    finally:
+        cli.channel.close()

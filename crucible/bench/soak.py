@@ -19,8 +19,8 @@ each kind equally likely:
   round's step (inside the exchange);
 * ``in_save``: SIGKILL of a random worker while a checkpoint save is open.
 
-A worker fault (kill, stop, in_round, in_save) is drawn among the workers
-whose stage has another live copy in a training replica: a fault that would
+A worker fault (kill, stop, in_round, in_save) is drawn among the
+registered workers whose stage has another live copy in a training replica: a fault that would
 take a stage's *last* copy is not injected (``last_copy_spared`` counts
 them). That loss is handled by design with a roll-back of the job to its
 latest checkpoint, which recomputes the steps since: lost commits by
@@ -189,8 +189,11 @@ class Soak:
         # A peer a replacement can pull from (Links.healthy_peer): alive, in a training route.
         serving = {(rep["id"], stage) for rep in st.get("replicas", []) if rep["state"] == "training"
                    for stage in rep["route"]}
+        members = {w.get("pid") for w in st.get("workers", []) if w["state"] in ("alive", "joining")}
         out = {}
         for name, pid in workers.items():
+            if pid not in members:
+                continue        # still starting (not registered): not a member yet, nothing to detect
             r, stage = int(name[1:name.index("s")]), int(name[name.index("s") + 1:])
             if any(o != r and (o, s_) in serving for o, s_ in live if s_ == stage):
                 out[name] = pid

@@ -509,6 +509,8 @@ class Coordinator:
                 refused = e.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (e.details() or "").lower()
             if evidence and not refused:
                 return
+            if self.stopping.is_set():
+                return      # the job is ending: its workers leave because they were told to stop
             with self.cv:
                 if self.m.slots.get((replica, stage)) == wid and w.state in ("alive", "joining"):
                     self._declare_dead(w, why, probe_s=time.time() - t0)

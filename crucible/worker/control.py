@@ -55,6 +55,10 @@ class RoundGone(Exception):
     """The outer round this stage asked for closed too long ago to be replayed."""
 
 
+class Stopping(Exception):
+    """This worker was told to stop (the job ends) while it waited on the coordinator."""
+
+
 class CoordinatorUnreachable(Exception):
     """The coordinator has not answered for fault.heartbeat_timeout_s: an outer
     round is skipped instead of waited for."""
@@ -313,7 +317,9 @@ class ControlClient:
                     continue
                 if code == grpc.StatusCode.OUT_OF_RANGE:
                     raise RoundGone(e.details()) from None
-                if code not in TRANSIENT or time.monotonic() > t_end or self.stop.is_set():
+                if self.stop.is_set():
+                    raise Stopping(f"outer round {round_} left unfinished: the worker is stopping") from None
+                if code not in TRANSIENT or time.monotonic() > t_end:
                     raise
                 if code == grpc.StatusCode.NOT_FOUND:
                     # The coordinator restarted without our record: the heartbeat

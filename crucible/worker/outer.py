@@ -201,7 +201,7 @@ class OuterRound:
         self._settle_lock = threading.Lock()
 
     def after(self, committed_step: int) -> None:
-        from crucible.worker.control import CoordinatorUnreachable, RoundGone
+        from crucible.worker.control import CoordinatorUnreachable, RoundGone, Stopping
 
         state = self.state
         if not state.due(committed_step):
@@ -220,6 +220,9 @@ class OuterRound:
                                   timeout=max(3600.0, 10 * self.cfg.outer.deadline_s))
         except RoundGone as e:
             self.resync(f"outer round {round_no} is gone ({e})")
+            return
+        except Stopping as e:      # the job ends: the worker's loop exits at its next stop check
+            log.info("r%ds%d: %s", self.replica, self.stage, e)
             return
         except CoordinatorUnreachable as e:
             with self._settle_lock:
@@ -290,7 +293,7 @@ class OuterRound:
         """Ask for the final outcome of every skipped round as soon as the
         coordinator answers (the asking makes it final: see the module's
         docstring), and keep it for ``_settle_skipped``. Touches no weights."""
-        from crucible.worker.control import CoordinatorUnreachable, RoundGone
+        from crucible.worker.control import CoordinatorUnreachable, RoundGone, Stopping
 
         state = self.state
         while not self.stop.is_set():
@@ -300,7 +303,7 @@ class OuterRound:
                 return
             try:
                 reply = self.exchange(self.stage, todo[0], b"", state.mode, state.numel, 0, timeout=60.0, peek=True)
-            except (CoordinatorUnreachable, RoundGone, grpc.RpcError, SystemExit) as e:
+            except (CoordinatorUnreachable, RoundGone, Stopping, grpc.RpcError, SystemExit) as e:
                 # Unreachable still (ask again shortly); gone or refused: the
                 # training thread asks itself before its next round and deals with it.
                 if not isinstance(e, CoordinatorUnreachable):
