@@ -3,8 +3,9 @@
 ``cpu_hogs(n)`` runs n processes that spin (a CPU stressor like ``stress-ng
 --cpu n``, without the OS package); ``fsync_hog(folder)`` writes and fsyncs a
 file in a loop. Each runs in its own process group, is bounded by
-``max_seconds``, and is killed (SIGKILL to its group) when the ``with`` block
-ends, whatever happened inside it.
+``max_seconds``, is killed (SIGKILL to its group) when the ``with`` block
+ends, whatever happened inside it, and stops by itself when the process that
+started it dies.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import signal
 import subprocess
 import sys
 
-_SPIN = "import time\nt = time.monotonic() + {s}\nwhile time.monotonic() < t:\n    pass\n"
+# Each also stops when the process that started it is gone (a killed benchmark leaves no spinner).
+_SPIN = "import os, time\nt = time.monotonic() + {s}\nwhile time.monotonic() < t and os.getppid() == {parent}:\n    pass\n"
 _FSYNC = ("import os, time\nt = time.monotonic() + {s}\nb = os.urandom(1 << 20)\n"
-          "while time.monotonic() < t:\n"
+          "while time.monotonic() < t and os.getppid() == {parent}:\n"
           "    with open({path!r}, 'wb') as f:\n        f.write(b); f.flush(); os.fsync(f.fileno())\n")
 
 
@@ -42,7 +44,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 @contextlib.contextmanager
 def cpu_hogs(n: int, max_seconds: float = 3600.0):
     """n spinning processes (oversubscription factor = (n + your load) / cores)."""
-    procs = [_start(_SPIN.format(s=max_seconds)) for _ in range(n)]
+    procs = [_start(_SPIN.format(s=max_seconds, parent=os.getpid())) for _ in range(n)]
     try:
         yield procs
     finally:
@@ -53,7 +55,7 @@ def cpu_hogs(n: int, max_seconds: float = 3600.0):
 def fsync_hog(folder: str, max_seconds: float = 3600.0):
     """One process that rewrites and fsyncs a 1 MiB file in `folder` as fast as it can."""
     path = os.path.join(folder, ".fsync-hog")
-    procs = [_start(_FSYNC.format(s=max_seconds, path=path))]
+    procs = [_start(_FSYNC.format(s=max_seconds, path=path, parent=os.getpid()))]
     try:
         yield procs
     finally:
