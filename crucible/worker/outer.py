@@ -108,9 +108,12 @@ class OuterState:
             return dense_encode(delta), delta
 
     def decode(self, payload: bytes) -> torch.Tensor:
+        """A contribution as a dense update, on θ_global's device (payloads decode on the CPU)."""
         if self.mode == "sparseloco":
-            return slc.decode(payload, self.numel)
-        return dense_decode(payload, self.numel)
+            out = slc.decode(payload, self.numel)
+        else:
+            out = dense_decode(payload, self.numel)
+        return out.to(self.theta_global.device)
 
     def apply(self, replica: int, contributors: list[int], payloads: list[bytes],
               mine: torch.Tensor | None) -> dict:
