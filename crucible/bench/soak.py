@@ -64,6 +64,7 @@ Targets over at least 200 injected faults: 0 false evictions, 0 lost commits,
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -141,6 +142,7 @@ class Soak:
         self.stopped: dict[int, float] = {}       # pid -> when to SIGCONT
         self.last_steps: dict[int, int] = {}
         self.signalled: set[int] = set()    # pids we killed or stopped
+        self._offset, self._pers = 0, {}     # metrics.jsonl read so far; slot -> its persister's pid
         self.last_copy_spared = 0      # faults not drawn: they would have taken a stage's last live copy
         self.armed_at = 0.0
         self.rounds_missed = 0         # in_round faults given up: no round reached within ROUND_WAIT_S
@@ -160,10 +162,25 @@ class Soak:
         return {n: p for n, p in self.launch.pids().items() if n.startswith("r") and isinstance(p, int)}
 
     def _persisters(self) -> dict[str, int]:
-        out = {}
-        for ev in self.launch.events("ckpt_persister"):
-            out[slot_name(ev["replica"], ev["stage"])] = ev["pid"]
-        return {n: p for n, p in out.items() if os.path.exists(f"/proc/{p}")}
+        """Each slot's live persister, from the new lines of metrics.jsonl (read
+        once each: the file grows to many MB, and the fault loop must stay quick)."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            data = b""
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        for line in data[:end].splitlines():
+            if b"ckpt_persister" in line:
+                try:
+                    ev = json.loads(line)
+                    self._pers[slot_name(ev["replica"], ev["stage"])] = ev["pid"]
+                except (ValueError, KeyError):
+                    pass
+        return {n: p for n, p in self._pers.items() if os.path.exists(f"/proc/{p}")}
 
     def _signal(self, kind: str, target: str, pid: int, sig: int) -> None:
         try:
@@ -281,11 +298,12 @@ class Soak:
             elif want_round and now - self.armed_at > ROUND_WAIT_S:
                 want_round = False          # no replica reached a round meanwhile: draw again
                 self.rounds_missed += 1
-            if now >= next_fault and not want_round and self.kinds:
+            if now >= next_fault and self.kinds:    # (an armed in_round waits beside the others)
                 kind = self.rng.choice(self.kinds)
                 if kind == "in_round":
-                    want_round, self.armed_at = True, now
-                    next_fault = now + self.rng.expovariate(1.0 / self.gap_s)
+                    if not want_round:        # (one armed at a time; else draw again)
+                        want_round, self.armed_at = True, now
+                        next_fault = now + self.rng.expovariate(1.0 / self.gap_s)
                 elif self.inject(kind, st):
                     next_fault = now + self.rng.expovariate(1.0 / self.gap_s)
             if now - last_rss >= 5.0:
