@@ -8,15 +8,13 @@ import subprocess
 import sys
 import time
 
+from crucible import procs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
+    return procs.state(pid) not in (None, "Z")
 
 
 def test_a_spinner_stops_when_its_starter_dies():

@@ -132,6 +132,33 @@ class Child:
         self.close()
 
 
+class EventTail:
+    """The events appended to a metrics.jsonl since the last look: each line is
+    read once (the file grows to many MB while a benchmark polls it)."""
+
+    def __init__(self, path: str):
+        self.path, self.offset = path, 0
+
+    def new(self, marker: bytes = b"") -> list[dict]:
+        """The new complete lines that contain ``marker``, parsed (others skipped)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            if marker in line:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+        return out
+
+
 class Launch(Child):
     """``crucible launch --run-dir D ...`` with stdout and stderr in D/launch.out."""
 
@@ -140,7 +167,7 @@ class Launch(Child):
         self.run_dir = os.path.abspath(run_dir)
         self.steps = steps
         self._seen: dict[int, int] = {}     # replica -> latest step (progress line)
-        self._offset = 0
+        self._tail = EventTail(os.path.join(self.run_dir, "metrics.jsonl"))
         os.makedirs(self.run_dir, exist_ok=True)
         self.out_path = os.path.join(self.run_dir, "launch.out")
         argv = crucible_argv("launch", "--replicas", str(replicas), "--stages", str(stages), "--steps", str(steps),
@@ -153,23 +180,12 @@ class Launch(Child):
 
     def progress_note(self) -> str:
         """Each replica's latest step, from the new lines of metrics.jsonl."""
-        path = os.path.join(self.run_dir, "metrics.jsonl")
         steps = self._seen
-        try:
-            with open(path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except OSError:
-            return "starting"
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        for line in data[:end].splitlines():
-            if b'"event":"step"' in line:
-                try:
-                    ev = json.loads(line)
-                    steps[ev["replica"]] = ev["step"] + 1
-                except (ValueError, KeyError, TypeError):
-                    pass
+        for ev in self._tail.new(b'"event":"step"'):
+            try:
+                steps[ev["replica"]] = ev["step"] + 1
+            except (KeyError, TypeError):
+                pass
         if not steps:
             return "starting"
         return "step " + " | ".join(f"r{r} {s}/{self.steps}" for r, s in sorted(steps.items()))

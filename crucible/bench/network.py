@@ -58,6 +58,7 @@ import tempfile
 import threading
 import time
 
+from crucible import procs
 from crucible.bench import common
 from crucible.bench.common import progress
 
@@ -133,11 +134,7 @@ class _Run:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
+    return procs.state(pid) not in (None, "Z")
 
 
 def _step_times(events: list[dict], replica: int, t_from: float, t_to: float) -> list[float]:

@@ -64,7 +64,6 @@ Targets over at least 200 injected faults: 0 false evictions, 0 lost commits,
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -76,7 +75,7 @@ import time
 from crucible.bench import common
 from crucible.config import Config
 from crucible.bench.common import progress
-from crucible.slots import slot_name
+from crucible.slots import slot_name, slot_of
 from crucible.testing.stress import cpu_hogs, oversubscribe
 
 KINDS = ("kill", "stop", "coordinator", "persister", "in_round", "in_save")
@@ -142,7 +141,8 @@ class Soak:
         self.stopped: dict[int, float] = {}       # pid -> when to SIGCONT
         self.last_steps: dict[int, int] = {}
         self.signalled: set[int] = set()    # pids we killed or stopped
-        self._offset, self._pers = 0, {}     # metrics.jsonl read so far; slot -> its persister's pid
+        self._tail = common.EventTail(os.path.join(run_dir, "metrics.jsonl"))
+        self._pers: dict[str, int] = {}      # slot -> its persister's pid
         self.last_copy_spared = 0      # faults not drawn: they would have taken a stage's last live copy
         self.armed_at = 0.0
         self.rounds_missed = 0         # in_round faults given up: no round reached within ROUND_WAIT_S
@@ -162,24 +162,12 @@ class Soak:
         return {n: p for n, p in self.launch.pids().items() if n.startswith("r") and isinstance(p, int)}
 
     def _persisters(self) -> dict[str, int]:
-        """Each slot's live persister, from the new lines of metrics.jsonl (read
-        once each: the file grows to many MB, and the fault loop must stay quick)."""
-        path = os.path.join(self.run_dir, "metrics.jsonl")
-        try:
-            with open(path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except OSError:
-            data = b""
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        for line in data[:end].splitlines():
-            if b"ckpt_persister" in line:
-                try:
-                    ev = json.loads(line)
-                    self._pers[slot_name(ev["replica"], ev["stage"])] = ev["pid"]
-                except (ValueError, KeyError):
-                    pass
+        """Each slot's live persister (from the new lines of metrics.jsonl)."""
+        for ev in self._tail.new(b"ckpt_persister"):
+            try:
+                self._pers[slot_name(ev["replica"], ev["stage"])] = ev["pid"]
+            except KeyError:
+                pass
         return {n: p for n, p in self._pers.items() if os.path.exists(f"/proc/{p}")}
 
     def _signal(self, kind: str, target: str, pid: int, sig: int) -> None:
@@ -211,7 +199,7 @@ class Soak:
         for name, pid in workers.items():
             if pid not in members:
                 continue        # still starting (not registered): not a member yet, nothing to detect
-            r, stage = int(name[1:name.index("s")]), int(name[name.index("s") + 1:])
+            r, stage = slot_of(name)
             if any(o != r and (o, s_) in serving for o, s_ in live if s_ == stage):
                 out[name] = pid
         return out
