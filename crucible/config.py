@@ -78,6 +78,9 @@ class TrainConfig:
     grad_clip: float = 1.0      # global norm across the stages; 0 = off
     eval_every: int = 50        # steps between held-out evaluations; 0 = off
     eval_batches: int = 2
+    # which held-out windows: "all" of the held-out tail, or its first half
+    # ("validation", for tuning) or second half ("test", for reporting)
+    eval_split: str = "all"
     seed: int = 1337
     schedule: str = "1f1b"      # "1f1b" or "gpipe"
 
@@ -291,6 +294,7 @@ class Config:
         need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0")
         need(t.eval_every >= 0, "train.eval_every", "must be >= 0")
+        need(t.eval_split in ("all", "validation", "test"), "train.eval_split", "must be all, validation or test")
         need(t.schedule in ("1f1b", "gpipe"), "train.schedule", "must be 1f1b or gpipe")
 
     def _check_outer(self) -> None:

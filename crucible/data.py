@@ -175,5 +175,11 @@ class Corpus:
         n_eval = max(int(len(toks) * cfg.data.eval_fraction), cfg.train.seq_len + 1)
         self.train, self.eval = toks[:-n_eval], toks[-n_eval:]
 
+    def held_out(self, split: str) -> np.ndarray:
+        """The held-out tokens of ``train.eval_split``: all of them, or the first half
+        (validation: tune on it) or the second (test: report on it), disjoint."""
+        half = len(self.eval) // 2
+        return {"all": self.eval, "validation": self.eval[:half], "test": self.eval[half:]}[split]
+
     def reader(self, cfg, replica: int) -> ShardReader:
         return ShardReader(self.train, replica, cfg.job.replicas, cfg.train.seq_len, cfg.train.seed)

@@ -59,6 +59,10 @@ KINDS: dict[str, str] = {
                      "round, abandoned, contributors",
     "link_eviction": "a broken link between two live workers: one end evicted after repeated contradicted "
                      "suspicions: replica, stages, evicted",
+    "outer_forgotten": "at a resume or a fresh start: outer rounds of the abandoned timeline removed: from_round, "
+                       "rounds",
+    "outer_caught_up": "a replacement replayed the outer rounds closed since its weights' round: replica, stage, "
+                       "from_round, rounds, source",
     "outer_rejected": "a contribution refused (its sender is left out of the round): replica, stage, round, reason",
     "prometheus": "where /metrics is served: address, path",
     "ckpt_start": "a save named: step, margin, final, end, replica_steps, shards, vacant",

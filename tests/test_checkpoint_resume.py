@@ -223,16 +223,19 @@ def _check_cadence(run_dir: str, min_interval: float) -> None:
     assert len(starts) >= 2
     for a, b in zip(starts, starts[1:]):
         assert b["time"] - a["time"] >= min_interval - 1e-3, (a, b)
+    # one 50 ms tick plus scheduling slack, which grows with the run queue (the
+    # suite also runs next to a CPU stressor: .ci/suite-loop.py)
+    slack = 0.15 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     checked = 0
     for prev, nxt in zip(evs, evs[1:]):
         if prev["event"] != "ckpt_commit" or nxt["event"] != "ckpt_start":
             continue
         last_start = max(e["time"] for e in starts if e["time"] <= prev["time"])
         due = max(prev["time"], last_start + min_interval)
-        assert nxt["time"] - due <= 0.15, (prev, nxt)        # one 50 ms tick, plus scheduling slack
-        if last_start + min_interval <= prev["time"]:        # not held back: within one step
+        assert nxt["time"] - due <= slack, (slack, prev, nxt)
+        if last_start + min_interval <= prev["time"]:        # not held back: within one step (or one tick)
             gap = max(nxt["replica_steps"].values()) - max(prev["replica_steps"].values())
-            assert gap <= 1, (prev, nxt)
+            assert gap <= 1 or nxt["time"] - prev["time"] <= slack, (slack, prev, nxt)
         checked += 1
     assert checked >= 1
 

@@ -323,7 +323,7 @@ def test_bench_ckpt_saves_small(monkeypatch, tmp_path):
     monkeypatch.setenv("CRUCIBLE_BENCH_DIR", str(tmp_path))
     r = ckpt.bench_saves(4, 2, "cpu")
     assert r["saves"] == 2 and r["state_bytes"] > 3e6
-    for k in ("floor_copy_s", "snapshot_stall_s", "persist_s", "dcp_async_save_stall_s"):
+    for k in ("floor_copy_s", "snapshot_stall_s", "persist_s", "dcp_async_save_stall_s", "dcp_cached_staging_stall_s"):
         assert len(r[k]["all"]) == 2 and r[k]["median"] > 0
 
 

@@ -49,6 +49,20 @@ def test_builtin_corpus_is_deterministic():
     assert np.array_equal(a.train, b.train) and len(a.eval) > 0
 
 
+def test_validation_and_test_windows_are_disjoint_halves_of_the_held_out_tail():
+    from crucible.data import eval_batches
+    cfg = Config.load(None, ["data.max_bytes=300000"])
+    c = Corpus(cfg)
+    val, test = c.held_out("validation"), c.held_out("test")
+    assert np.array_equal(np.concatenate([val, test]), c.eval) and np.array_equal(c.held_out("all"), c.eval)
+    # the windows evaluated come from the split named, not from the other half
+    (xv, _), = eval_batches(val, 16, 4, 1)
+    (xt, _), = eval_batches(test, 16, 4, 1)
+    assert not torch.equal(xv, xt)
+    with pytest.raises(ValueError, match="train.eval_split"):
+        Config.load(None, ["train.eval_split=heldout"])
+
+
 def test_stage_split_does_not_change_initial_weights():
     cfg1 = Config.load(None, ["job.stages=1", "model.n_layer=4", "model.d_model=32", "model.n_head=2"])
     whole = dict(build_stage(cfg1, 0, 1).named_parameters())

@@ -54,12 +54,16 @@ def steps(job, r):
 def test_inner_stage_killed_is_skipped_then_replaced_bitwise(job):
     st = wait_healthy(job)
     victim = worker(st, 1, 2)
-    t_kill = time.monotonic()
+    t_kill = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
-    st = job.wait_for(lambda s: s if s["replicas"][1]["route"] == [0, 1, 3] else None, 10, "r1 route skipping s2")
-    assert time.monotonic() - t_kill < 3.0, "route change took longer than 3 s"
-    assert st["replicas"][1]["state"] == "training"
-    before = st["replicas"][1]["step"]
+    # timed by the coordinator's own route_change event, not by when a status poll
+    # (slow on a loaded host) happens to see it; the replacement may follow soon after
+    skip = job.wait_for(lambda s: [e for e in job.events("route_change")
+                                   if e["time"] >= t_kill and e["routes"].get("1") == [0, 1, 3]], 10,
+                        "r1 route skipping s2")[0]
+    assert skip["time"] - t_kill < 3.0, f"route change took {skip['time'] - t_kill:.2f} s (more than 3 s)"
+    assert skip["states"]["1"] == "training"
+    before = steps(job, 1)
     # Steps keep committing without stage 2 (until the replacement arrives, they may race).
     job.wait_for(lambda s: s["replicas"][1]["step"] >= before + 2, 30, "r1 committing steps after the kill")
     st = wait_healthy(job)

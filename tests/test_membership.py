@@ -107,6 +107,46 @@ def test_stale_and_unknown_workers_and_pulses():
     assert e.value.code == "NOT_FOUND"
 
 
+def test_a_replacement_is_told_how_far_its_dead_predecessor_may_have_got():
+    """The last heartbeat of a dead stage can be many small steps short of what it
+    applied; a replacement that trusted it could load a checkpoint older than the
+    weights that died. Bound it: the first step its replica committed on a newer
+    route epoch, else what stage 0 of the replica has applied (one more when
+    stage 0 itself is gone)."""
+    m = Membership(1, 3)
+    ids = _full(m)
+    inner, head = m.workers[ids[(0, 1)]], m.workers[ids[(0, 0)]]
+    m.heartbeat(inner, 90, "alive", now=1.0)       # its last beat; it went on to apply 105 steps
+    m.heartbeat(head, 93, "alive", now=1.0)
+    old_epoch = m.route_epoch[0]
+    m.declare_dead(inner, now=1.5)
+    m.recompute_routes()
+    assert m.route_epoch[0] > old_epoch and m.routes[0] == [0, 2]
+    # steps of the old route epoch, reported late (the last may have reached it): no bound
+    assert not m.death_bounded(0, 104, old_epoch)
+    m.replicas[0].step = 105
+    assert m.death_bounded(0, 105, m.route_epoch[0])     # the first step without it bounds it exactly
+    assert not m.death_bounded(0, 170, m.route_epoch[0])
+    m.replicas[0].step = 171
+    w, replacement = m.register(0, 1, "h:9", 9, "h", False, 11, now=2.0)
+    assert replacement and w.slot_step == 105
+    # no step on a newer epoch heard yet (a paused replica, or a fast replacement):
+    # stage 0 has applied at least as much as any stage after it
+    m.declare_dead(w, now=3.0)
+    m.heartbeat(head, 172, "alive", now=3.0)
+    w2, _ = m.register(0, 1, "h:10", 10, "h", False, 11, now=4.0)
+    assert w2.slot_step == 172
+    # stage 0 itself gone: it may have committed one step more than the others applied
+    m.heartbeat(m.workers[ids[(0, 2)]], 172, "alive", now=4.0)
+    m.declare_dead(head, now=5.0)
+    w3, _ = m.register(0, 0, "h:11", 11, "h", False, 10, now=6.0)
+    assert w3.slot_step == 173
+    # a later death is not closed by an old epoch's late step
+    m.recompute_routes()
+    m.declare_dead(m.workers[ids[(0, 2)]], now=7.0)
+    assert not m.death_bounded(0, 180, old_epoch)
+
+
 def test_dead_records_are_pruned_per_slot():
     m = Membership(1, 2)
     _full(m)

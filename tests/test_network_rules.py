@@ -124,6 +124,22 @@ def test_a_link_that_keeps_failing_evicts_its_inner_end():
     assert SuspicionBook(stages=3, limit=0, window_s=10).contradicted(0, 1, 2, 0.0) is None
 
 
+def test_failures_across_route_changes_are_not_a_broken_link():
+    """Streams torn down by a route change of their replica (a neighbour died,
+    joined, the replica paused) prove nothing about the link: only failures on
+    one route count (a soak saw a healthy worker evicted for three such)."""
+    book = SuspicionBook(stages=4, limit=3, window_s=120)
+    assert book.contradicted(1, 2, 1, 0.0) is None
+    assert book.contradicted(1, 2, 1, 5.0) is None
+    book.route_changed(0)                                      # another replica: counts stay
+    assert book.contradicted(0, 1, 2, 6.0) is None
+    book.route_changed(1)
+    assert book.contradicted(1, 2, 1, 10.0) is None            # counted afresh
+    assert book.contradicted(1, 2, 1, 11.0) is None
+    assert book.contradicted(1, 2, 1, 12.0) == 1               # three on one route: evicted
+    assert book.contradicted(0, 1, 2, 13.0) is None            # (replica 0 had one, now two)
+
+
 def test_a_skipped_round_is_abandoned_for_everyone(tmp_path):
     c, ids = _coordinator(tmp_path)
     try:

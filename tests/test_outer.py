@@ -97,3 +97,29 @@ def test_malformed_contribution_right_after_a_coordinator_restart(start_job):
     assert len(rounds) == 2 * 20
     rejected = job.events("outer_rejected")       # ours, and replica 1's own payload for that round
     assert {e["round"] for e in rejected} == {target} and len(rejected) in (2, 3), rejected
+
+
+def test_round_store_marks_what_it_trims_and_a_resume_forgets_the_abandoned_timeline(tmp_path, monkeypatch):
+    """Trimmed rounds are marked (a replacement must not replay across the gap);
+    a resume removes the rounds no replica of its checkpoint had applied, and
+    keeps those its lagging replicas still have to apply."""
+    import types
+
+    from crucible.coordinator import outer as relay
+
+    monkeypatch.setattr(relay, "KEEP_CLOSED", 4)
+    st = relay.RoundStore(str(tmp_path / "outer"))
+    assert st.trimmed(0) == -1
+    for n in range(7):
+        st.write(relay.Round(0, n, closed=True, contributors=[0], payloads={0: b"x" * 10}))
+    assert st.numbers(0) == [3, 4, 5, 6] and st.trimmed(0) == 2
+    st.write(relay.Round(1, 0, closed=True, contributors=[1], payloads={1: b"y"}))
+    written = []
+    coord = types.SimpleNamespace(run_dir=str(tmp_path), metrics=types.SimpleNamespace(write=written.append))
+    r = relay.OuterRelay(coord)
+    # replica 0 had applied rounds < 5, replica 1 (paused) rounds < 3: 5 and 6 are gone, 3 and 4 stay
+    r.forget_abandoned({"replicas": {"0": {"round": 5}, "1": {"round": 3}}})
+    assert st.numbers(0) == [3, 4] and st.numbers(1) == [0] and st.trimmed(0) == 2
+    assert written == [{"event": "outer_forgotten", "from_round": 5, "rounds": 2}]
+    r.forget_abandoned(None)         # afresh: nothing is kept, and nothing counts as trimmed from round 0 on
+    assert st.numbers(0) == [] and st.numbers(1) == [] and st.trimmed(0) == -1

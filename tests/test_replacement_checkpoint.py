@@ -10,6 +10,7 @@ with the stage's weights bitwise from the shard, and trains on.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 
@@ -85,3 +86,59 @@ def test_resume_gives_a_vacant_slot_the_global_weights_of_another_replica(tmp_pa
     assert torch.equal(w.outer.theta_global, theta) and w.step == 40
     assert torch.equal(torch.cat([p.detach().reshape(-1) for p in fresh.parameters()]), theta)
     assert reports[0]["source"] == "checkpoint step_40/r1s1.shard"
+
+
+def _stage_dumps(run_dir: str, stage: int) -> dict:
+    """debug.dump_outer files of `stage`: {(slot, round or "join"): dump}."""
+    out = {}
+    for path in glob.glob(os.path.join(run_dir, "debug", f"outer_r*s{stage}_round*.pt")):
+        slot, _, rnd = os.path.basename(path)[len("outer_"):-3].partition("_round")
+        out[(slot, rnd if rnd == "join" else int(rnd))] = torch.load(path)
+    return out
+
+
+@pytest.mark.slow   # (about a minute; the second step of .ci/run)
+def test_every_copy_of_a_stage_lost_is_rebuilt_from_a_checkpoint_and_the_rounds_since(start_job):
+    """Both replicas lose stage 1 at once, several outer rounds after the only
+    checkpoint: no roll-back. The replacements load the old shard and replay the
+    rounds the coordinator kept, so their global weights are bitwise the ones the
+    dead workers had, and the two replicas agree again in the rounds after."""
+    job = start_job(["--replicas", "2", "--stages", "3", "--steps", "1000000", "--respawn-delay", "0.5"],
+                    TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=100000",
+                            "outer.H=3", "debug.dump_outer=true"])
+    job.wait_for(lambda st: job.events("ckpt_commit") and min(r["step"] for r in st["replicas"])
+                 >= job.events("ckpt_commit")[0]["step"] + 12, 150, "four outer rounds past a committed checkpoint")
+    victims = [w for w in job.status()["workers"] if w["stage"] == 1]
+    for w in victims:
+        os.kill(w["pid"], signal.SIGKILL)
+    pids = {w["pid"] for w in victims}
+    job.wait_for(lambda st: not any(w["pid"] in pids and w["state"] == "alive" for w in st["workers"]), 30,
+                 "both copies of stage 1 seen dead")
+    before = _stage_dumps(job.run_dir, 1)
+    last = max(n for (_, n) in before if n != "join")
+    # the newest closed round of stage 1 (the dead may have died between its close and their dump of it)
+    closed = max(int(f[1:9]) for f in os.listdir(os.path.join(job.run_dir, "outer", "s1")) if f.endswith(".bin"))
+    assert closed in (last, last + 1)
+    ready = job.wait_for(lambda st: [e for e in job.events("replacement_ready") if e["stage"] == 1][:2]
+                         if len([e for e in job.events("replacement_ready") if e["stage"] == 1]) >= 2 else None,
+                         120, "both replacements of stage 1 ready")
+    assert not job.events("job_rollback") and not job.events("stage_lost")
+    first = ready[0]
+    assert first["source"].startswith("checkpoint"), first
+    caught = [e for e in job.events("outer_caught_up") if e["replica"] == first["replica"]]
+    assert caught and caught[0]["rounds"] >= 3, caught
+    d = _stage_dumps(job.run_dir, 1)
+    joined = d[(f"r{first['replica']}s1", "join")]
+    assert joined["round"] == closed + 1, (joined["round"], closed)
+    if closed == last:
+        theta_dead = [v["theta_global"] for (slot, n), v in before.items() if n == last]
+        assert theta_dead and all(torch.equal(joined["theta_global"], t) for t in theta_dead)
+    # both replicas hold stage 1 again and agree on every round after
+    job.wait_for(lambda st: all(r["route"] == [0, 1, 2] for r in st["replicas"]) and
+                 sum(1 for (slot, n) in _stage_dumps(job.run_dir, 1) if n != "join" and n > closed + 1) >= 4,
+                 120, "two rounds of stage 1 in both replicas after the rebuild")
+    d = _stage_dumps(job.run_dir, 1)
+    after = sorted({n for (_, n) in d if n != "join" and n > closed + 1 and ("r0s1", n) in d and ("r1s1", n) in d})
+    assert after, sorted(d)
+    for n in after:
+        assert torch.equal(d[("r0s1", n)]["theta_global"], d[("r1s1", n)]["theta_global"]), n

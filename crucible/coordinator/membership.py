@@ -92,6 +92,8 @@ class WorkerInfo:
     numel: int = 0
     died_at: float = 0.0
     slot_step: int = 0            # steps the slot's previous holder had applied when this one came
+    step_open: bool = False       # dead, and ``step`` (its last heartbeat's) may be short of what it applied
+    died_epoch: int = 0           # its replica's route epoch when it was declared dead
     secret: str = ""              # this registration's secret (crucible.identity); never leaves the coordinator
                                   # except in its RegisterReply
 
@@ -175,7 +177,7 @@ class Membership:
         prev = self.workers.get(self.slots[slot] or "")
         w = WorkerInfo(f"{slot_name(*slot)}-{uuid.uuid4().hex[:8]}", slot[0], slot[1], address, pid, host,
                        state="joining" if replacement else "alive", last_seen=now, registered_at=now,
-                       numel=numel, slot_step=prev.step if prev is not None else 0, secret=identity.new_secret())
+                       numel=numel, slot_step=self._slot_step(prev), secret=identity.new_secret())
         self.workers[w.worker_id] = w
         self.slots[slot] = w.worker_id
         self._prune(slot)
@@ -215,6 +217,37 @@ class Membership:
     def declare_dead(self, w: WorkerInfo, now: float) -> None:
         w.state = "dead"
         w.died_at = now
+        w.step_open = True
+        w.died_epoch = self.route_epoch.get(w.replica, 0)
+
+    # How many steps a dead worker had applied decides whether a checkpoint may
+    # stand in for it (a replacement with no live peer): its last heartbeat can be
+    # half an interval, many small steps, short of that. No stage applies a step
+    # before stage 0 committed it, and a step runs on one route epoch from its
+    # first frame to its COMMIT (a route change aborts it), so: the first step
+    # its replica committed on a route epoch newer than the one it died in
+    # bounds it exactly (``death_bounded``); failing that (the replacement came
+    # first, or the replica is paused), the most stage 0 of its replica has
+    # applied, or, with stage 0 itself gone, one more than any live worker of
+    # the replica (stage 0 is at most the step it was committing ahead).
+
+    def death_bounded(self, replica: int, step: int, epoch: int) -> bool:
+        """Stage 0 of ``replica`` committed ``step`` on route epoch ``epoch``;
+        True when that bounded a dead worker's steps."""
+        changed = False
+        for w in self.workers.values():
+            if w.replica == replica and w.state == "dead" and w.step_open and epoch > w.died_epoch:
+                w.step, w.step_open, changed = max(w.step, int(step)), False, True
+        return changed
+
+    def _slot_step(self, prev: WorkerInfo | None) -> int:
+        if prev is None:
+            return 0
+        if not prev.step_open:
+            return prev.step
+        head = self.holder((prev.replica, 0))
+        ahead = 0 if prev.stage != 0 and head is not None and head.state in ("alive", "done") else 1
+        return max(prev.step, self.replica_step(prev.replica) + ahead)
 
     def overdue(self, now: float, timeout: float) -> list[WorkerInfo]:
         return [w for w in self.workers.values()

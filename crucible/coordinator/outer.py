@@ -176,6 +176,41 @@ class RoundStore:
         names = self._names(stage)
         return int(names[-1][1:9]) if names else None
 
+    def numbers(self, stage: int) -> list[int]:
+        """The rounds of ``stage`` on disk, ascending."""
+        return [int(n[1:9]) for n in self._names(stage)]
+
+    def trimmed(self, stage: int) -> int:
+        """The newest round of ``stage`` deleted to bound the disk (-1: none):
+        rounds up to it can no longer be replayed."""
+        try:
+            with open(os.path.join(self.root, f"s{stage}", "trimmed")) as f:
+                return int(f.read().strip() or -1)
+        except (OSError, ValueError):
+            return -1
+
+    def forget_from(self, number: int) -> list[tuple[int, int]]:
+        """A job resumed from a checkpoint whose replicas had applied no round
+        numbered ``number`` or later: those rounds belong to the abandoned
+        timeline and would otherwise be replayed into the new one. Removes them
+        (every stage); returns (stage, round) of each."""
+        out = []
+        try:
+            stages = sorted(int(d[1:]) for d in os.listdir(self.root) if d.startswith("s") and d[1:].isdigit())
+        except OSError:
+            return out
+        for stage in stages:
+            if self.trimmed(stage) >= number:     # rounds from `number` on will be the new timeline's
+                atomic_write(os.path.join(self.root, f"s{stage}", "trimmed"), str(number - 1).encode(), fsync=False)
+            for n in self.numbers(stage):
+                if n >= number:
+                    try:
+                        os.unlink(self._path(stage, n))
+                        out.append((stage, n))
+                    except OSError:
+                        pass
+        return out
+
     def _names(self, stage: int) -> list[str]:
         try:
             return sorted(n for n in os.listdir(os.path.join(self.root, f"s{stage}")) if n.endswith(".bin"))
@@ -191,7 +226,11 @@ class RoundStore:
             if keep >= KEEP_CLOSED or (keep >= 4 and total + size > KEEP_BYTES):
                 break
             keep, total = keep + 1, total + size
-        for name in names[:len(names) - keep]:
+        gone = names[:len(names) - keep]
+        if gone:   # first the mark (a replacement must not replay across a gap), then the files
+            atomic_write(os.path.join(folder, "trimmed"),
+                         str(max(self.trimmed(stage), int(gone[-1][1:9]))).encode(), fsync=False)
+        for name in gone:
             try:
                 os.unlink(os.path.join(folder, name))
             except OSError:
@@ -203,6 +242,20 @@ class OuterRelay:
         self.c = coord
         self.rounds: dict[tuple[int, int], Round] = {}     # open (or being sealed) rounds
         self.store = RoundStore(os.path.join(coord.run_dir, "outer"))
+
+    def forget_abandoned(self, manifest: dict | None) -> None:
+        """A job starting over (``--resume`` from the checkpoint ``manifest``,
+        or afresh: None): rounds no replica of that checkpoint had applied are
+        of the abandoned timeline; the replicas redo them, so none may be read
+        back (rounds the checkpoint's lagging replicas still have to apply are
+        kept: the others applied them)."""
+        reps = (manifest or {}).get("replicas") or {}
+        rounds = [int(info["round"]) for info in reps.values() if isinstance(info.get("round"), int)]
+        first = max(rounds) if rounds else 0
+        gone = self.store.forget_from(first)
+        if gone:
+            log.info("outer rounds from %d on belong to the abandoned timeline: %d removed", first, len(gone))
+            self.c.metrics.write({"event": "outer_forgotten", "from_round": first, "rounds": len(gone)})
 
     def _maybe_close(self, rnd: Round) -> None:
         """Under the lock: seal the round once every expected replica is in."""
@@ -282,6 +335,35 @@ class OuterRelay:
             stage, number, self.c.cfg.outer.H))
         return rnd
 
+    def _fetch(self, stage: int, number: int) -> pb.OuterReply:
+        """Under the lock, read only: the first closed round of ``stage``
+        numbered ``number`` or later, for a replacement that catches its global
+        weights up from an older copy (round -1: none, or the next one is still
+        open). OUT_OF_RANGE when rounds from ``number`` on were trimmed away."""
+        self.c.cv.release()
+        try:
+            trimmed = self.store.trimmed(stage)
+            on_disk = [n for n in self.store.numbers(stage) if n >= number]
+        finally:
+            self.c.cv.acquire()
+        if number <= trimmed:
+            raise rpc.RpcFault(grpc.StatusCode.OUT_OF_RANGE, f"rounds of stage {stage} up to {trimmed} are gone; "
+                                                             f"{number} cannot be replayed")
+        live = [n for (s, n) in self.rounds if s == stage and n >= number]
+        numbers = sorted(set(on_disk) | set(live))
+        if not numbers:
+            return pb.OuterReply(round=-1)
+        rnd = self.rounds.get((stage, numbers[0]))
+        if rnd is None:
+            self.c.cv.release()
+            try:
+                rnd = self.store.read(stage, numbers[0])
+            finally:
+                self.c.cv.acquire()
+        if rnd is None or not rnd.closed:
+            return pb.OuterReply(round=-1)
+        return rnd.reply()
+
     def _peek(self, rnd: Round, replica: int, context, t_end: float) -> pb.OuterReply:
         """Under the lock: replica skipped this round. Its result if a reply of it
         went out; else the round is abandoned, for everyone."""
@@ -319,6 +401,8 @@ class OuterRelay:
                 if not context.is_active() or c.stopping.is_set() or time.monotonic() > t_end:
                     raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "the job has not started; retry")
                 c.cv.wait(0.5)
+            if req.fetch:
+                return self._fetch(req.stage, req.round)
             rnd = self._round(req.stage, req.round)
             r = w.replica
             if req.peek:

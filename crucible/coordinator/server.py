@@ -227,8 +227,11 @@ class Coordinator:
 
     def _changed(self, reason: str) -> None:
         """After a membership change: recompute routes, tell everyone, persist."""
-        if self.m.recompute_routes():
+        changed = self.m.recompute_routes()
+        if changed:
             self.outer.poke()
+            for r in changed:     # streams of a replica whose route changed broke for that reason, not a link's
+                self.suspicions.route_changed(r)
             self.metrics.write({"event": "route_change", "epoch": self.epoch, "reason": reason,
                                 "routes": {str(r): v for r, v in self.m.routes.items()},
                                 "states": {str(r.id): r.state for r in self.m.replicas}})
@@ -379,6 +382,8 @@ class Coordinator:
             self.links.observe(w.replica, w.stage, ev)
         if kind == "step" and w.stage == 0:
             rep.step = int(ev.get("step", rep.step)) + 1
+            if isinstance(ev.get("epoch"), int) and self.m.death_bounded(w.replica, rep.step - 1, ev["epoch"]):
+                self.state_file.put(self.m.to_dict())
             rep.loss = ev.get("loss")
             rep.tokens.append((time.time(), int(ev.get("tokens", 0))))
         elif kind == "eval" and w.stage == 0:
@@ -441,6 +446,8 @@ class Coordinator:
                 if change is not None:
                     self._isolation_changed(change, now, timeout)
                 for w in evict:
+                    if self.restart_requested:
+                        break     # every worker was told to restart: their silence is that
                     self._declare_dead(w, f"no heartbeat for {now - w.last_seen:.1f}s")
                 if self.m.isolated:
                     self._probe_silent(now, timeout)
@@ -509,8 +516,8 @@ class Coordinator:
                 refused = e.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (e.details() or "").lower()
             if evidence and not refused:
                 return
-            if self.stopping.is_set():
-                return      # the job is ending: its workers leave because they were told to stop
+            if self.stopping.is_set() or self.restart_requested:
+                return      # the job is ending, or restarting: its workers leave because they were told to
             with self.cv:
                 if self.m.slots.get((replica, stage)) == wid and w.state in ("alive", "joining"):
                     self._declare_dead(w, why, probe_s=time.time() - t0)
@@ -580,6 +587,8 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
 
     coord = Coordinator(cfg, run_dir, token, restore=not (resume or fresh))
     coord.ckpt.prepare(resume)
+    if resume or fresh:
+        coord.outer.forget_abandoned(coord.ckpt.resume_manifest)
     coord.start(bind)
     stop = threading.Event()
     got: list[int] = []

@@ -9,7 +9,9 @@ neighbour that is only slow). One such contradiction is forgiven; the
 replica retries the step on the same route. But a boundary that fails again
 and again never lets its replica commit a step, so after
 ``fault.suspicion_limit`` contradicted suspicions about one boundary within
-``fault.suspicion_window_s`` seconds the coordinator evicts one of its two ends:
+``fault.suspicion_window_s`` seconds, all on one route (a route change of
+the replica tears its streams down for its own reason, and clears the count),
+the coordinator evicts one of its two ends:
 
 * the *inner* one (neither the first nor the last stage of the job): an inner
   stage can be skipped, so the replica trains on at once, routed around the
@@ -57,6 +59,13 @@ class SuspicionBook:
         if inner(reporter) and not inner(suspect):
             return reporter
         return suspect
+
+    def route_changed(self, replica: int) -> None:
+        """The replica's route (or state) changed: its streams were torn down and
+        rebuilt for that reason, so the failures counted so far prove nothing
+        about a link. A broken link fails again and again on one route."""
+        for key in [k for k in self._strikes if k[0] == replica]:
+            del self._strikes[key]
 
     def forget(self, replica: int, stage: int) -> None:
         """A worker of the slot was evicted or replaced: its boundaries start afresh."""

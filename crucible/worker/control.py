@@ -278,16 +278,18 @@ class ControlClient:
     # ---- outer rounds --------------------------------------------------------------------
 
     def outer_exchange(self, stage: int, round_: int, payload: bytes, mode: str, numel: int, step: int,
-                       timeout: float, peek: bool = False) -> pb.OuterReply:
+                       timeout: float, peek: bool = False, fetch: bool = False) -> pb.OuterReply:
         """Contribute to an outer round and wait for it to close. The same request
         is asked again while the round is open (each call waits a bounded time),
         across a coordinator restart too. A refused payload is left out; we then
         abstain to receive the round's result all the same. ``peek``: ask about
-        a round this worker skipped (its result, or ``abandoned``). Raises
+        a round this worker skipped (its result, or ``abandoned``). ``fetch``:
+        read only, the first closed round numbered ``round_`` or later (round
+        -1: none). Raises
         CoordinatorUnreachable when the coordinator has not answered anything
         for heartbeat_timeout."""
         req = pb.OuterRequest(stage=stage, round=round_, payload=payload, mode=mode, numel=numel, step=step,
-                              peek=peek)
+                              peek=peek, fetch=fetch)
         backoff = Backoff()
         t_end = time.monotonic() + timeout
         heard = 0.0

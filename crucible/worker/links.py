@@ -102,14 +102,16 @@ class Links:
             i = list(self.route.stages).index(self.stage)
             return self.route.stages[i - 1] if i > 0 else None
 
-    def healthy_peer(self) -> tuple[int, str] | None:
-        """A training replica that holds this stage: (its id, its worker's address)."""
+    def peers(self) -> list[tuple[int, str]]:
+        """The live workers of this stage in other replicas, (replica id,
+        address): those of training replicas first (their global weights are
+        the newest), then those of paused ones (older weights, which the outer
+        rounds kept since bring up to date)."""
         with self.cv:
             routes = list(self.all_routes)
-        for r in routes:
-            if r.replica != self.replica and r.state == "training" and self.stage in r.stages:
-                return r.replica, r.addresses[list(r.stages).index(self.stage)]
-        return None
+        held = [r for r in routes if r.replica != self.replica and self.stage in r.stages]
+        held.sort(key=lambda r: r.state != "training")
+        return [(r.replica, r.addresses[list(r.stages).index(self.stage)]) for r in held]
 
     def wait_training(self) -> float:
         """Block while the replica is not training (waiting, paused, resuming);

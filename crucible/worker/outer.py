@@ -186,14 +186,43 @@ class OuterState:
             self.nesterov.load_state_dict(sd["nesterov"])
 
 
+def replay_closed(state: OuterState, exchange, replica: int, stage: int, step: int, until: int | None = None,
+                  keep_local: bool = False) -> int:
+    """Apply the outer rounds of ``stage`` closed since ``state.round`` (below
+    ``until``), in order, as the replicas that took part in them did: the
+    coordinator keeps them (``fetch``). A replacement catches its global
+    weights up this way; a stage that joined its route while a round closed
+    without it applies that round before its next one. ``keep_local``: the
+    inner steps trained since are kept (θ_local moves with θ_global); else
+    θ_local ← θ_global. Returns how many were applied; raises RoundGone when
+    some of them are no longer kept, CoordinatorUnreachable."""
+    applied = 0
+    n = state.round
+    while until is None or n < until:
+        reply = exchange(stage, n, b"", state.mode, state.numel, step, timeout=60.0, fetch=True)
+        if reply.round < 0 or (until is not None and reply.round >= until):
+            break
+        if not reply.abandoned:
+            if keep_local:
+                state.late_apply(replica, list(reply.contributors), list(reply.payloads), None)
+            else:
+                state.apply(replica, list(reply.contributors), list(reply.payloads), None)
+            applied += 1
+        n = int(reply.round) + 1
+        with state.lock:
+            state.round = max(state.round, n)
+    return applied
+
+
 class OuterRound:
     """This stage's side of the outer rounds: after every H-th committed step,
     contribute to the round of its stage (``ControlClient.outer_exchange``),
     apply what it closed with, and report it. Round numbers follow from the
     step, so every replica syncs after the same steps; a round this stage
     already has (a replacement that pulled newer global weights) is skipped,
-    and one closed too long ago to replay sends it to a peer for the global
-    weights (``resync``)."""
+    rounds that closed without it while it joined its route are applied late
+    first (``replay_closed``), and one closed too long ago to replay sends it
+    to a peer for the global weights (``resync``)."""
 
     def __init__(self, state: OuterState, cfg, exchange, report, replica: int, stage: int, debug, resync,
                  stop: threading.Event | None = None):
@@ -212,6 +241,20 @@ class OuterRound:
         round_no = (committed_step + 1) // self.cfg.outer.H - 1
         if round_no < state.round:
             return
+        if round_no > state.round:     # rounds that closed while this stage was joining its route
+            try:
+                caught = replay_closed(state, self.exchange, self.replica, self.stage, committed_step,
+                                       until=round_no, keep_local=True)
+            except RoundGone as e:
+                self.resync(f"outer rounds {state.round}..{round_no - 1} are gone ({e})")
+                caught = 0
+            except CoordinatorUnreachable:
+                caught = 0            # (this round's own exchange will find out)
+            if caught:
+                log.info("r%ds%d: %d outer round(s) before round %d closed without this stage: applied late",
+                         self.replica, self.stage, caught, round_no)
+                self.report({"event": "outer_caught_up", "replica": self.replica, "stage": self.stage,
+                             "from_round": round_no - caught, "rounds": caught, "source": "late"})
         state.round = round_no
         t0 = time.perf_counter()
         payload, mine = state.prepare()

@@ -6,13 +6,21 @@ A replacement takes ``θ_global`` from the same stage of a healthy replica
 fresh AdamW, tells the coordinator it is ready, and enters the route at its
 replica's next step boundary.
 
-With no healthy replica, the stage's state comes from the newest committed
-checkpoint that is at least as new as the weights the slot's previous holder
-had (``slot_step``): nothing committed is lost. When every such checkpoint is
-older, loading one would silently discard committed training: the job rolls
-back to its latest checkpoint instead (``stage_lost``: the coordinator
-restarts every worker with ``--resume``), and with no checkpoint at all the
-worker stops with that error.
+The peer may be a paused replica's worker, whose global weights are older;
+with no live copy at all, the stage's state comes from the newest committed
+checkpoint. Either way the replacement then *catches up*: it asks the
+coordinator for every outer round of its stage closed since its weights'
+round (the coordinator keeps the newest rounds on disk) and applies them, as
+every replica did, so its ``θ_global`` is bitwise the one the stage's other
+copies had (``outer_caught_up``; ``e ← 0``, ``θ_local ← θ_global``): losing
+every copy of a stage costs at most the inner steps since its last round, like
+any replacement. Only when that is impossible (no outer rounds: one replica or
+``outer.mode = none``; or the rounds since the copy's round were trimmed away)
+does a checkpoint older than the weights the slot's previous holder had
+(``slot_step``) count as losing committed training: the job then rolls back
+to its latest checkpoint (``stage_lost``: the coordinator restarts every
+worker with ``--resume``), and with no checkpoint at all the worker stops with
+that error.
 
 A stage that fell too far behind the outer rounds to replay them takes the
 global weights from a peer the same way (``resync``).
@@ -34,7 +42,7 @@ from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.slots import slot_name
 from crucible.worker.links import Links
-from crucible.worker.outer import OuterState
+from crucible.worker.outer import OuterState, replay_closed
 
 log = logging.getLogger("crucible.worker")
 
@@ -97,27 +105,67 @@ class Replacement:
     def _from_peer(self, deadline_s: float = 30.0) -> str | None:
         t_end = time.monotonic() + deadline_s
         while time.monotonic() < t_end:
-            self.links.check_stop()
-            peer = self.links.healthy_peer()
-            if peer is None:
+            peers = self.links.peers()
+            if not peers:
                 return None
-            try:
-                self.outer.load_global(*pull_weights(peer[1], self.links.stage, self.outer.numel, self.token,
-                                                     self.max_mb))
-                return slot_name(peer[0], self.links.stage)
-            except (grpc.RpcError, ValueError) as e:
-                log.warning("%s: pulling weights from r%d failed: %s", self.name, peer[0], e)
-                time.sleep(0.2)
+            for replica, address in peers:
+                self.links.check_stop()
+                try:
+                    self.outer.load_global(*pull_weights(address, self.links.stage, self.outer.numel, self.token,
+                                                         self.max_mb))
+                    return slot_name(replica, self.links.stage)
+                except (grpc.RpcError, ValueError) as e:
+                    log.warning("%s: pulling weights from r%d failed: %s", self.name, replica, e)
+            time.sleep(0.2)
         return None
 
+    def catch_up(self, source: str) -> int | None:
+        """Apply every outer round of this stage closed since our weights'
+        round (``replay_closed``); θ_local ← θ_global, e ← 0 after any. Returns
+        how many; None when some of them are gone."""
+        from crucible.worker.control import CoordinatorUnreachable, RoundGone
+
+        state = self.outer
+        if state.mode == "none":
+            return 0
+        first = state.round
+        try:
+            applied = replay_closed(state, self.ctl.outer_exchange, self.links.replica, self.links.stage,
+                                    self.step())
+        except RoundGone as e:
+            log.warning("%s: the outer rounds since round %d (weights from %s) are gone: %s", self.name, first,
+                        source, e)
+            return None
+        except CoordinatorUnreachable as e:   # it takes part in the next round it can reach
+            log.warning("%s: catching up from round %d stopped at %d: %s", self.name, first, state.round, e)
+            applied = state.round - first
+        if applied:
+            with state.lock:
+                if state.e is not None:
+                    state.e.zero_()      # the copy's error feedback belongs to rounds now applied
+            log.info("%s: caught up %d outer round(s) since round %d (weights from %s)", self.name, applied, first,
+                     source)
+            self.ctl.report({"event": "outer_caught_up", "replica": self.links.replica, "stage": self.links.stage,
+                             "from_round": first, "rounds": applied, "source": source})
+        return applied
+
     def join(self, slot_step: int, phases: dict[str, float] | None = None) -> None:
-        """Take the stage's weights (a peer, else a checkpoint), then say ready.
-        ``phases``: when each start-up phase of this process ended (Unix times),
-        reported with ``replacement_ready`` as seconds per phase."""
+        """Take the stage's weights (a peer, else a checkpoint), bring them up to
+        date through the kept outer rounds, then say ready. ``phases``: when
+        each start-up phase of this process ended (Unix times), reported with
+        ``replacement_ready`` as seconds per phase."""
         t0 = time.perf_counter()
         source = self._from_peer()
         if source is None:   # nobody could give this stage: a committed checkpoint, if one is new enough
             source = self.ckpt.restore_for_replacement(min_step=slot_step)
+        if source is None and slot_step > 0 and self.outer.mode != "none":
+            # only older checkpoints: enough when the rounds since them are kept
+            older = self.ckpt.restore_for_replacement(min_step=0)
+            if older is not None and self.catch_up(older) is not None:
+                source = older     # the replacement rule, from these global weights:
+                self.outer.load_global(self.outer.theta_global.clone(), self.outer.round)
+        elif source is not None:
+            self.catch_up(source)
         if source is None and slot_step > 0:
             self._stage_lost(slot_step)
         source = source or "init"

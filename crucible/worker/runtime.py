@@ -184,7 +184,7 @@ class Worker:
         if self.first:
             corpus = Corpus(cfg)
             self.reader = corpus.reader(cfg, self.replica)
-            self.evals = eval_batches(corpus.eval, cfg.train.seq_len, mb, cfg.train.eval_batches)
+            self.evals = eval_batches(corpus.held_out(cfg.train.eval_split), cfg.train.seq_len, mb, cfg.train.eval_batches)
 
     def _wire(self) -> None:
         """Connect the parts, once the worker is registered."""
