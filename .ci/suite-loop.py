@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,18 +28,24 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--times", type=int, default=3)
     ap.add_argument("--stress", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--log-dir", help="where each run's whole output goes (default: a new temporary directory)")
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="suite-loop-")
+    os.makedirs(log_dir, exist_ok=True)
     runs = []
     with cpu_hogs(args.stress, max_seconds=args.times * 3600):
         for i in range(args.times):
             t0 = time.monotonic()
             proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *args.pytest_args],
                                   cwd=ROOT, capture_output=True, text=True)
+            log = os.path.join(log_dir, f"run{i + 1}.log")
+            with open(log, "w") as f:
+                f.write(proc.stdout + proc.stderr)
             tail = [line for line in proc.stdout.splitlines() if line.strip()][-15:]
             failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
             run = {"run": i + 1, "exit": proc.returncode, "seconds": round(time.monotonic() - t0, 1),
-                   "summary": tail[-1] if tail else "", "failed": failed}
+                   "summary": tail[-1] if tail else "", "failed": failed, "log": log}
             runs.append(run)
             print(json.dumps(run), flush=True)
     bad = [r for r in runs if r["exit"] != 0]

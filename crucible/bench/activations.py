@@ -5,44 +5,62 @@ both directions of every stage boundary (``compress.forward`` =
 ``compress.backward``), on the default model (``Config`` defaults) with
 1 replica x 4 stages:
 
-1. **Held-out loss.** First ``none`` trains with the default schedule length
-   (``train.steps`` = 300) and evaluates every ``EVAL_EVERY`` steps until its
-   held-out loss is <= ``LOSS_TARGET`` (2.5): the first such eval step is ``K``.
-   The learning rate is cosine over ``train.steps``, so every codec (``none``
-   included) then trains a fresh run of ``train.steps = K`` (one shared
-   schedule) and is evaluated once, at step K. Training is deterministic, so
-   the difference to ``none`` is the codec's, not noise.
-2. **Wire bytes per step**, from the same K-step runs: each stage's
-   ``bytes_out`` / ``raw_bytes_out`` (and ``_in``) in the ``step`` /
+1. **Held-out loss.** First ``none`` trains at seed ``SEARCH_SEED`` with the
+   default schedule length (``train.steps`` = 300), evaluated every
+   ``EVAL_EVERY`` steps on the *validation* half of the held-out tail
+   (``train.eval_split=validation``), until its loss is <= ``LOSS_TARGET``
+   (2.5): the first such eval step is ``K``. The learning rate is cosine over
+   ``train.steps``, so every row (``none`` included) then trains fresh runs of
+   ``train.steps = K`` (one shared schedule), one at each seed of ``SEEDS``
+   (a seed sets the initial weights, the data order, the subspace basis and
+   the token shift; the same seed gives every row the same ones), each
+   evaluated once, at step K, on the *test* half (``train.eval_split=test``):
+   other windows than those K was chosen on. A row's loss is the mean, sd and
+   95 % confidence half-width over the seeds (``common.seeds_summary``); its
+   cost is its loss against ``none``'s seed by seed (``common.paired_gap``:
+   the mean relative difference and its 95 % half-width).
+2. **Wire bytes per step**, from each row's run at the first seed: each
+   stage's ``bytes_out`` / ``raw_bytes_out`` (and ``_in``) in the ``step`` /
    ``stage_step`` events, turned into bytes per boundary and direction along
    the chain (boundary b: stage b -> b+1). Forward frames also carry token
    ids: the targets and, for the subspace model with its token shift, the
    input ids (uint8 on the wire, ``batch_size * seq_len`` bytes each per
    boundary per step; counted raw as int64), which no codec compresses; they
    are subtracted to give the codec's ratio on activations + gradients
-   (headers, steps and scales included), and reported with the ids too.
-3. **Step time at ``net.link_mbps = 100``**: short runs per codec, after all
-   the loss runs and back to back, in two rounds (alternating order); the
-   median commit-to-commit time after a warmup, the faster round kept. Other
-   load on the machine only slows a run down; the loadavg of each run is kept.
+   (headers, steps and scales included), and reported with the ids too. The
+   ratio of every seed's run is kept next to it (``ratio_by_seed``): only
+   zstd's output size depends on the seed, by little.
+3. **Step time at ``net.link_mbps = 100``**: after all the loss runs,
+   ``LINK_REPEATS`` rounds of short runs; each round runs every codec row
+   once, round i in the order of the rows rotated by i (so drifting load hits
+   every row alike). Each run gives the median commit-to-commit time after a
+   warmup; a row reports the median over its runs and their spread
+   (``common.spread``: max / min - 1), with each run and its load average.
 4. **Codec API**, in a child process with one thread: encode / decode
    throughput (MB/s of raw float32) and ratio on a real ``[4, 128, 128]``
    boundary tensor (the default model at initialisation, one microbatch of the
    corpus through the 4 stages; activations and their gradients at each
-   boundary).
+   boundary): the median of ``API_ROUNDS`` timings, interleaved over the
+   codecs the same way, with their spread.
 
 ``subspace`` needs a model that keeps its residual stream in a rank-r subspace
 (``model.subspace_rank = r``; the codec takes its rank from there). It is run
 for each rank in ``SUBSPACE_RANKS``, and each constrained model is also run
-with ``none``, so the model's cost (constrained ``none`` vs ``none``) and the
-codec's (``subspace`` vs constrained ``none``) are reported apart. A reference
-row (``none`` with another seed) shows how far two codec-free runs land apart at
-K: early training is chaotic, so a codec's loss difference is only meaningful
-against that scale.
+with ``none`` (at every seed), so the model's cost (constrained ``none`` vs
+``none``) and the codec's (``subspace`` vs constrained ``none``, seed by seed)
+are reported apart.
 
-``--quick``: a tiny model, 1 x 2 stages, a few steps per codec, one run per
-codec at 100 Mbps (two at a time), no model-only or reference rows: a smoke
-test, its numbers mean nothing.
+Targets (``TARGETS``): a candidate row needs the ratio (a measurement without
+noise to speak of) and a loss within the bound; the loss part's verdict is
+``common.verdict(mean paired difference vs none, bound, its 95 % half-width)``:
+"met" at or under the bound, "within noise" over it by less than the
+half-width, else "missed". A candidate short of the ratio is "missed". A
+target takes the best verdict among its candidates.
+
+``--quick``: a tiny model, 1 x 2 stages, K fixed at a few steps, two seeds,
+every run throttled to 100 Mbps and run two at a time, the step time from the
+first seed's run (one repeat), no model-only rows: a smoke test, its numbers
+mean nothing.
 
 Every launch runs in its own process group (its own session) with a bounded
 wait, and the whole group is killed at the end (``common.Launch``).
@@ -52,9 +70,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,12 +85,15 @@ FAMILIES = ("none", "bf16", "int8", "int4", "subspace")
 SUBSPACE_RANKS = (12, 15)
 LOSS_TARGET = 2.5
 SEARCH_STEPS = 300          # Config default train.steps
+SEARCH_SEED = 1337          # Config default train.seed
+SEEDS = (1337, 1338, 1339)
 EVAL_EVERY = 10
 EVAL_BATCHES = 16           # 16 x 4 sequences x 128 tokens of held-out text
 LINK_MBPS = 100.0
 LINK_STEPS, LINK_WARMUP = 20, 5
-LINK_ROUNDS = 2
+LINK_REPEATS = 5
 API_SHAPE = (4, 128, 128)
+API_ROUNDS = 5
 
 # fault.heartbeat_timeout_s: only failure detection; a long one keeps a loaded 2-core machine from declaring a
 # starved worker dead (which would skip its stage and change what is trained).
@@ -84,6 +105,9 @@ QUICK_MODEL = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "train.s
                "fault.heartbeat_timeout_s=10"]   # runs share 2 cores at once: no false deaths
 QUICK_RANKS = (2,)
 QUICK_STEPS = 3
+QUICK_SEEDS = (1337, 1338)
+QUICK_LINK_REPEATS = 1
+QUICK_LAUNCH_TIMEOUT_S = 120.0   # ~15 s idle; a loaded 2-core machine takes a minute to start the workers
 
 # (name, which rows compete, minimum ratio, maximum relative loss increase vs none)
 TARGETS = (
@@ -91,30 +115,46 @@ TARGETS = (
     ("some codec: >= 7x, within 2%", ("bf16", "int8", "int4", "subspace"), 7.0, 0.02),
     ("subspace: >= 16x, within 3%", ("subspace",), 16.0, 0.03),
 )
+VERDICTS = ("met", "within noise", "missed")     # best first
 
 DEFINITIONS = {
     "ratio": "raw float32 bytes / bytes on the wire of the boundary tensors (activations forward, their "
              "gradients backward), codec headers, steps and scales included, summed over the 3 boundaries "
              "and both directions, per step; from the workers' bytes_out/raw_bytes_out counters with the "
-             "token ids (targets; with the subspace model's token shift the input ids too) subtracted",
+             "token ids (targets; with the subspace model's token shift the input ids too) subtracted; from "
+             "the row's run at the first seed (wire.ratio_by_seed: the same from every seed's run; the seed "
+             "moves only zstd's output size, by little)",
     "ratio_with_targets": "the same with the token ids that ride along every forward frame counted: "
                           "raw as int64, on the wire as sent (uint8 for the 256-token vocabulary)",
-    "heldout_loss": f"mean cross-entropy (nats/byte) on {EVAL_BATCHES} fixed held-out batches at step K",
-    "loss_rel_vs_none": "(loss - loss_none) / loss_none, loss_none from the unconstrained default model "
-                        "with codec none, same K and schedule; negative = better than none",
-    "loss_rel_vs_model_none": "subspace rows: against the same subspace-constrained model with codec none "
-                              "(the codec's own cost); model rows: the constraint's cost vs none",
-    "K": f"the first eval step (every {EVAL_EVERY}) at which none's held-out loss is <= {LOSS_TARGET} in a run "
-         f"of train.steps={SEARCH_STEPS}; all compared runs then use train.steps=K",
-    "step_s_100mbps": f"median wall time per committed step (commit to commit, stamped by stage 0) over "
-                      f"steps {LINK_WARMUP}..{LINK_STEPS - 1} of a run with net.link_mbps={LINK_MBPS:g}; "
-                      f"{LINK_ROUNDS} such runs per row, back to back after all loss runs, in alternating "
-                      f"order; the fastest (link_runs: every run, with its mean and the load average)",
+    "K": f"the first eval step (every {EVAL_EVERY}) at which none's loss on the validation half of the "
+         f"held-out tail (train.eval_split=validation) is <= {LOSS_TARGET} in a run of "
+         f"train.steps={SEARCH_STEPS} at seed {SEARCH_SEED}; all compared runs then use train.steps=K",
+    "seeds": "every loss row trains at each of these seeds (train.seed: initial weights, data order, subspace "
+             "basis and token shift; the same for every row at one seed)",
+    "loss": f"held-out loss: mean cross-entropy (nats/byte) on {EVAL_BATCHES} fixed batches of the test half of "
+            "the held-out tail (train.eval_split=test; disjoint from the validation half K is chosen on) at step "
+            "K; n, values (one per seed that finished), mean, sd (sample) and ci95_halfwidth (Student t) over "
+            "the seeds",
+    "rel_vs_none": "per seed (loss - loss_none) / loss_none, loss_none from the unconstrained default model with "
+                   "codec none at the same seed, K and schedule; mean, sd and ci95_halfwidth over the seeds, and "
+                   "difference: 'within noise' when the 95% interval holds 0, else 'higher' or 'lower'; negative "
+                   "= better than none. Model-only rows: the constraint's cost",
+    "rel_vs_model_none": "subspace rows: the same, against the same subspace-constrained model with codec none "
+                         "(the codec's own cost)",
+    "verdict": "per target candidate: 'missed' when its ratio is under the target's; else "
+               "common.verdict(rel_vs_none mean, the target's bound, rel_vs_none ci95_halfwidth): 'met' when the "
+               "mean is <= the bound, 'within noise' when it is over by less than the half-width, else "
+               "'missed'. A target's verdict is its candidates' best (met > within noise > missed); pass = "
+               "(verdict == 'met'); None when no candidate was measured",
+    "step_s_100mbps": f"median over {LINK_REPEATS} runs of net.link_mbps={LINK_MBPS:g} of each run's median wall "
+                      f"time per committed step (commit to commit, stamped by stage 0) over steps "
+                      f"{LINK_WARMUP}..{LINK_STEPS - 1}; the runs after all loss runs, in {LINK_REPEATS} rounds "
+                      f"of every codec row once, round i in the row order rotated by i; step_s_100mbps_spread: "
+                      f"max / min - 1 over the runs (link_runs: every run with its load average)",
     "encode_MBps / decode_MBps": "raw float32 MB (10^6 bytes) per second through codec.encode / codec.decode "
                                  f"of one real {list(API_SHAPE)} boundary tensor, 1 thread, in a child process; "
-                                 "the best of 5 timing rounds",
-    "none_seed1338": "reference row: none with train.seed=1338 (another init and data order): how much two "
-                     "codec-free runs differ at K, the scale against which the codecs' loss differences are read",
+                                 f"the median of {API_ROUNDS} timing rounds, each round timing every codec once "
+                                 "(interleaved, rotated order); *_spread: max / min - 1 over the rounds",
     "incidents": "faults (a worker declared dead) and aborted-and-retried steps seen in a run; a run with a "
                  "fault is run again, aborted steps are left out of the byte counts",
     "link_s_per_step_per_boundary": f"bytes crossing one boundary per step in each direction (targets "
@@ -124,11 +164,7 @@ DEFINITIONS = {
 }
 
 
-# ---------------------------------------------------------------------------
-# the rows: one (model, codec) pair each
-
-
-def _rows(ranks, reference: bool = True, model_rows: bool = True) -> list[dict]:
+def _rows(ranks, model_rows: bool = True) -> list[dict]:
     rows = [{"name": f, "codec": f, "spec": f, "model_subspace_rank": 0} for f in FAMILIES if f != "subspace"]
     for r in ranks:
         rows.append({"name": f"subspace_r{r}", "codec": "subspace", "spec": "subspace",
@@ -136,9 +172,6 @@ def _rows(ranks, reference: bool = True, model_rows: bool = True) -> list[dict]:
     for r in ranks if model_rows else ():
         rows.append({"name": f"none_model_r{r}", "codec": "none", "spec": "none", "model_subspace_rank": r,
                      "model_only": True})
-    if reference:   # how far two codec-free runs differ at K when only the seed differs: the noise scale
-        rows.append({"name": "none_seed1338", "codec": "none", "spec": "none", "model_subspace_rank": 0,
-                     "reference": True, "extra": ["train.seed=1338"]})
     return rows
 
 
@@ -146,7 +179,7 @@ def _overrides(row: dict) -> list[str]:
     out = [f"compress.forward={row['spec']}", f"compress.backward={row['spec']}"]
     if row["model_subspace_rank"]:
         out.append(f"model.subspace_rank={row['model_subspace_rank']}")
-    return out + list(row.get("extra", ()))
+    return out
 
 
 def _id_tensors(row: dict) -> int:
@@ -351,11 +384,13 @@ def find_k(workdir: str, stages: int, base: list[str]) -> dict:
         return None
 
     info = _launch_retry(workdir, "search_none", stages, SEARCH_STEPS,
-                   base + [f"train.eval_every={EVAL_EVERY}"] + _overrides({"spec": "none", "model_subspace_rank": 0}),
-                   stop_when=reached)
+                         base + [f"train.eval_every={EVAL_EVERY}", "train.eval_split=validation",
+                                 f"train.seed={SEARCH_SEED}"] + _overrides({"spec": "none", "model_subspace_rank": 0}),
+                         stop_when=reached)
     evals = _evals(info["events"])
     k = info["stop_value"] or reached(info["events"])
     out = {"train_steps": SEARCH_STEPS, "eval_every": EVAL_EVERY, "loss_target": LOSS_TARGET,
+           "seed": SEARCH_SEED, "split": "validation",
            "evals": [[s, l] for s, l in evals], "K": k, "wall_s": info.get("wall_s_total")}
     if k is None:
         out["note"] = f"none never reached {LOSS_TARGET} in {SEARCH_STEPS} steps; K = {SEARCH_STEPS}"
@@ -370,26 +405,38 @@ def find_k(workdir: str, stages: int, base: list[str]) -> dict:
     return out
 
 
-def loss_run(workdir: str, row: dict, stages: int, steps: int, base: list[str], batch_size: int,
+def _loss_overrides(row: dict, seed: int, steps: int) -> list[str]:
+    """One evaluation, at the last step, on the test half of the held-out tail, at `seed`."""
+    return [f"train.eval_every={steps}", "train.eval_split=test", f"train.seed={seed}"] + _overrides(row)
+
+
+def loss_run(workdir: str, row: dict, seed: int, stages: int, steps: int, base: list[str], batch_size: int,
              seq_len: int) -> dict:
-    info = _launch_retry(workdir, f"loss_{row['name']}", stages, steps,
-                   base + [f"train.eval_every={steps}"] + _overrides(row))
+    info = _launch_retry(workdir, f"loss_{row['name']}_seed{seed}", stages, steps,
+                         base + _loss_overrides(row, seed, steps))
+    return _loss_result(info, row, seed, stages, steps, batch_size, seq_len)
+
+
+def _loss_result(info: dict, row: dict, seed: int, stages: int, steps: int, batch_size: int,
+                 seq_len: int) -> dict:
+    """One loss run's figures: the held-out loss at step `steps`, the training loss, the wire bytes."""
     ev = info["events"]
     evals = _evals(ev)
     step_ev = sorted((e for e in ev if e.get("event") == "step" and e.get("replica") == 0),
                      key=lambda e: e["step"])
-    out = {"steps": steps, "heldout_loss": evals[-1][1] if evals and evals[-1][0] == steps else None,
+    out = {"seed": seed, "steps": steps,
+           "heldout_loss": evals[-1][1] if evals and evals[-1][0] == steps else None,
            "train_loss_last": float(step_ev[-1]["loss"]) if step_ev else None,
            "train_loss_first": float(step_ev[0]["loss"]) if step_ev else None,
-           "wall_s": info.get("wall_s_total")}
-    out["wire"] = wire_bytes(ev, stages, batch_size, seq_len, id_tensors=_id_tensors(row))
-    out["incidents"] = info["incidents"]
+           "wall_s": info.get("wall_s_total"),
+           "wire": wire_bytes(ev, stages, batch_size, seq_len, id_tensors=_id_tensors(row)),
+           "incidents": _incidents(ev)}
     if info.get("retried"):
         out["retried"] = info["retried"]
     if info.get("error"):
         out["error"] = info["error"]
     elif out["heldout_loss"] is None:
-        out["error"] = f"{row['name']}: no held-out loss at step {steps}"
+        out["error"] = f"{row['name']} seed {seed}: no held-out loss at step {steps}"
     return out
 
 
@@ -464,22 +511,9 @@ def codec_api_main(ranks: list[int], budget_s: float) -> int:
         shift = stages[0].shift[x] if getattr(stages[0], "shift", None) is not None else None
         return cfg, acts, grads, shift
 
-    def timed(fn, budget):
-        """Seconds per call: the best of 5 rounds of ~budget/5 each (robust to other load)."""
-        fn()
-        best = math.inf
-        for _ in range(5):
-            n, t0 = 0, time.perf_counter()
-            while True:
-                fn()
-                n += 1
-                dt = time.perf_counter() - t0
-                if dt >= budget / 5 and n >= 2:
-                    break
-            best = min(best, dt / n)
-        return best
+    timers: dict[tuple[str, str], tuple] = {}     # (row, figure) -> (function, seconds it is timed for)
 
-    def measure(codec, acts, grads, shift=None) -> dict:
+    def measure(name: str, codec, acts, grads, shift=None) -> dict:
         row = {"spec": codec.spec}
         for what, ts in (("activations", acts), ("gradients", grads)):
             ratios, errs = [], []
@@ -492,29 +526,50 @@ def codec_api_main(ranks: list[int], budget_s: float) -> int:
                 errs.append(float(torch.linalg.vector_norm(back - t) / torch.linalg.vector_norm(t)))
             row[what] = {"ratio_per_boundary": ratios, "ratio": sum(ratios) / len(ratios),
                          "rel_error_per_boundary": errs}
-        t = acts[0]
+        t, g = acts[0], grads[0]
         assert tuple(t.shape) == API_SHAPE, t.shape
-        payload = codec.encode(t)
-        raw = t.numel() * 4
-        enc = timed(lambda: codec.encode(t), budget_s)
-        dec = timed(lambda: codec.decode(payload, API_SHAPE), budget_s)
-        row.update(shape=list(API_SHAPE), raw_nbytes=raw, wire_nbytes=len(payload),
-                   encode_MBps=raw / enc / 1e6, decode_MBps=raw / dec / 1e6)
-        g = grads[0]
-        gp = codec.encode(g)
-        row["gradient_encode_MBps"] = raw / timed(lambda: codec.encode(g), budget_s / 2) / 1e6
-        row["gradient_decode_MBps"] = raw / timed(lambda: codec.decode(gp, API_SHAPE), budget_s / 2) / 1e6
+        payload, gp = codec.encode(t), codec.encode(g)
+        row.update(shape=list(API_SHAPE), raw_nbytes=t.numel() * 4, wire_nbytes=len(payload))
+        timers[(name, "encode")] = (lambda: codec.encode(t), budget_s)
+        timers[(name, "decode")] = (lambda: codec.decode(payload, API_SHAPE), budget_s)
+        timers[(name, "gradient_encode")] = (lambda: codec.encode(g), budget_s / 2)
+        timers[(name, "gradient_decode")] = (lambda: codec.decode(gp, API_SHAPE), budget_s / 2)
         return row
 
+    def timed_rounds() -> dict[tuple[str, str], list[float]]:
+        """Seconds per call of every timer in each of API_ROUNDS rounds; a round times every timer
+        once (~its seconds / API_ROUNDS), round i in the order rotated by i."""
+        for fn, _ in timers.values():
+            fn()                                    # warm up
+        out: dict[tuple[str, str], list[float]] = {k: [] for k in timers}
+        for rnd in range(API_ROUNDS):
+            for key in common.rotated(list(timers), rnd):
+                fn, seconds = timers[key]
+                n, t0 = 0, time.perf_counter()
+                while True:
+                    fn()
+                    n += 1
+                    dt = time.perf_counter() - t0
+                    if dt >= seconds / API_ROUNDS and n >= 2:
+                        break
+                out[key].append(dt / n)
+        return out
+
     result = {"threads": torch.get_num_threads(), "model": "default model at initialisation, microbatch 0 of "
-              "step 0 through 4 stages; boundary tensors [4, 128, 128]", "codecs": {}}
+              "step 0 through 4 stages; boundary tensors [4, 128, 128]", "rounds": API_ROUNDS, "codecs": {}}
     cfg, acts, grads, _ = tensors(0)
     for spec in ("none", "bf16", "int8", "int4"):
-        result["codecs"][spec] = measure(make_codec(spec, cfg.model.d_model, seed=cfg.train.seed), acts, grads)
+        result["codecs"][spec] = measure(spec, make_codec(spec, cfg.model.d_model, seed=cfg.train.seed),
+                                         acts, grads)
     for r in ranks:
         cfg, acts, grads, shift = tensors(r)
         codec = make_codec(f"subspace:rank={r}", cfg.model.d_model, seed=cfg.train.seed)
-        result["codecs"][f"subspace_r{r}"] = measure(codec, acts, grads, shift)
+        result["codecs"][f"subspace_r{r}"] = measure(f"subspace_r{r}", codec, acts, grads, shift)
+    for (name, what), secs in timed_rounds().items():
+        row = result["codecs"][name]
+        rates = [row["raw_nbytes"] / x / 1e6 for x in secs]
+        row[f"{what}_MBps"] = statistics.median(rates)
+        row[f"{what}_MBps_spread"] = common.spread(rates)
     print(json.dumps(common.round_floats(result)), flush=True)
     return 0
 
@@ -542,48 +597,139 @@ def run_codec_api(ranks, budget_s: float) -> dict:
 
 
 def _targets(rows: list[dict], quick: bool) -> list[dict]:
+    """Each target's verdict (see DEFINITIONS["verdict"]) and its candidates'."""
     out = []
     for name, families, min_ratio, max_rel in TARGETS:
         cands = []
         for r in rows:
-            if r.get("model_only") or r.get("reference") or r["codec"] not in families:
+            if r.get("model_only") or r["codec"] not in families:
                 continue
             ratio = (r.get("wire") or {}).get("ratio")
-            rel = (r.get("loss") or {}).get("rel_vs_none")
-            if ratio is None or rel is None:
+            gap = r.get("rel_vs_none") or {}
+            if ratio is None or gap.get("mean") is None:
                 continue
-            ok = ratio >= min_ratio and rel <= max_rel
-            cands.append({"row": r["name"], "ratio": ratio, "loss_rel_vs_none": rel, "pass": ok,
+            loss_verdict = common.verdict(gap["mean"], max_rel, gap["ci95_halfwidth"])
+            v = loss_verdict if ratio >= min_ratio else "missed"
+            cands.append({"row": r["name"], "ratio": ratio, "loss_rel_vs_none": gap["mean"],
+                          "loss_rel_ci95_halfwidth": gap["ci95_halfwidth"], "seeds": gap["n"],
+                          "loss_verdict": loss_verdict, "verdict": v, "pass": v == "met",
                           "ratio_short_by": max(0.0, min_ratio - ratio),
-                          "loss_over_by": max(0.0, rel - max_rel)})
-        passing = [c for c in cands if c["pass"]]
-        if passing:
-            best = max(passing, key=lambda c: c["ratio"])
+                          "loss_over_by": max(0.0, gap["mean"] - max_rel)})
+        verdict = min((c["verdict"] for c in cands), key=VERDICTS.index, default=None)
+        best = None
+        if verdict == "met":
+            best = max((c for c in cands if c["pass"]), key=lambda c: c["ratio"])
         elif cands:   # the closest miss: smallest shortfall, normalised by each bound
-            best = min(cands, key=lambda c: c["ratio_short_by"] / min_ratio + c["loss_over_by"] / max_rel)
-        else:
-            best = None
-        out.append({"target": name, "min_ratio": min_ratio, "max_loss_rel": max_rel,
-                    "pass": bool(passing), "best": best, "candidates": cands,
+            best = min((c for c in cands if c["verdict"] == verdict),
+                       key=lambda c: c["ratio_short_by"] / min_ratio + c["loss_over_by"] / max_rel)
+        out.append({"target": name, "min_ratio": min_ratio, "max_loss_rel": max_rel, "verdict": verdict,
+                    "pass": verdict == "met", "best": best, "candidates": cands,
                     **({"note": "--quick: not meaningful"} if quick else {})})
     return out
 
 
-def _recommend(rows: list[dict]) -> dict:
-    sub = [r for r in rows if r["codec"] == "subspace" and not r.get("model_only")
-           and (r.get("wire") or {}).get("ratio") and (r.get("loss") or {}).get("rel_vs_none") is not None]
-    if not sub:
+def _recommend(rows: list[dict], targets: list[dict]) -> dict:
+    """The subspace rank to use, from the subspace target's candidates."""
+    name, _, min_ratio, max_rel = TARGETS[-1]
+    cands = next(t for t in targets if t["target"] == name)["candidates"]
+    if not cands:
         return {}
-    ok = [r for r in sub if r["wire"]["ratio"] >= 16.0 and r["loss"]["rel_vs_none"] <= 0.03]
-    if ok:
-        pick = max(ok, key=lambda r: r["wire"]["ratio"])
-        why = "the most compression among ranks that meet >= 16x within 3% of none"
+    met = [c for c in cands if c["pass"]]
+    if met:
+        pick = max(met, key=lambda c: c["ratio"])
+        why = f"the most compression among ranks that meet >= {min_ratio:g}x within {max_rel:.0%}"
     else:
-        big = [r for r in sub if r["wire"]["ratio"] >= 16.0] or sub
-        pick = min(big, key=lambda r: r["loss"]["rel_vs_none"])
-        why = "no rank meets >= 16x within 3%; the lowest loss among ranks with >= 16x"
-    return {"subspace_rank": pick["model_subspace_rank"], "row": pick["name"], "ratio": pick["wire"]["ratio"],
-            "loss_rel_vs_none": pick["loss"]["rel_vs_none"], "why": why}
+        pick = min([c for c in cands if c["ratio"] >= min_ratio] or cands, key=lambda c: c["loss_rel_vs_none"])
+        why = (f"no rank meets >= {min_ratio:g}x within {max_rel:.0%}; the lowest mean loss among ranks with "
+               f">= {min_ratio:g}x")
+    rank = next(r["model_subspace_rank"] for r in rows if r["name"] == pick["row"])
+    return {"subspace_rank": rank, "row": pick["row"], "ratio": pick["ratio"], "verdict": pick["verdict"],
+            "loss_rel_vs_none": pick["loss_rel_vs_none"], "why": why}
+
+
+def _by_seed(row: dict) -> dict[int, float]:
+    """The row's held-out loss at each seed whose run finished."""
+    return {x["seed"]: x["heldout_loss"] for x in row.get("runs", []) if x.get("heldout_loss") is not None}
+
+
+def _paired(row: dict, ref: dict) -> dict | None:
+    """`row`'s loss against `ref`'s, seed by seed, over the seeds at which both finished."""
+    a, b = _by_seed(row), _by_seed(ref)
+    both = [s for s in a if s in b]
+    if not both:
+        return None
+    return {"seeds": both, **common.paired_gap([a[s] for s in both], [b[s] for s in both])}
+
+
+def _finish_row(r: dict, by_name: dict, api: dict) -> None:
+    """A row's figures from its runs: loss over the seeds, against none, bytes, step time, codec API."""
+    losses = _by_seed(r)
+    r["loss"] = {"seeds": list(losses), **common.seeds_summary(list(losses.values()))}
+    r["rel_vs_none"] = _paired(r, by_name["none"]) if r["name"] != "none" else None
+    model_none = by_name.get(f"none_model_r{r['model_subspace_rank']}")
+    if r["codec"] == "subspace" and model_none:
+        r["rel_vs_model_none"] = _paired(r, model_none)
+    # the bytes of the first seed's run; every run keeps its ratio and chain check
+    wires = []
+    for x in r.get("runs", []):
+        wires.append(x.pop("wire"))
+        x["wire_ratio"], x["chain_mismatch_bytes"] = wires[-1].get("ratio"), wires[-1].get("chain_mismatch_bytes")
+    r["wire"] = w = dict(wires[0]) if wires else {"error": "no run"}
+    w["seed"] = r["runs"][0]["seed"] if wires else None
+    w["ratio_by_seed"] = [x.get("ratio") for x in wires]
+    if w.get("boundaries"):
+        rate, nb = LINK_MBPS * 1e6 / 8, w["boundaries"]
+        w["link_s_per_step_per_boundary"] = {
+            "forward": (w["forward_bytes_per_step"] + w["targets_bytes_per_step"]) / nb / rate,
+            "backward": w["backward_bytes_per_step"] / nb / rate}
+    if not r.get("model_only"):
+        times = [lk["step_s"] for lk in r.get("link_runs", []) if lk.get("step_s")]
+        r["step_s_100mbps"] = statistics.median(times) if times else None
+        r["step_s_100mbps_spread"] = common.spread(times)
+        r["step_s_100mbps_n"] = len(times)
+        a = api.get("codecs", {}).get(r["name"])
+        if a:
+            r["codec_api"] = {"ratio_activations": a["activations"]["ratio"],
+                              "ratio_gradients": a["gradients"]["ratio"],
+                              "encode_MBps": a["encode_MBps"], "decode_MBps": a["decode_MBps"],
+                              "encode_MBps_spread": a["encode_MBps_spread"],
+                              "decode_MBps_spread": a["decode_MBps_spread"],
+                              "rel_error_activations": a["activations"]["rel_error_per_boundary"],
+                              "rel_error_gradients": a["gradients"]["rel_error_per_boundary"]}
+
+
+def _table_row(r: dict) -> dict:
+    rel, mrel, api = r.get("rel_vs_none") or {}, r.get("rel_vs_model_none") or {}, r.get("codec_api") or {}
+    return {"row": r["name"], "codec": r["codec"], "model_subspace_rank": r["model_subspace_rank"],
+            "model_only": bool(r.get("model_only")),
+            "ratio": r["wire"].get("ratio"), "ratio_with_targets": r["wire"].get("ratio_with_targets"),
+            "encode_MBps": api.get("encode_MBps"), "decode_MBps": api.get("decode_MBps"),
+            "step_s_100mbps": r.get("step_s_100mbps"), "step_s_100mbps_spread": r.get("step_s_100mbps_spread"),
+            "step_s_100mbps_n": r.get("step_s_100mbps_n"),
+            "seeds": r["loss"]["n"], "heldout_loss": r["loss"]["mean"], "heldout_loss_sd": r["loss"]["sd"],
+            "loss_rel_vs_none": rel.get("mean"), "loss_rel_vs_none_ci95": rel.get("ci95_halfwidth"),
+            "loss_vs_none": rel.get("difference"),
+            "loss_rel_vs_model_none": mrel.get("mean"), "loss_rel_vs_model_none_ci95": mrel.get("ci95_halfwidth"),
+            "loss_vs_model_none": mrel.get("difference")}
+
+
+def _assemble(result: dict, rows: list[dict], api: dict) -> None:
+    """Every row's figures from its runs, the table, the targets' verdicts, the summary."""
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        _finish_row(r, by_name, api)
+    result["codecs"] = rows
+    result["table"] = [_table_row(r) for r in rows]
+    result["targets"] = _targets(rows, result["quick"])
+    result["summary"] = {"K": result["K"], "seeds": result["setup"]["seeds"], "split": "test",
+                         "none_loss": by_name["none"]["loss"],
+                         "verdicts": {t["target"]: t["verdict"] for t in result["targets"]}}
+    result["recommendation"] = _recommend(rows, result["targets"])
+
+
+def _errors(result: dict, rows: list[dict]) -> list[str]:
+    errors = [result["search"]["error"]] if result.get("search", {}).get("error") else []
+    return errors + [x["error"] for r in rows for x in r.get("runs", []) + r.get("link_runs", []) if x.get("error")]
 
 
 def main(args) -> int:
@@ -591,11 +737,13 @@ def main(args) -> int:
 
     quick = bool(getattr(args, "quick", False))
     ranks = QUICK_RANKS if quick else SUBSPACE_RANKS
+    seeds = QUICK_SEEDS if quick else SEEDS
+    repeats = QUICK_LINK_REPEATS if quick else LINK_REPEATS
     stages = 2 if quick else 4
     base = list(QUICK_MODEL) if quick else list(BASE)
     cfg = Config.load(None, ["job.replicas=1", f"job.stages={stages}"] + base)
     B, T = cfg.train.batch_size, cfg.train.seq_len
-    rows = _rows(ranks, reference=not quick, model_rows=not quick)
+    rows = _rows(ranks, model_rows=not quick)
     result: dict = {
         "bench": "activations",
         "quick": quick,
@@ -604,8 +752,13 @@ def main(args) -> int:
                   "model": {"n_layer": cfg.model.n_layer, "d_model": cfg.model.d_model, "n_head": cfg.model.n_head,
                             "seq_len": T, "batch_size": B, "microbatches": cfg.train.microbatches},
                   "subspace_ranks": list(ranks), "base_overrides": base, "link_mbps": LINK_MBPS,
+                  "search_seed": SEARCH_SEED, "seeds": list(seeds),
+                  "eval_split": {"search": "validation", "reported": "test"}, "eval_batches": cfg.train.eval_batches,
+                  "link_repeats": repeats, "link_steps": QUICK_STEPS if quick else LINK_STEPS,
+                  "link_warmup": 1 if quick else LINK_WARMUP,
                   "command": "crucible launch --replicas 1 --stages {S} --steps {N} --run-dir D --respawn-delay -1 "
-                             + " ".join(base) + " train.eval_every={E} compress.forward={C} compress.backward={C} "
+                             + " ".join(base) + " train.eval_every={E} train.eval_split={validation|test} "
+                             "train.seed={seed} compress.forward={C} compress.backward={C} "
                              "[model.subspace_rank={r}] [net.link_mbps=100 train.eval_every=0]",
                   "bench_command": "crucible bench activations --json" + (" --quick" if quick else ""),
                   "link_caveat": "net.link_mbps throttles only FORWARD/EVAL frames (the client side of each "
@@ -626,57 +779,38 @@ def main(args) -> int:
             K = result["search"]["K"]
             progress(f"K = {K} (evals {result['search']['evals']})")
         result["K"] = K
-        if quick:   # one concurrent run per row: loss, bytes and step time at 100 Mbps together
-            infos = _launch_all(workdir, [(f"quick_{row['name']}", stages, K,
-                                           base + [f"train.eval_every={K}", f"net.link_mbps={LINK_MBPS:g}"]
-                                           + _overrides(row)) for row in rows], timeout=45.0)
-        for i, row in enumerate(rows):
-            if quick:
-                info = infos[i]
-                ev = info["events"]
-                evals = _evals(ev)
-                row["loss"] = {"heldout": evals[-1][1] if evals else None}
-                row["wire"] = wire_bytes(ev, stages, B, T, id_tensors=_id_tensors(row))
-                row["step_s_100mbps"] = _median_step_s(ev, 1)
-                if info.get("error"):
-                    row["error"] = info["error"]
-                if info.get("retried"):
-                    row["retried"] = info["retried"]
-            else:
-                lr = loss_run(workdir, row, stages, K, base, B, T)
-                row["loss"] = {"heldout": lr["heldout_loss"], "train_last": lr["train_loss_last"]}
-                row["wire"] = lr["wire"]
-                row["loss_run_wall_s"] = lr["wall_s"]
-                row["incidents"] = lr["incidents"]
-                if lr.get("retried"):
-                    row["retried"] = lr["retried"]
-                if lr.get("error"):
-                    row["error"] = lr["error"]
-            progress(f"{row['name']}: held-out {row['loss'].get('heldout')}, ratio {row['wire'].get('ratio')}")
-        if not quick:
-            # The step-time runs back to back (not spread between the long loss runs), in LINK_ROUNDS
-            # rounds in alternating order; each row keeps its fastest round (other load only slows down).
-            timed_rows = [r for r in rows if not r.get("model_only") and not r.get("reference")]
-            for rnd in range(LINK_ROUNDS):
-                for row in (timed_rows if rnd % 2 == 0 else timed_rows[::-1]):
+        if quick:   # every (row, seed) run two at a time, throttled: loss, bytes and step time together
+            pairs = [(row, seed) for row in rows for seed in seeds]
+            infos = _launch_all(workdir, [(f"quick_{row['name']}_seed{seed}", stages, K,
+                                           base + _loss_overrides(row, seed, K) + [f"net.link_mbps={LINK_MBPS:g}"])
+                                          for row, seed in pairs], timeout=QUICK_LAUNCH_TIMEOUT_S)
+            for (row, seed), info in zip(pairs, infos):
+                row.setdefault("runs", []).append(_loss_result(info, row, seed, stages, K, B, T))
+                if seed == seeds[0]:
+                    row["link_runs"] = [{"seed": seed, "steps": K, "warmup": 1,
+                                         "step_s": _median_step_s(info["events"], 1)}]
+        else:
+            for row in rows:
+                for seed in seeds:
+                    run = loss_run(workdir, row, seed, stages, K, base, B, T)
+                    row.setdefault("runs", []).append(run)
+                    progress(f"{row['name']} seed {seed}: held-out {run['heldout_loss']}, "
+                             f"ratio {run['wire'].get('ratio')}")
+            # The step-time runs back to back after the loss runs, interleaved: `repeats` rounds of every
+            # codec row once, round i in the order rotated by i, so drifting load hits every row alike.
+            timed_rows = [r for r in rows if not r.get("model_only")]
+            for rnd in range(repeats):
+                for row in common.rotated(timed_rows, rnd):
                     lk = link_run(workdir, row, stages, base, LINK_STEPS, LINK_WARMUP, B, T, tag=f"_{rnd}")
+                    lk["round"] = rnd
                     lk["ratio"] = lk.pop("wire").get("ratio")
                     row.setdefault("link_runs", []).append(lk)
-                    if lk.get("retried"):
-                        row["retried"] = (row.get("retried", "") + " " + lk["retried"]).strip()
-                    if lk.get("error"):
-                        row["error"] = (row.get("error", "") + " " + lk["error"]).strip()
                     progress(f"{row['name']}: step at 100 Mbps {lk['step_s']} (round {rnd})")
-            for row in timed_rows:
-                times = [lk["step_s"] for lk in row["link_runs"] if lk.get("step_s")]
-                row["step_s_100mbps"] = min(times) if times else None
             # codec throughput last too, next to the other timings
             load = common.loadavg()
             result["codec_api"] = run_codec_api(ranks, 0.5)
             result["codec_api"]["loadavg_before"] = load
-        for row in rows:
-            if row.get("error"):
-                errors.append(row["error"])
+        errors += _errors(result, rows)
     finally:
         if errors or result.get("codec_api", {}).get("error"):
             progress(f"run directories kept in {workdir}")
@@ -686,42 +820,7 @@ def main(args) -> int:
     api = result.setdefault("codec_api", {"error": "not run"})
     if api.get("error"):
         errors.append(api["error"])
-    by_name = {r["name"]: r for r in rows}
-    none_loss = by_name["none"]["loss"].get("heldout")
-    for r in rows:
-        loss = r["loss"].get("heldout")
-        r["loss"]["rel_vs_none"] = (loss - none_loss) / none_loss if loss is not None and none_loss else None
-        if r["model_subspace_rank"]:
-            base_row = by_name.get(f"none_model_r{r['model_subspace_rank']}")
-            bl = base_row["loss"].get("heldout") if base_row else None
-            if r.get("model_only"):
-                r["loss"]["model_cost_rel_vs_none"] = r["loss"]["rel_vs_none"]
-            else:
-                r["loss"]["rel_vs_model_none"] = (loss - bl) / bl if loss is not None and bl else None
-        key = r["name"] if not r.get("model_only") and not r.get("reference") else None
-        a = api.get("codecs", {}).get(key) if key else None
-        if a:
-            r["codec_api"] = {"ratio_activations": a["activations"]["ratio"],
-                              "ratio_gradients": a["gradients"]["ratio"],
-                              "encode_MBps": a["encode_MBps"], "decode_MBps": a["decode_MBps"],
-                              "rel_error_activations": a["activations"]["rel_error_per_boundary"],
-                              "rel_error_gradients": a["gradients"]["rel_error_per_boundary"]}
-        w = r.get("wire") or {}
-        if w.get("boundaries"):
-            rate, nb = LINK_MBPS * 1e6 / 8, w["boundaries"]
-            r["wire"]["link_s_per_step_per_boundary"] = {
-                "forward": (w["forward_bytes_per_step"] + w["targets_bytes_per_step"]) / nb / rate,
-                "backward": w["backward_bytes_per_step"] / nb / rate}
-    result["codecs"] = rows
-    result["table"] = [{"row": r["name"], "codec": r["codec"], "model_subspace_rank": r["model_subspace_rank"],
-                        "ratio": r["wire"].get("ratio"), "ratio_with_targets": r["wire"].get("ratio_with_targets"),
-                        "encode_MBps": (r.get("codec_api") or {}).get("encode_MBps"),
-                        "decode_MBps": (r.get("codec_api") or {}).get("decode_MBps"),
-                        "step_s_100mbps": r.get("step_s_100mbps"),
-                        "heldout_loss": r["loss"].get("heldout"),
-                        "loss_rel_vs_none": r["loss"].get("rel_vs_none")} for r in rows]
-    result["targets"] = _targets(rows, quick)
-    result["recommendation"] = _recommend(rows)
+    _assemble(result, rows, api)
     result["wall_s"] = time.monotonic() - t_start
     return common.finish(result, errors, args, _print_table, round_nd=6)
 
@@ -733,24 +832,94 @@ def _fmt(x, spec):
     return "-".rjust(int(width) if width.isdigit() else 0)
 
 
+def _pm_pct(mean, hw) -> str:
+    """A relative figure in percent, with its 95 % half-width when there is one."""
+    return common.fmt_rel(mean, hw, missing="-")
+
+
 def _print_table(result: dict, f) -> None:
-    print(f"\nactivation codecs (1 x {result['setup']['stages']} stages, K = {result.get('K')})", file=f)
-    print(f"{'row':<16} {'ratio':>7} {'w/tgt':>6} {'enc MB/s':>9} {'dec MB/s':>9} {'step@100':>9} "
-          f"{'held-out':>9} {'vs none':>8}", file=f)
+    s = result["setup"]
+    print(f"\nactivation codecs (1 x {s['stages']} stages, K = {result.get('K')}, seeds {s['seeds']}, "
+          f"test split; step time: median of {s['link_repeats']} runs)", file=f)
+    print(f"{'row':<16} {'ratio':>7} {'w/tgt':>6} {'enc MB/s':>9} {'dec MB/s':>9} {'step@100':>9} {'spread':>7} "
+          f"{'held-out':>9} {'sd':>7}  vs none (95%)", file=f)
     for t in result["table"]:
-        rel = t["loss_rel_vs_none"]
+        spr = t["step_s_100mbps_spread"]
         print(f"{t['row']:<16} {_fmt(t['ratio'], '7.2f')} {_fmt(t['ratio_with_targets'], '6.2f')} "
               f"{_fmt(t['encode_MBps'], '9.0f')} {_fmt(t['decode_MBps'], '9.0f')} "
-              f"{_fmt(t['step_s_100mbps'], '9.3f')} {_fmt(t['heldout_loss'], '9.4f')} "
-              f"{(format(rel * 100, '+7.2f') + '%') if isinstance(rel, (int, float)) else '-':>8}", file=f)
+              f"{_fmt(t['step_s_100mbps'], '9.3f')} {_fmt(spr * 100 if spr is not None else None, '6.1f')}"
+              f"{'%' if spr is not None else ' '} {_fmt(t['heldout_loss'], '9.4f')} "
+              f"{_fmt(t['heldout_loss_sd'], '7.4f')}  {_pm_pct(t['loss_rel_vs_none'], t['loss_rel_vs_none_ci95'])}"
+              f"{' ' + t['loss_vs_none'] if t['loss_vs_none'] else ''}", file=f)
     for t in result["targets"]:
         b = t["best"] or {}
-        print(f"{'PASS' if t['pass'] else 'MISS'}  {t['target']}: best {b.get('row')} "
-              f"{_fmt(b.get('ratio'), '.2f')}x, {_fmt((b.get('loss_rel_vs_none') or 0) * 100, '+.2f')}%", file=f)
+        print(f"{t['verdict'] or 'not measured'}: {t['target']}; best {b.get('row')} {_fmt(b.get('ratio'), '.2f')}x, "
+              f"{_pm_pct(b.get('loss_rel_vs_none'), b.get('loss_rel_ci95_halfwidth'))}", file=f)
     rec = result.get("recommendation") or {}
     if rec:
         print(f"recommended subspace rank: {rec['subspace_rank']} ({rec['why']})", file=f)
     print(file=f)
+
+
+def _label(t: dict) -> str:
+    if t["model_only"]:
+        return f"none, model r = {t['model_subspace_rank']} (model only)"
+    if t["codec"] == "subspace":
+        return f"subspace, r = {t['model_subspace_rank']}"
+    return t["codec"]
+
+
+def _pct_hw(mean, hw, difference) -> str:
+    return common.fmt_rel(mean, hw, missing="—") + (f" ({difference})" if mean is not None and difference else "")
+
+
+def readme_part(r: dict, name: str = "activations") -> str:
+    """The README's activation-compression figures, from the result of `crucible bench activations --json`."""
+    from crucible.bench.readme import _provenance, _spread, _verdict   # not at the top: readme.py imports this module
+
+    st, m, search = r["setup"], r["setup"]["model"], r.get("search") or {}
+    if r.get("quick"):
+        k = f"K = {r['K']} steps (fixed: --quick)"
+    elif search.get("reached"):
+        k = (f"K = {r['K']} steps, where `none` (seed {search['seed']}) first reaches a loss of {LOSS_TARGET} on "
+             f"the validation half of the held-out tail (eval every {search['eval_every']} steps)")
+    else:
+        k = f"K = {r['K']} steps (`none` never reached {LOSS_TARGET} on the validation half)"
+    rows = []
+    for t in r["table"]:
+        step = "—" if t["step_s_100mbps"] is None else (f"{t['step_s_100mbps']:.3f} s"
+                                                        + _spread(t["step_s_100mbps_spread"]))
+        loss = common.fmt_mean_sd({"mean": t["heldout_loss"], "sd": t["heldout_loss_sd"]}, ".4f", missing="—")
+        ratios = " | ".join("—" if x is None else f"{x:.2f}x" for x in (t["ratio"], t["ratio_with_targets"]))
+        vs_none = _pct_hw(t["loss_rel_vs_none"], t["loss_rel_vs_none_ci95"], t["loss_vs_none"])
+        vs_model = _pct_hw(t["loss_rel_vs_model_none"], t["loss_rel_vs_model_none_ci95"], t["loss_vs_model_none"])
+        rows.append(f"| {_label(t)} | {ratios} | {step} | {loss} | {vs_none} | {vs_model} |")
+    targets = []
+    for t in r["targets"]:
+        b = t["best"] or {}
+        best = (f" (best: {b['row']}, {b['ratio']:.2f}x, "
+                f"{_pct_hw(b['loss_rel_vs_none'], b['loss_rel_ci95_halfwidth'], None)})") if b else ""
+        targets.append(f"* {t['target']}: {_verdict(t['verdict'])}{best}.")
+    seeds = ", ".join(str(x) for x in st["seeds"])
+    return "\n".join([
+        f"`{st['bench_command']}` (model: {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, "
+        f"batch {m['batch_size']} x {m['seq_len']} tokens in {m['microbatches']} microbatches; 1 replica x "
+        f"{st['stages']} stages; {k}; every row then trains K steps at seeds {seeds} and is evaluated on the "
+        f"test half ({st['eval_batches']} batches); step time at `net.link_mbps = {st['link_mbps']:g}`: "
+        + (f"median of {st['link_repeats']} interleaved runs per row, ± half their spread" if st["link_repeats"] > 1
+           else "one run per row") + f"; {_provenance(r)}; "
+        f"`bench/results/{name}.json`):",
+        "",
+        "| codec | ratio | with ids | step at 100 Mbps | held-out loss, mean ± sd | vs none, seed by seed (95%) "
+        "| vs the same model with `none` (95%) |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "Targets (met: the mean paired difference is within the bound; within noise: over it by less than its "
+        "95% half-width; missed: otherwise, or short of the ratio):",
+        "",
+        *targets,
+    ]) + "\n"
 
 
 def _entry(argv: list[str] | None = None) -> int:

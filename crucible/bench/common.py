@@ -22,6 +22,7 @@ import math
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -495,23 +496,81 @@ def full_config(overrides) -> dict | None:
 
 
 def verdict(value: float | None, limit: float, noise: float | None = None) -> str | None:
-    """The verdict on a figure whose target is ``value <= limit``: "met",
-    "missed", or "within noise" when it misses by less than ``noise`` (the
-    spread of the same measurement repeated: the miss cannot be told from
-    chance). None when nothing was measured."""
+    """The verdict on a figure whose target is ``value <= limit``, given
+    ``noise``, how far the same measurement moves when repeated (the spread
+    of repeats, or a 95 % half-width): "met" when even ``value + noise`` meets
+    the limit, "missed" when even ``value - noise`` misses it, "within noise"
+    in between (the repeats cannot tell). Without a noise figure (one run, or
+    a count): "met" or "missed" on the value. None when nothing was measured."""
     if value is None:
         return None
-    if value <= limit:
+    if not noise:
+        return "met" if value <= limit else "missed"
+    if value + noise <= limit:
         return "met"
-    if noise is not None and value - limit <= noise:
-        return "within noise"
-    return "missed"
+    if value - noise > limit:
+        return "missed"
+    return "within noise"
 
 
 def spread(xs: list[float]) -> float | None:
     """Relative spread of repeats of one measurement: max / min - 1."""
     xs = [x for x in xs if x]
     return max(xs) / min(xs) - 1 if len(xs) > 1 else None
+
+
+# two-sided 95 % Student t quantiles by degrees of freedom (1..10); above: 1.96
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def seeds_summary(xs: list[float]) -> dict:
+    """Mean, sample standard deviation and the 95 % confidence half-width of the
+    mean of one measurement over seeds (sd and half-width None for one seed)."""
+    xs = [float(x) for x in xs if x is not None]
+    out: dict = {"n": len(xs), "values": xs, "mean": statistics.fmean(xs) if xs else None, "sd": None,
+                 "ci95_halfwidth": None}
+    if len(xs) > 1:
+        out["sd"] = statistics.stdev(xs)
+        out["ci95_halfwidth"] = _T95.get(len(xs) - 1, 1.96) * out["sd"] / math.sqrt(len(xs))
+    return out
+
+
+def paired_gap(a: list[float], b: list[float]) -> dict:
+    """How much ``a`` exceeds ``b``, relative to ``b``'s mean, seed by seed (the
+    same seed gives both methods the same initial weights and data order): the
+    mean relative difference, its 95 % confidence half-width over the seeds, and
+    whether the two can be told apart ("within noise" when the interval holds 0)."""
+    rel = [(x - y) / y for x, y in zip(a, b)]
+    s = seeds_summary(rel)
+    hw = s["ci95_halfwidth"]
+    if s["mean"] is None:
+        s["difference"] = None
+    elif hw is None or abs(s["mean"]) <= hw:
+        s["difference"] = "within noise"
+    else:
+        s["difference"] = "higher" if s["mean"] > 0 else "lower"
+    return s
+
+
+def rotated(xs: list, i: int) -> list:
+    """``xs`` starting at its element i (mod its length): round i's order of an
+    interleaved measurement, so that drifting load hits every variant alike."""
+    i %= max(1, len(xs))
+    return xs[i:] + xs[:i]
+
+
+def fmt_mean_sd(v: dict | None, spec: str = ".3f", missing: str = "n/a") -> str:
+    """``mean ± sd`` of a ``seeds_summary`` (the sd left out for one seed)."""
+    if not v or v.get("mean") is None:
+        return missing
+    return format(v["mean"], spec) + (f" ± {format(v['sd'], spec)}" if v.get("sd") is not None else "")
+
+
+def fmt_rel(mean: float | None, halfwidth: float | None = None, nd: int = 2, missing: str = "n/a") -> str:
+    """A relative difference in percent, ``± its 95 % half-width`` where there is one."""
+    if mean is None:
+        return missing
+    return f"{mean * 100:+.{nd}f}%" + (f" ± {halfwidth * 100:.{nd}f}%" if halfwidth is not None else "")
 
 
 def round_floats(x, nd: int = 6):

@@ -22,22 +22,27 @@ in its own process group, with a bounded wait, killed as a group at the end):
 3. **Held-out loss at equal inner steps.** ``crucible launch --replicas R
    --stages 2 --steps N`` of the default model with ``train.eval_every=N``
    (one evaluation, after the last outer round, so it evaluates the synced
-   global weights) and checkpointing off, for:
+   global weights) and checkpointing off, in two phases:
 
-   * SparseLoCo (2 x 2), ``outer.lr`` over a grid;
-   * dense DiLoCo (2 x 2, Nesterov outer, momentum 0.9), ``outer.lr`` over a grid;
-   * a single replica (1 x 2, ``outer.mode=none``) with ``train.batch_size=32``
-     and ``train.microbatches=8`` (the tokens of two replicas per step; the
-     same micro-batch size of 4, hence the very same held-out windows);
-   * two independent replicas (2 x 2, ``outer.mode=none``), as a reference.
+   * *tuning*, on the validation half of the held-out tail
+     (``train.eval_split=validation``) at seed ``TUNE_SEED``: SparseLoCo (2 x 2)
+     and dense DiLoCo (2 x 2, Nesterov outer, momentum 0.9), each at the same
+     number of ``outer.lr`` values (``GRIDS``: four steps of x sqrt(2) each,
+     around each method's own good region); the value with the lowest
+     validation loss is kept;
+   * *reported*, on the other (test) half (``train.eval_split=test``), at every
+     seed of ``SEEDS`` (different from the tuning seed; a seed sets the initial
+     weights and the data order): SparseLoCo and DiLoCo at their tuned lr, a
+     single replica (1 x 2, ``outer.mode=none``) with ``train.batch_size=32``
+     and ``train.microbatches=8`` (the tokens of two replicas per step, the same
+     micro-batch size), and two independent replicas (2 x 2,
+     ``outer.mode=none``) at the first seed, as a reference.
 
-   Each grid starts at {0.5, 0.7, 1.0}; while its best value is at an edge of
-   what was tried, the next value beyond that edge on the ladder 0.25, 0.35,
-   0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0 is tried (at most 3 more per mode, while
-   the time budget allows). Every value tried is reported with its loss. All runs
-   share N, H, the inner schedule (AdamW, warmup, cosine decay to min_lr over N
-   steps), the seed and the held-out windows. Target: SparseLoCo's best loss
-   within 2 % of DiLoCo's best.
+   Losses are reported as mean, standard deviation and 95 % confidence
+   half-width over the seeds. SparseLoCo against DiLoCo is compared seed by
+   seed (``common.paired_gap``). Target: SparseLoCo within 2 % of DiLoCo
+   (mean paired gap <= 2 %: "met"; above by less than the half-width: "within
+   noise"; else "missed").
 4. Environment: cores, versions, load.
 
 Reuse: with ``CRUCIBLE_BENCH_OUTER_WORKDIR=DIR`` the runs are made in DIR and
@@ -47,15 +52,15 @@ its coordinator) is read back instead of run again, and marked ``reused``.
 Runs are deterministic (same seed, data, arithmetic), so this resumes an
 interrupted bench without changing any number but the wall times.
 
-``--quick``: the same parts with 6 steps (H = 3), one outer lr each, a 4 MB
-corpus and fewer codec repeats (under a minute on an idle 2-core machine).
+``--quick``: the same parts with 6 steps (H = 3), no tuning (one outer lr
+each), two seeds, a 4 MB corpus and fewer codec repeats (about a minute on an
+idle 2-core machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import signal
@@ -72,17 +77,19 @@ STAGES = 2
 REPLICAS = 2
 TARGET_RATIO = 100.0
 TARGET_LOSS_GAP = 0.02          # SparseLoCo best within 2 % of DiLoCo best
-GRID = (0.5, 0.7, 1.0)
-LADDER = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)   # values beyond an edge of GRID come from here
-MAX_EXTENSIONS = 3
+# the same number of values for each method, the same spacing (x sqrt(2)), each
+# around its own good region (SparseLoCo's outer update is sparse: it takes larger steps)
+GRIDS = {"sparseloco": (0.7, 1.0, 1.4, 2.0), "diloco": (0.35, 0.5, 0.7, 1.0)}
+TUNE_SEED = 1337
+SEEDS = (1338, 1339, 1340)
+QUICK_SEEDS = (1338, 1339)
 QUICK_LRS = {"sparseloco": 1.0, "diloco": 0.7}
 REUSE_ENV = "CRUCIBLE_BENCH_OUTER_WORKDIR"
 CODEC_SIZES_FULL = {"repeats_stage": 7, "repeats_10M": 3}
 CODEC_SIZES_QUICK = {"repeats_stage": 2, "repeats_10M": 1}
 
-# time_budget_s: no grid extension is started past it (25 min on an idle 2-core machine is ~10 runs)
-FULL = {"steps": 240, "H": 10, "eval_batches": 16, "extra": [], "time_budget_s": 35 * 60}
-QUICK = {"steps": 6, "H": 3, "eval_batches": 2, "extra": ["data.max_bytes=4000000"], "time_budget_s": 120}
+FULL = {"steps": 240, "H": 10, "eval_batches": 16, "extra": [], "seeds": SEEDS}
+QUICK = {"steps": 6, "H": 3, "eval_batches": 2, "extra": ["data.max_bytes=4000000"], "seeds": QUICK_SEEDS}
 
 DEFINITIONS = {
     "MB": "10^6 bytes",
@@ -94,10 +101,14 @@ DEFINITIONS = {
                   "(a = beta*e + delta, encode, e -= a_hat), decode = decode(payload). *_MBps: median wall "
                   "time of the repeats; *_MBps_best: fastest repeat; *_MBps_cpu: median CPU time of the "
                   "thread (time.thread_time), which other jobs on the same cores do not inflate",
-    "final_loss": "held-out loss (event eval) at the last step; mean over replicas (equal for synced modes)",
+    "final_loss": "held-out loss (event eval) at the last step; mean over replicas (equal for synced modes); "
+                  "tuning runs on the validation half of the held-out tail, reported runs on the test half",
+    "seeds": "mean, sd (sample) and ci95_halfwidth (Student t) of the final loss over the seeds",
+    "paired_gap": "per seed (sparseloco - diloco) / diloco; mean, sd and 95 % half-width over the seeds; "
+                  "'within noise' when the interval holds 0",
     "single_replica": "1 replica x 2 stages, outer.mode=none, batch_size 32 (= 2 replicas x 16 tokens per "
                       "step), microbatches 8 (same micro-batch size, same held-out windows)",
-    "gap": "(sparseloco best - diloco best) / diloco best",
+    "gap": "mean paired gap of sparseloco against diloco, each at its tuned lr, on the test half",
 }
 
 
@@ -342,64 +353,35 @@ def _lr_tag(mode: str, lr: float) -> str:
     return f"{mode}_lr{lr:g}"
 
 
-def _beyond(lr: float, up: bool) -> float:
-    """The next value of LADDER above (below) `lr`; past its ends, x/÷ sqrt(2)."""
-    if up:
-        nxt = [v for v in LADDER if v > lr * (1 + 1e-9)]
-        return nxt[0] if nxt else round(lr * math.sqrt(2), 3)
-    nxt = [v for v in LADDER if v < lr * (1 - 1e-9)]
-    return nxt[-1] if nxt else round(lr / math.sqrt(2), 4)
-
-
-def _sweep(workdir: str, mode: str, grid: list[float], cfg: dict, base: list[str], extend: bool,
-           deadline: float, timeout: float) -> dict:
-    """Runs `mode` at every lr of `grid`; then, while the best is at an edge of what was
-    tried, the next value beyond that edge (at most MAX_EXTENSIONS, within the time budget)."""
+def _tune(workdir: str, mode: str, grid: list[float], cfg: dict, base: list[str], timeout: float) -> dict:
+    """Runs `mode` at every lr of `grid` at the tuning seed, evaluated on the validation
+    half; the lr with the lowest validation loss is the one the reported runs use."""
     tried: dict[float, dict] = {}
-
-    def one(lr: float) -> None:
-        ov = base + [f"outer.mode={mode}", f"outer.lr={lr:g}"]
-        tried[lr] = run_train_retry(workdir, _lr_tag(mode, lr), REPLICAS, cfg["steps"], ov, timeout)
-
-    def losses() -> dict[float, float]:
-        return {lr: r["final_loss"] for lr, r in tried.items() if "final_loss" in r}
-
     for lr in grid:
-        one(lr)
-    note = None
-    extensions = 0
-    while extend and losses() and len(tried) > 1:
-        ok = losses()
-        best = min(ok, key=ok.get)
-        lrs = sorted(tried)
-        if best not in (lrs[0], lrs[-1]):
-            break
-        nxt = _beyond(best, up=best == lrs[-1])
-        if extensions >= MAX_EXTENSIONS:
-            note = f"best lr {best:g} is at an edge; {nxt:g} not tried (at most {MAX_EXTENSIONS} extensions)"
-            break
-        if time.monotonic() + _expected_run_s(tried) > deadline:
-            note = f"best lr {best:g} is at an edge; {nxt:g} not tried (time budget)"
-            break
-        one(nxt)
-        extensions += 1
-    ok = losses()
-    out: dict = {"mode": mode, "runs": [tried[lr] for lr in sorted(tried)],
-                 "loss_by_lr": {f"{lr:g}": ok.get(lr) for lr in sorted(tried)}, "extensions": extensions}
+        ov = base + ["train.eval_split=validation", f"train.seed={TUNE_SEED}", f"outer.mode={mode}",
+                     f"outer.lr={lr:g}"]
+        tried[lr] = run_train_retry(workdir, f"tune_{_lr_tag(mode, lr)}", REPLICAS, cfg["steps"], ov, timeout)
+    ok = {lr: r["final_loss"] for lr, r in tried.items() if "final_loss" in r}
+    out: dict = {"mode": mode, "split": "validation", "seed": TUNE_SEED, "runs": [tried[lr] for lr in sorted(tried)],
+                 "loss_by_lr": {f"{lr:g}": ok.get(lr) for lr in sorted(tried)}}
     if ok:
         best = min(ok, key=ok.get)
-        lrs = sorted(tried)
         out["best_lr"] = best
         out["best_loss"] = ok[best]
-        out["best_at_edge"] = len(lrs) > 1 and best in (lrs[0], lrs[-1])
-    if note:
-        out["note"] = note
+        out["best_at_edge"] = len(grid) > 1 and best in (min(grid), max(grid))
     return out
 
 
-def _expected_run_s(tried: dict) -> float:
-    walls = [r["wall_s"] for r in tried.values() if r.get("wall_s") and not r.get("reused")]
-    return max(walls) if walls else 0.0
+def _seeds(workdir: str, tag: str, replicas: int, cfg: dict, overrides: list[str], timeout: float,
+           seeds: tuple[int, ...]) -> dict:
+    """The same run at every seed, evaluated on the test half; the loss over the seeds."""
+    runs = [run_train_retry(workdir, f"{tag}_seed{seed}", replicas, cfg["steps"],
+                            overrides + ["train.eval_split=test", f"train.seed={seed}"], timeout) for seed in seeds]
+    losses = [r.get("final_loss") for r in runs]
+    out = {"split": "test", "seeds": list(seeds), "runs": runs,
+           "loss": common.seeds_summary([x for x in losses if x is not None])}
+    out["final_loss"] = out["loss"]["mean"]
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -435,7 +417,6 @@ def main(args) -> int:
             "fault.heartbeat_timeout_s=10", *cfg["extra"]]
     timeout = 120 if quick else 60 + 5.0 * steps
     t_start = time.monotonic()
-    deadline = t_start + cfg["time_budget_s"]
     result: dict = {
         "bench": "outer",
         "quick": quick,
@@ -447,10 +428,11 @@ def main(args) -> int:
             "base_overrides": base,
             "codec": {"chunk": 4096, "k": 64, "value_bits": 2, "zstd": True, "beta": 0.95, "clip": "median"},
             "diloco_momentum": 0.9,
-            "grid": None if quick else list(GRID),
+            "grids": None if quick else {k: list(v) for k, v in GRIDS.items()},
+            "tuning": None if quick else {"seed": TUNE_SEED, "split": "validation",
+                                          "rule": "lowest validation loss; the same number of values per method"},
             "quick_lrs": QUICK_LRS if quick else None,
-            "grid_extension": None if quick else (f"while the best is at an edge, the next value of {list(LADDER)} "
-                                                  f"beyond it (at most {MAX_EXTENSIONS} per mode)"),
+            "seeds": list(cfg["seeds"]), "reported_split": "test",
             "single_replica_overrides": ["outer.mode=none", "train.batch_size=32", "train.microbatches=8"],
         },
         "definitions": DEFINITIONS,
@@ -466,24 +448,28 @@ def main(args) -> int:
     try:
         progress("codec throughput (one thread)")
         result["codec"] = run_codec(workdir, quick)
-        if quick:
-            sl = _sweep(workdir, "sparseloco", [QUICK_LRS["sparseloco"]], cfg, base, False, deadline, timeout)
-            dl = _sweep(workdir, "diloco", [QUICK_LRS["diloco"]], cfg, base, False, deadline, timeout)
-        else:
-            sl = _sweep(workdir, "sparseloco", list(GRID), cfg, base, True, deadline, timeout)
-            dl = _sweep(workdir, "diloco", list(GRID), cfg, base, True, deadline, timeout)
-        single = run_train_retry(workdir, "single_replica", 1, steps,
-                           base + ["outer.mode=none", "train.batch_size=32", "train.microbatches=8"], timeout)
-        indep = run_train_retry(workdir, "independent_replicas", REPLICAS, steps, base + ["outer.mode=none"], timeout)
-        result["loss"] = {"sparseloco": sl, "diloco": dl, "single_replica": single, "independent_replicas": indep}
+        seeds = tuple(cfg["seeds"])
+        result["loss"] = loss = {}
+        if not quick:
+            loss["tuning"] = {mode: _tune(workdir, mode, list(GRIDS[mode]), cfg, base, timeout) for mode in GRIDS}
+        for mode in ("sparseloco", "diloco"):
+            lr = QUICK_LRS[mode] if quick else loss["tuning"][mode].get("best_lr")
+            if lr is None:
+                errors.append(f"{mode}: no tuning run finished")
+                continue
+            loss[mode] = _seeds(workdir, _lr_tag(mode, lr), REPLICAS, cfg,
+                                base + [f"outer.mode={mode}", f"outer.lr={lr:g}"], timeout, seeds)
+            loss[mode]["best_lr"] = lr
+        loss["single_replica"] = _seeds(workdir, "single_replica", 1, cfg, base + [
+            "outer.mode=none", "train.batch_size=32", "train.microbatches=8"], timeout, seeds)
+        loss["independent_replicas"] = run_train_retry(
+            workdir, "independent_replicas", REPLICAS, steps,
+            base + ["outer.mode=none", "train.eval_split=test", f"train.seed={seeds[0]}"], timeout)
     finally:
         for part in (result.get("codec", {}),):
             if part.get("error"):
                 errors.append(part["error"])
-        for part in result.get("loss", {}).values():
-            for r in part.get("runs", [part]):
-                if r.get("error"):
-                    errors.append(r["error"])
+        errors.extend(r["error"] for r in _all_runs(result.get("loss", {})) if r.get("error"))
         if errors or keep:
             progress(f"run directories kept in {workdir}")
         else:
@@ -495,18 +481,22 @@ def main(args) -> int:
     return common.finish(result, errors, args, _print_table)
 
 
+def _all_runs(loss: dict):
+    """Every training run of part 3: the tuning runs, then each reported part's runs."""
+    for name, part in loss.items():
+        if name == "tuning":
+            for t in part.values():
+                yield from t["runs"]
+        else:
+            yield from part.get("runs", [part])
+
+
 def _bytes_summary(result: dict) -> dict:
     loss = result.get("loss", {})
 
     def best_run(part: dict) -> dict | None:
-        runs = [r for r in part.get("runs", []) if r.get("outer")]
-        if not runs:
-            return None
-        best = part.get("best_lr")
-        for r in runs:
-            if best is not None and f"outer.lr={best:g}" in r["overrides"]:
-                return r
-        return runs[0]
+        # every reported run of a method is at its tuned lr: the first seed's stands for the bytes
+        return next((r for r in part.get("runs", []) if r.get("outer")), None)
 
     out: dict = {}
     sr = best_run(loss.get("sparseloco", {}))
@@ -544,6 +534,7 @@ def _summary(result: dict) -> dict:
     loss = result.get("loss", {})
     codec = result.get("codec", {}).get("sizes", {})
     sl, dl = loss.get("sparseloco", {}), loss.get("diloco", {})
+    tuning = loss.get("tuning", {})
     s: dict = {
         "bytes_per_outer_step_sparseloco": result["bytes"].get("sparseloco", {}).get("bytes_sent_per_replica_step"),
         "bytes_per_outer_step_dense_fp32": result["bytes"].get("dense_fp32_bytes"),
@@ -552,24 +543,35 @@ def _summary(result: dict) -> dict:
         "codec_MBps": {name: {"encode": v["encode_MBps"], "decode": v["decode_MBps"],
                               "encode_cpu": v["encode_MBps_cpu"], "decode_cpu": v["decode_MBps_cpu"]}
                        for name, v in codec.items()},
-        "sparseloco_loss_by_lr": sl.get("loss_by_lr"),
-        "diloco_loss_by_lr": dl.get("loss_by_lr"),
-        "sparseloco_best": {"lr": sl.get("best_lr"), "loss": sl.get("best_loss")},
-        "diloco_best": {"lr": dl.get("best_lr"), "loss": dl.get("best_loss")},
-        "single_replica_loss": loss.get("single_replica", {}).get("final_loss"),
+        "tuning_validation_loss_by_lr": {m: t.get("loss_by_lr") for m, t in tuning.items()},
+        "tuned_lr": {m: loss.get(m, {}).get("best_lr") for m in ("sparseloco", "diloco")},
+        "tuned_lr_at_grid_edge": {m: t.get("best_at_edge") for m, t in tuning.items()},
+        "sparseloco_loss": sl.get("loss"),
+        "diloco_loss": dl.get("loss"),
+        "single_replica_loss": loss.get("single_replica", {}).get("loss"),
         "independent_replicas_loss": loss.get("independent_replicas", {}).get("final_loss"),
         "independent_replicas_loss_per_replica": loss.get("independent_replicas", {}).get("eval_loss_per_replica"),
     }
-    if sl.get("best_loss") is not None and dl.get("best_loss"):
-        gap = (sl["best_loss"] - dl["best_loss"]) / dl["best_loss"]
-        s["sparseloco_vs_diloco_gap"] = gap
+    a = [r.get("final_loss") for r in sl.get("runs", [])]
+    b = [r.get("final_loss") for r in dl.get("runs", [])]
+    if a and b and None not in a and None not in b:
+        gap = common.paired_gap(a, b)
+        s["sparseloco_vs_diloco"] = gap
+        s["sparseloco_vs_diloco_gap"] = gap["mean"]
         s["loss_target_gap"] = TARGET_LOSS_GAP
-        s["loss_meets_target"] = gap <= TARGET_LOSS_GAP
+        s["loss_verdict"] = common.verdict(gap["mean"], TARGET_LOSS_GAP, gap["ci95_halfwidth"])
+        s["loss_meets_target"] = s["loss_verdict"] == "met"
     return s
 
 
 def _fmt(x, spec: str) -> str:
     return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
+
+
+def _loss_line(v: dict | None) -> str:
+    if not v or v.get("mean") is None:
+        return "n/a"
+    return common.fmt_mean_sd(v, ".4f") + (" (sd)" if v.get("sd") is not None else "") + f" over {v['n']} seeds"
 
 
 def _print_table(result: dict, f) -> None:
@@ -581,14 +583,20 @@ def _print_table(result: dict, f) -> None:
     for name, v in s["codec_MBps"].items():
         print(f"codec {name}: encode {v['encode']:.1f} MB/s, decode {v['decode']:.1f} MB/s (wall); "
               f"{v['encode_cpu']:.1f} / {v['decode_cpu']:.1f} MB/s (thread CPU time)", file=f)
+    for mode, by_lr in (s.get("tuning_validation_loss_by_lr") or {}).items():
+        for lr, loss in (by_lr or {}).items():
+            print(f"  tuning {mode:<11} outer.lr={lr:<5} validation {_fmt(loss, '.4f')}", file=f)
     for mode in ("sparseloco", "diloco"):
-        for lr, loss in (s.get(f"{mode}_loss_by_lr") or {}).items():
-            print(f"  {mode:<11} outer.lr={lr:<5} held-out {_fmt(loss, '.4f')}", file=f)
-    print(f"  single replica (batch 32)   held-out {_fmt(s['single_replica_loss'], '.4f')}", file=f)
-    print(f"  independent replicas (none) held-out {_fmt(s['independent_replicas_loss'], '.4f')}", file=f)
-    if "sparseloco_vs_diloco_gap" in s:
-        print(f"sparseloco best vs diloco best: {100 * s['sparseloco_vs_diloco_gap']:+.2f}% "
-              f"(target <= {100 * TARGET_LOSS_GAP:g}%: {s['loss_meets_target']})\n", file=f)
+        print(f"  {mode:<11} outer.lr={_fmt(s['tuned_lr'].get(mode), 'g'):<5} test {_loss_line(s[f'{mode}_loss'])}",
+              file=f)
+    print(f"  single replica (batch 32)   test {_loss_line(s['single_replica_loss'])}", file=f)
+    print(f"  independent replicas (none) test {_fmt(s['independent_replicas_loss'], '.4f')}", file=f)
+    if "sparseloco_vs_diloco" in s:
+        g = s["sparseloco_vs_diloco"]
+        hw = g["ci95_halfwidth"]
+        print(f"sparseloco vs diloco, seed by seed: {common.fmt_rel(g['mean'], hw)}"
+              + (" (95%)" if hw is not None else "")
+              + f", {g['difference']}; target <= {100 * TARGET_LOSS_GAP:g}%: {s['loss_verdict']}\n", file=f)
 
 
 def _entry(argv: list[str] | None = None) -> int:

@@ -5,7 +5,10 @@ bounded wait, killed as a group at the end):
 
 1. ``crucible launch --replicas 1 --stages S --steps N`` of the default model
    for S = 1, 2, 4 (``--quick``: S = 1, 2 and fewer steps), with evaluation and
-   checkpointing off. From ``metrics.jsonl``: tokens/s over the steps after a
+   checkpointing off. Every variant (these, the pinned run and the plain
+   baseline) runs ``--repeats`` times (default 5), interleaved; tokens/s are
+   the median of the repeats with their spread, and the detail (per-stage
+   split, boundaries) is that of the median repeat. From ``metrics.jsonl``: tokens/s over the steps after a
    warmup, each stage's mean per-step split (compute, serialize, transport,
    idle), and per boundary the bytes crossing it and the transport time per MB.
 2. S = 2 again with each worker pinned to its own core (r0s0 -> core 0,
@@ -479,22 +482,32 @@ def main(args) -> int:
                      "pinned_run": {"stages": 2, "cores": {"r0s0": 0, "r0s1": 1}}},
         "definitions": DEFINITIONS,
     }
+    repeats = getattr(args, "repeats", None) or (1 if quick else 5)
+    result["settings"]["repeats"] = repeats
     errors: list[str] = []
     workdir = tempfile.mkdtemp(prefix="crucible-bench-pipeline-")
-    runs: dict = {}
+    every: dict[str, list[dict]] = {}      # name -> one result per repeat
     try:
-        for S in stage_counts:
-            runs[f"S{S}"] = run_pipeline(workdir, S, steps, warmup, extra)
         cores = common.usable_cores()
         pin = {"r0s0": 0, "r0s1": 1 % max(1, os.cpu_count() or 1)}
-        runs["S2_pinned"] = run_pipeline(workdir, 2, steps, warmup, extra, pin=pin)
+        for rep in range(repeats):          # interleaved: drifting load hits every variant alike
+            progress(f"repeat {rep + 1}/{repeats}")
+            for S in stage_counts:
+                every.setdefault(f"S{S}", []).append(run_pipeline(workdir, S, steps, warmup, extra))
+                shutil.rmtree(os.path.join(workdir, f"S{S}"), ignore_errors=True)
+            every.setdefault("S2_pinned", []).append(run_pipeline(workdir, 2, steps, warmup, extra, pin=pin))
+            shutil.rmtree(os.path.join(workdir, "S2_pinned"), ignore_errors=True)
+            every.setdefault("plain", []).append(run_plain(steps, warmup, extra))
+        # per variant, the detail of its median repeat (by tokens/s), and every repeat's tokens/s
+        runs = {name: _median_run(rs) for name, rs in every.items() if name != "plain"}
         if cores < 2:
             runs["S2_pinned"]["note"] = "fewer than 2 usable cores: both workers share one"
         result["runs"] = runs
-        result["baseline"] = run_plain(steps, warmup, extra)
+        result["baseline"] = _median_run(every["plain"])
+        result["repeats"] = {name: [r.get("tokens_per_s") for r in rs] for name, rs in every.items()}
         result["loopback"] = run_loopback(16.0 if quick else 64.0, 2 if quick else 3, 16 if quick else 64)
     finally:
-        for r in list(runs.values()) + [result.get("baseline", {}), result.get("loopback", {})]:
+        for r in [r for rs in every.values() for r in rs] + [result.get("loopback", {})]:
             if r.get("error"):
                 errors.append(r["error"])
         if errors:
@@ -502,16 +515,28 @@ def main(args) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
 
+    if errors:
+        return common.finish(result, errors, args, _print_table)
     base = result["baseline"]
     s1 = runs.get("S1", {})
     if "losses" in base and s1.get("throughput"):
         # the S=1 launch trains exactly what the baseline trains: same last loss
         result["baseline"]["last_loss_matches_S1"] = abs(base["losses"][-1] - s1["throughput"]["last_loss"]) < 1e-4
     pinned = runs["S2_pinned"]
-    plain_tps = base.get("tokens_per_s") or 0.0
+    tps = {name: statistics.median(xs) for name, xs in result["repeats"].items()}
+    spreads = {name: common.spread(xs) for name, xs in result["repeats"].items()}
+    plain_tps = tps["plain"]
+    rel = {k: tps[k] / plain_tps for k in runs}
+    # S = 1 pays gRPC and a second process for nothing: it should not beat the plain
+    # process; "within noise" when the gap is inside the repeats' spread
+    noise = max([x for x in (spreads["S1"], spreads["plain"]) if x is not None] or [0.0]) if repeats > 1 else None
     result["summary"] = common.round_floats({
-        "tokens_per_s": {**{k: v["tokens_per_s"] for k, v in runs.items()}, "plain": plain_tps},
-        "relative_to_plain": {k: (v["tokens_per_s"] / plain_tps if plain_tps else None) for k, v in runs.items()},
+        "tokens_per_s": tps,
+        "tokens_per_s_spread": spreads,
+        "relative_to_plain": rel,
+        "S1_vs_plain": "within noise" if noise is not None and abs(rel["S1"] - 1.0) <= noise else
+                       ("faster" if rel["S1"] > 1.0 else "slower"),
+        "S1_vs_plain_noise": noise,
         "oversubscribed": {k: v["oversubscribed"] for k, v in runs.items()},
         "contended": {**{k: v.get("contended") for k, v in runs.items()}, "plain": base.get("contended")},
         "pinned_S2_ser_transport_fraction": pinned["ser_transport_fraction"]["max"],
@@ -525,6 +550,12 @@ def main(args) -> int:
         "activation_bytes_per_microbatch": result["model"]["activation_bytes_per_microbatch"],
     })
     return common.finish(result, errors, args, _print_table)
+
+
+def _median_run(rs: list[dict]) -> dict:
+    """The repeat with the median tokens/s (the lower middle of an even count)."""
+    ok = sorted((r for r in rs if r.get("tokens_per_s")), key=lambda r: r["tokens_per_s"])
+    return ok[(len(ok) - 1) // 2] if ok else rs[-1]
 
 
 def _print_table(result: dict, f) -> None:
@@ -554,6 +585,7 @@ def _entry(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="key=value")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int)
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     if a.plain is not None:

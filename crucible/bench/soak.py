@@ -20,11 +20,12 @@ each kind equally likely:
 * ``in_save``: SIGKILL of a random worker while a checkpoint save is open.
 
 A worker fault (kill, stop, in_round, in_save) is drawn among the
-registered workers whose stage has another live copy in a training replica: a fault that would
-take a stage's *last* copy is not injected (``last_copy_spared`` counts
-them). That loss is handled by design with a roll-back of the job to its
-latest checkpoint, which recomputes the steps since: lost commits by
-definition, covered by ``tests/test_faults.py`` (lone-replica roll-back).
+registered workers whose stage has another live copy (in a training or a
+paused replica): a fault that would take a stage's *last* copy is not
+injected (``last_copy_spared`` counts them). That loss is rebuilt from the
+latest checkpoint and the outer rounds kept since, or, when those are gone,
+rolled back (tests/test_replacement_checkpoint.py); with no checkpoint yet it
+is lost outright, which a soak must not draw at random.
 An ``in_round`` fault waits at most ``ROUND_WAIT_S`` for a replica to cross
 a round's step (``in_round_not_reached`` counts the ones given up).
 
@@ -181,19 +182,19 @@ class Soak:
             self.stopped[pid] = time.monotonic() + 4.0
 
     def _killable(self, st: dict | None) -> dict[str, int]:
-        """Workers whose loss the job survives without a roll-back: another
-        replica holds the same stage in a live, training worker (not joining,
-        not stopped by us). Losing a stage's last copy is a roll-back to the
-        latest checkpoint by design (the steps since are recomputed): not drawn
-        here (counted in ``last_copy_spared``); tests/test_faults.py covers it."""
+        """Workers whose loss a replacement can make good from a live peer:
+        another replica holds the same stage in a live worker (not joining,
+        not stopped by us; training or paused). A stage's last copy is rebuilt
+        from a checkpoint and the outer rounds kept since, or rolled back when
+        those are gone: not drawn here (counted in ``last_copy_spared``);
+        tests/test_replacement_checkpoint.py covers it."""
         workers = {n: p for n, p in self._workers().items() if p not in self.stopped and p not in self.signalled}
         if not st:
             return {}
         live = {(w["replica"], w["stage"]) for w in st.get("workers", [])        # (not yet seen dead: skip ours)
                 if w["state"] == "alive" and w.get("pid") not in self.stopped and w.get("pid") not in self.signalled}
-        # A peer a replacement can pull from (Links.healthy_peer): alive, in a training route.
-        serving = {(rep["id"], stage) for rep in st.get("replicas", []) if rep["state"] == "training"
-                   for stage in rep["route"]}
+        # A peer a replacement can pull from (Links.peers): alive, in its replica's route.
+        serving = {(rep["id"], stage) for rep in st.get("replicas", []) for stage in rep["route"]}
         members = {w.get("pid") for w in st.get("workers", []) if w["state"] in ("alive", "joining")}
         out = {}
         for name, pid in workers.items():
