@@ -1,6 +1,6 @@
 """`crucible bench chaos --json --quick`: one JSON object with every field.
 
-The quick bench runs a 1 x 3 job of a tiny model three times (failure-free,
+The quick bench runs a 2 x 3 job of a tiny model three times (failure-free,
 `skip` and `wait`, one SIGKILL of r0s1 each, 6 s of training each, one repeat):
 about a minute on an idle 2-core machine (the timeout is generous: at a load
 average of 8 each job's start-up alone takes ~40 s). It runs in its own process
@@ -48,14 +48,14 @@ def test_settings_and_provenance(result):
     assert env["host"] and env["cpu_model"] is not None and env["loadavg_end"] is not None
     assert result["command"].startswith("crucible bench chaos") and "--quick" in result["command"]
     st = result["settings"]
-    assert st["replicas"] == 1 and st["stages"] == 3 and st["budget_s"] > 0 and st["respawn_delay_s"] == 1.0
+    assert st["replicas"] == 2 and st["stages"] == 3 and st["budget_s"] > 0 and st["respawn_delay_s"] == 1.0
     assert st["repeats"] == 1 and st["order"] == [VARIANTS]
     assert [r["name"] for r in st["runs"]] == VARIANTS
     # the whole configuration, at the current default outer.H (the overrides do not pin it)
     assert not any(o.startswith("outer.H=") for o in st["overrides"])
     assert result["config"] == full_config(st["overrides"])
     assert result["config"]["outer"]["H"] == Config().outer.H == st["outer_H"]
-    assert result["config"]["job"] == {"replicas": 1, "stages": 3}
+    assert result["config"]["job"] == {"replicas": 2, "stages": 3}
     assert {"repeats", "goodput_vs_failure_free", "heldout_vs_failure_free", "route_change_s", "next_step_s",
             "verdicts", "skip_vs_wait_goodput"} <= set(result["definitions"])
 
@@ -72,7 +72,7 @@ def test_runs(result):
         assert "crucible launch" in run["command"] and "--respawn-delay 1" in run["command"]
         assert f"train.seed={chaos.TRAIN_SEED}" in run["command"]
         assert run["t_end"] - run["t0"] == pytest.approx(run["budget_s"])
-        assert len(run["replicas"]) == 1
+        assert len(run["replicas"]) == 2
         for rep in run["replicas"]:
             assert rep["useful_steps"] > 0 and rep["committed_steps"] > 0, (name, rep)
             assert _num(rep["loss_at_budget"]) and 0 < rep["loss_at_budget"] < 6

@@ -46,7 +46,12 @@ def test_continuous_checkpointing_runs(result):
     assert runs["off"]["commits"] == 0
     for name in ("continuous_0s", "continuous_default"):
         r = runs[name]
-        assert r["commits"] >= 1 and r["aborts"] == 0, (name, r)
+        assert r["commits"] >= 1, (name, r)
+        # The only abort allowed is the designed one: a target a fast replica
+        # passed before it heard of it (the coordinator then names a later step
+        # with a doubled margin). Anything else lost a save.
+        assert len(r["abort_reasons"]) == r["aborts"], r
+        assert all("learnt the target too late" in why for why in r["abort_reasons"]), r["abort_reasons"]
         st = r["step_s"]
         assert positive(st["p50"]) and st["p50"] <= st["p95"] <= st["p99"] <= st["max"]
         assert positive(r["median_stall_s"]) and r["median_stall_s"] < 0.5, r["median_stall_s"]

@@ -23,6 +23,11 @@ from conftest import ROOT, TINY, Job, child_env, crucible_cmd
 from crucible.checkpoint import store
 
 N = 60
+# The killed runs pace their data plane (64 KiB a step: ~0.13 s a step at
+# 4 Mbit/s) so that the kill lands mid-run on a fast host too: unpaced, an idle
+# machine runs all N steps before the first commit is seen. Pacing only sleeps;
+# the arithmetic, and so the final state, is unchanged.
+PACED = ["net.link_mbps=4"]
 CKPT = TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=0", "outer.H=3",
                "debug.dump_final=true", "fault.heartbeat_interval_s=0.2", "fault.heartbeat_timeout_s=6"]
 ARGS = ["--replicas", "2", "--stages", "2", "--steps", str(N), "--respawn-delay", "-1"]
@@ -124,14 +129,14 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sigkilled_and_resumed(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("sigkill") / "run")
-    job = _start(run_dir)
+    job = _start(run_dir, overrides=CKPT + PACED)
     try:
         _wait_for_commit(job, 4, 240)     # past the first outer round (H = 3)
     finally:
         job.kill()                        # SIGKILL to every process of the job
     assert alive_in_group(job.pgid) == []
     latest = store.list_checkpoints(os.path.join(run_dir, "checkpoints"))[-1]
-    job = _start(run_dir, resume=True)
+    job = _start(run_dir, overrides=CKPT + PACED, resume=True)
     try:
         assert job.wait(300) == 0, job.output()
     finally:
@@ -182,7 +187,7 @@ def test_corrupted_shard_is_caught_and_resume_falls_back(reference, sigkilled_an
 
 def test_sigterm_takes_a_final_checkpoint_and_resume_continues_there(reference, tmp_path):
     run_dir = str(tmp_path / "run")
-    overrides = CKPT + ["checkpoint.minimum_interval_s=0.5"]
+    overrides = CKPT + PACED + ["checkpoint.minimum_interval_s=0.5"]
     job = _start(run_dir, overrides=overrides)
     try:
         _wait_for_commit(job, 1, 240)

@@ -27,7 +27,13 @@ pytestmark = pytest.mark.slow
 STEPS = 48
 OVERRIDES = [o for o in TINY if not o.startswith(("checkpoint.", "model.n_layer"))] + [
     "model.n_layer=3", "outer.mode=sparseloco", "outer.H=2", "checkpoint.minimum_interval_s=0",
-    "debug.dump_final=true"]
+    "debug.dump_final=true",
+    # On a fast host the job must still last long enough for saves to be named
+    # between the kills (a restarted coordinator first watches the steps move
+    # for a second): the data plane is paced (64 KiB a step a boundary at
+    # 4 Mbit/s, ~0.13 s a step) and every shard write stretched by 0.3 s. Both
+    # only sleep: no number changes.
+    "net.link_mbps=4", "debug.persist_delay_s=0.3"]
 ARGS = ["--replicas", "2", "--stages", "3", "--steps", str(STEPS), "--respawn-delay", "1"]
 
 

@@ -351,3 +351,57 @@ def test_a_worker_told_to_stop_leaves_its_outer_round_without_a_traceback():
             cli.outer_exchange(0, 0, b"", "diloco", 4, 1, timeout=30)
     finally:
         cli.channel.close()
+
+
+# ---- a Pipe that arrives while its worker is registering ---------------------------------------
+
+
+def _dial(svc, src_replica: int):
+    """Start a Pipe read on ``svc`` as the gRPC server would; returns (thread, stream)."""
+    import queue
+
+    from crucible.worker.dataplane import UpstreamStream
+
+    stream = UpstreamStream(queue.Queue(maxsize=4))
+    hello = pb.Frame(kind=pb.Frame.HELLO, epoch=1, src_replica=src_replica, src_stage=0)
+    t = threading.Thread(target=svc._read, args=(iter([hello]), stream, "ipv4:127.0.0.1:1"), daemon=True)
+    t.start()
+    return t, stream
+
+
+def test_a_pipe_waits_for_the_registration_reply_instead_of_breaking_the_stream():
+    """The coordinator puts a worker in its route as it registers, so its
+    predecessor may dial in before the worker has its registration reply. That
+    stream used to be refused (UNAVAILABLE "still building"), which broke the
+    predecessor's stream until a step timed out 10 s later; now it waits for the
+    worker to be wired and is then checked as any other."""
+    import types
+
+    import grpc
+
+    from crucible.worker.dataplane import StageService
+
+    svc = StageService()
+    t, stream = _dial(svc, src_replica=1)
+    t.join(0.3)
+    assert t.is_alive() and stream.out.empty()          # waiting, not refused
+    links = types.SimpleNamespace(replica=0, detach_upstream=lambda s: False)
+    svc.ready(links, None, lambda stage: iter(()), lambda: 0, 10.0)
+    t.join(5.0)
+    assert not t.is_alive()
+    code, msg = stream.out.get_nowait()
+    # checked like any stream once wired: a HELLO from another replica is refused for that
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "replica 1" in msg, (code, msg)
+
+
+def test_a_pipe_to_a_worker_that_never_gets_wired_is_refused_after_the_bound(monkeypatch):
+    import grpc
+
+    from crucible.worker import dataplane
+
+    monkeypatch.setattr(dataplane, "PIPE_READY_WAIT_S", 0.2)
+    t, stream = _dial(dataplane.StageService(), src_replica=0)
+    t.join(5.0)
+    assert not t.is_alive()
+    code, msg = stream.out.get_nowait()
+    assert code == grpc.StatusCode.UNAVAILABLE and "still building" in msg

@@ -33,7 +33,7 @@ under ``config`` (with ``fault.on_stage_failure`` and ``train.seed`` set per
 run as above). N = 30 s, budget 120 s.
 
 ``--quick`` is a smoke test of the whole path (about a minute on an idle
-machine): a 1 x 3 job of a tiny model without checkpointing, 6 s of training
+machine): a 2 x 3 job of a tiny model without checkpointing, 6 s of training
 per run, ``failure_free``, ``skip`` and ``wait`` only, one repeat unless
 ``--repeats`` says otherwise, one SIGKILL of r0s1 each triggered by its step
 (``r0s1@step=60``; the start-up time varies too much on a loaded machine for a
@@ -137,13 +137,15 @@ FULL = {"budget_s": 120.0, "startup_timeout_s": 240.0, "tail_s": 3.0, "recover_c
         "runs": [("failure_free", "skip", None), ("skip", "skip", "inner@every=30"),
                  ("wait", "wait", "inner@every=30"), ("restart", "restart", "inner@every=30"),
                  ("skip_any", "skip", "any@every=30")]}
-# --quick: a smoke test of the whole path, about a minute: a 1 x 3 job of a tiny
-# model (start-up is most of the time: few processes), no checkpointing, one kill
+# --quick: a smoke test of the whole path, about a minute: a 2 x 3 job of a tiny
+# model (start-up is most of the time: few processes; two replicas, so that the
+# replacement has a live peer to pull its stage from: with one replica and no
+# checkpoint a lost stage is lost for good, and the job stops), no checkpointing, one kill
 # each, triggered by the step (start-up time varies too much on a loaded machine
 # for a kill on a timer to land inside a short budget). The start-up alone takes
 # ~40 s at a load average of 8: a generous start-up timeout.
 QUICK = {"budget_s": 6.0, "startup_timeout_s": 120.0, "tail_s": 1.5, "recover_cap_s": 8.0, "stop_grace_s": 3.0,
-         "replicas": 1, "stages": 3, "kill_every_s": None, "repeats": 1,
+         "replicas": 2, "stages": 3, "kill_every_s": None, "repeats": 1,
          "model": QUICK_MODEL + ["train.eval_every=40", "train.eval_batches=2"],
          "extra": ["checkpoint.enable_checkpointing=false"],
          "runs": [("failure_free", "skip", None), ("skip", "skip", "r0s1@step=60"),

@@ -262,6 +262,7 @@ def bench_runs(quick: bool, repeats: int | None = None) -> dict:
 
     default_interval = CheckpointConfig.minimum_interval_s
     samples: dict[str, dict] = {name: {"step_s": [], "run_median": [], "wall": [], "commits": [], "aborts": 0,
+                                        "abort_reasons": [],
                                         "ledger": [], "cpu": []} for name, _ in settings}
     root = tempfile.mkdtemp(prefix="crucible-bench-ckpt-runs-", dir=os.environ.get("CRUCIBLE_BENCH_DIR"))
     try:
@@ -293,6 +294,7 @@ def bench_runs(quick: bool, repeats: int | None = None) -> dict:
                                   - min(e["time"] for e in steps_ev if e["step"] >= warmup))
                 sm["commits"].append([e for e in events if e["event"] == "ckpt_commit"])
                 sm["aborts"] += sum(e["event"] == "ckpt_abort" for e in events)
+                sm["abort_reasons"] += [e.get("reason", "") for e in events if e["event"] == "ckpt_abort"]
                 last = {}
                 for e in events:
                     if e["event"] == "goodput":
@@ -320,6 +322,9 @@ def bench_runs(quick: bool, repeats: int | None = None) -> dict:
             "median_wall_s": statistics.median(sm["wall"]),
             "commits": len(commits),
             "aborts": sm["aborts"],
+            # a save named too close ahead (a replica passed its step before it
+            # heard of it) is aborted and named again further ahead: by design
+            "abort_reasons": sm["abort_reasons"],
             "median_stall_s": statistics.median([c["stall_s"] for c in commits]) if commits else None,
             "median_persist_s": statistics.median([c["persist_s"] for c in commits]) if commits else None,
             "bytes_per_checkpoint": commits[-1]["bytes"] if commits else None,

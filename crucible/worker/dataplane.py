@@ -46,6 +46,7 @@ log = logging.getLogger("crucible.dataplane")
 SERVICE = "crucible.v1.Stage"
 K = pb.Frame
 SEND_QUEUE = 64          # frames queued for one stream before the producer waits
+PIPE_READY_WAIT_S = 5.0   # how long a Pipe waits for a worker that is just registering
 
 
 @dataclass
@@ -214,6 +215,7 @@ class StageService:
 
     def __init__(self):
         self.links = None
+        self._ready = threading.Event()
         self.decoder: FrameDecoder | None = None
         self.weights: Callable[[int], Any] | None = None
         self.step: Callable[[], int] = lambda: 0
@@ -223,6 +225,7 @@ class StageService:
               rpc_timeout: float) -> None:
         self.decoder, self.weights, self.step, self.rpc_timeout = decoder, weights, step, rpc_timeout
         self.links = links
+        self._ready.set()
 
     def handlers(self) -> dict:
         return {
@@ -261,6 +264,13 @@ class StageService:
     def _read(self, frames, stream: "UpstreamStream", peer: str) -> None:
         links = self.links
         try:
+            if links is None:
+                # The coordinator names this worker in a route as it registers,
+                # so a predecessor can dial in while the registration reply is
+                # still on its way here: wait for it, bounded (refusing broke
+                # that predecessor's stream until a step timed out, 10 s).
+                self._ready.wait(timeout=PIPE_READY_WAIT_S)
+                links = self.links
             if links is None:
                 raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "worker is still building its stage")
             hello = next(frames, None)
