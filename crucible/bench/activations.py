@@ -53,8 +53,9 @@ are reported apart.
 Targets (``TARGETS``): a candidate row needs the ratio (a measurement without
 noise to speak of) and a loss within the bound; the loss part's verdict is
 ``common.verdict(mean paired difference vs none, bound, its 95 % half-width)``:
-"met" at or under the bound, "within noise" over it by less than the
-half-width, else "missed". A candidate short of the ratio is "missed". A
+"met" when the difference plus its half-width is within the bound,
+"missed" when the difference minus its half-width is over it, else "within
+noise". A candidate short of the ratio is "missed". A
 target takes the best verdict among its candidates.
 
 ``--quick``: a tiny model, 1 x 2 stages, K fixed at a few steps, two seeds,
@@ -915,8 +916,9 @@ def readme_part(r: dict, name: str = "activations") -> str:
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
-        "Targets (met: the mean paired difference is within the bound; within noise: over it by less than its "
-        "95% half-width; missed: otherwise, or short of the ratio):",
+        "Targets (met: the mean paired difference plus its 95% half-width is within the bound; missed: the "
+        "difference minus its half-width is over it, or the ratio falls short; within noise: in between, the seeds "
+        "cannot tell):",
         "",
         *targets,
     ]) + "\n"

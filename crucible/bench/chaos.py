@@ -87,9 +87,10 @@ against ``wait``: their goodput repeat by repeat (``common.paired_gap``),
 "within noise" when the 95 % interval holds 0.
 
 Targets (with a kill every 30 s), stated for ``skip`` and judged for every
-faulty variant by ``common.verdict`` ("met", "missed", or "within noise"
-when a target on a mean over the repeats misses by less than its 95 %
-half-width; a target on the pooled kills' p50 is met or missed): goodput >= 90 %
+faulty variant by ``common.verdict`` ("met" when a mean over the repeats
+meets its target even with its 95 % half-width added, "missed" when it misses
+even with it taken off, else "within noise"; a target on the pooled kills'
+p50 is met or missed): goodput >= 90 %
 of the failure-free run's; held-out loss within 3 % of the failure-free run's
 at the same wall time (the training loss when a run has no held-out loss);
 route change <= 0.5 s after a SIGKILL (p50); next committed step within
@@ -640,8 +641,9 @@ def readme_part(r: dict, name: str = "chaos") -> str:
     v = s["verdicts"]
     g = stated.get("goodput_vs_failure_free", {})
     sw = s.get("skip_vs_wait_goodput")
-    targets = (f"Targets ({TARGETS['stated_for']}, over {_n(s['repeats'], 'repeat')}; \"within noise\": misses by less "
-               f"than the 95% half-width): goodput ≥ 90% ({_mean_sd(g) if g else 'n/a'}: "
+    targets = (f"Targets ({TARGETS['stated_for']}, over {_n(s['repeats'], 'repeat')}; met: even with the 95% "
+               f"half-width against it; missed: even with it in its favour; else \"within noise\"): goodput ≥ 90% "
+               f"({_mean_sd(g) if g else 'n/a'}: "
                f"{_verdict(v.get('goodput_ge_90pct'))}); held-out loss within 3% of failure-free "
                f"({_gap(stated[stated['loss_target_on']]) if stated else 'n/a'}: "
                f"{_verdict(v.get('loss_within_3pct'))}); route change ≤ 0.5 s at p50 "
