@@ -34,6 +34,8 @@ def _add_launch(sub) -> None:
     p.add_argument("--respawn-delay", type=float, default=1.0,
                    help="seconds before a dead worker is started again; negative = never")
     p.add_argument("--chaos", help="fault-injection spec (see README)")
+    p.add_argument("--device", help="where the workers compute: cpu, cuda (GPUs round-robin) or cuda:N "
+                                    "(job.device; README, 'GPUs')")
     p.add_argument("--no-check", action="store_true", help="skip the pre-flight checks (crucible check)")
     _tls_flags(p)
 
@@ -43,7 +45,7 @@ def _add_check(sub) -> None:
     _common_job_args(p)
     p.add_argument("--run-dir", help="also check the run directory (refused if it holds checkpoints "
                                      "and --resume is not given)")
-    p.add_argument("--device", default="cpu", help="where to run the test microbatch (cpu or cuda:N)")
+    p.add_argument("--device", default="", help="where to run the test microbatch (default: job.device's first slot)")
     p.add_argument("--quiet", action="store_true", help="print nothing when every check passes")
 
 
@@ -66,7 +68,7 @@ def _add_worker(sub) -> None:
     p.add_argument("--stage", type=int, default=-1)
     p.add_argument("--bind", default="127.0.0.1:0", help="data-plane host:port (port 0 = any free port)")
     p.add_argument("--advertise", default="", help="host:port other workers dial (default: the bound one)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--device", default="", help="cpu, cuda (round-robin by slot) or cuda:N (default: job.device)")
     _tls_flags(p)
 
 

@@ -23,6 +23,14 @@ from typing import Any
 
 
 ACTIVATION_CODECS = ("none", "bf16", "int8", "int4", "subspace")
+PRECISIONS = ("fp32", "tf32", "bf16")
+# model.preset -> (n_layer, n_head, d_model); parameters with the byte vocabulary
+# and train.seq_len 512: small 1.6M, gpt-50m 57M, gpt-200m 202M.
+MODEL_PRESETS = {
+    "small": {"n_layer": 8, "n_head": 4, "d_model": 128},
+    "gpt-50m": {"n_layer": 8, "n_head": 12, "d_model": 768},
+    "gpt-200m": {"n_layer": 16, "n_head": 16, "d_model": 1024},
+}
 
 
 class ConfigError(ValueError):
@@ -33,10 +41,19 @@ class ConfigError(ValueError):
 class JobConfig:
     replicas: int = 2          # data-parallel replicas (R)
     stages: int = 4            # pipeline stages per replica (S)
+    # Where workers compute: "cpu", "cuda" (the visible GPUs round-robin over
+    # the slots r*S+s: one stage per GPU when there are enough, several
+    # otherwise) or "cuda:N" (every worker on GPU N). `worker --device`
+    # overrides it for one worker.
+    device: str = "cpu"
 
 
 @dataclass
 class ModelConfig:
+    # A named size ("small" = the defaults below, "gpt-50m", "gpt-200m"): it
+    # sets n_layer, n_head and d_model; any of those given explicitly (file or
+    # override, in any order) wins over the preset.
+    preset: str = ""
     n_layer: int = 8           # transformer blocks in all, split over the stages
     n_head: int = 4
     d_model: int = 128
@@ -83,6 +100,14 @@ class TrainConfig:
     eval_split: str = "all"
     seed: int = 1337
     schedule: str = "1f1b"      # "1f1b" or "gpipe"
+    # fp32 | tf32 (float32 matmuls on TF32 tensor cores; CUDA only, the same as
+    # fp32 on a CPU) | bf16 (autocast to bfloat16, float32 master weights and
+    # optimizer state). With bf16 the stage boundaries travel in bfloat16: half
+    # the bytes before any codec.
+    precision: str = "fp32"
+    # Recompute each block's activations in backward instead of keeping them
+    # (torch.utils.checkpoint): less memory per stage, about a third more compute.
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -208,11 +233,28 @@ class Config:
                 raise ConfigError(f"cannot read config file {path}: {e}") from None
             cfg.apply_tree(tree)
         if overrides:
-            items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides]
+            items = list(overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides])
+            given = [k for k, _ in items]
+            if path:
+                given += [f"model.{k}" for k in (tree.get("model") or {}) if isinstance(tree.get("model"), dict)]
             for key, value in items:
                 cfg.set(key, value)
+                if key == "model.preset":
+                    cfg._apply_preset(keep=given)
         cfg.validate()
         return cfg
+
+    def _apply_preset(self, keep: list[str] = ()) -> None:
+        """Set what model.preset names, except the keys in `keep` (given explicitly)."""
+        name = self.model.preset
+        if not name:
+            return
+        if name not in MODEL_PRESETS:
+            raise ConfigError(f"bad value for 'model.preset': must be one of {', '.join(MODEL_PRESETS)} "
+                              f"(got {name!r})")
+        for key, value in MODEL_PRESETS[name].items():
+            if f"model.{key}" not in keep:
+                setattr(self.model, key, value)
 
     @classmethod
     def from_dict(cls, tree: dict) -> "Config":
@@ -239,6 +281,9 @@ class Config:
                 raise ConfigError(f"'{section}' must be a section ([{section}]), got a value")
             for key, value in values.items():
                 self.set(f"{section}.{key}", value)
+        model = tree.get("model")
+        if isinstance(model, dict) and model.get("preset"):
+            self._apply_preset(keep=[f"model.{k}" for k in model if k != "preset"])
 
     def set(self, dotted: str, value: Any) -> None:
         section_name, _, key = dotted.partition(".")
@@ -265,6 +310,8 @@ class Config:
     def _check_model(self) -> None:
         need, m = self._need, self.model
         need(self.job.replicas >= 1, "job.replicas", "must be >= 1")
+        need(_device_ok(self.job.device), "job.device", "must be cpu, cuda or cuda:N")
+        need(not m.preset or m.preset in MODEL_PRESETS, "model.preset", f"must be one of {', '.join(MODEL_PRESETS)}")
         need(self.job.stages >= 1, "job.stages", "must be >= 1")
         need(m.d_model >= 1, "model.d_model", "must be >= 1")
         need(m.n_head >= 1 and m.d_model % m.n_head == 0, "model.n_head", "must divide model.d_model")
@@ -296,6 +343,7 @@ class Config:
         need(t.eval_every >= 0, "train.eval_every", "must be >= 0")
         need(t.eval_split in ("all", "validation", "test"), "train.eval_split", "must be all, validation or test")
         need(t.schedule in ("1f1b", "gpipe"), "train.schedule", "must be 1f1b or gpipe")
+        need(t.precision in PRECISIONS, "train.precision", f"must be one of {', '.join(PRECISIONS)}")
 
     def _check_outer(self) -> None:
         need, o = self._need, self.outer
@@ -375,6 +423,11 @@ class Config:
     def get(self, dotted: str) -> Any:
         section, _, key = dotted.partition(".")
         return getattr(getattr(self, section), key)
+
+
+def _device_ok(spec: str) -> bool:
+    name, sep, index = spec.partition(":")
+    return spec == "cpu" or (name == "cuda" and (not sep or index.isdigit()))
 
 
 def _sections() -> list[str]:

@@ -114,7 +114,8 @@ class Launcher:
         self.args = args
         self.run_dir = os.path.abspath(args.run_dir or default_run_dir())
         self.overrides = list(overrides)
-        for key, val in (("job.replicas", args.replicas), ("job.stages", args.stages), ("train.steps", args.steps)):
+        for key, val in (("job.replicas", args.replicas), ("job.stages", args.stages), ("train.steps", args.steps),
+                         ("job.device", getattr(args, "device", None))):
             if val is not None:
                 self.overrides.append(f"{key}={val}")
         self.cfg = Config.load(args.config, self.overrides)   # fail early, naming the bad key

@@ -24,7 +24,10 @@ ids ``[B, T]`` int64 on stage 0, the residual stream ``[B, T, d]`` elsewhere)
 and returns the residual stream ``[B, T, d]``; the last stage's module must
 also have ``loss(h, targets) -> scalar`` (mean cross-entropy). Boundaries must
 stay ``[B, T, d_model]`` float32 so that stage skipping and the activation
-codecs work.
+codecs work (with ``train.precision = bf16`` the worker rounds them to
+bfloat16 for the wire and hands the next stage float32 again).
+``train.activation_checkpointing`` applies to the built-in model's blocks;
+a builder's model does its own.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from crucible.subspace import project, projection
 
@@ -49,6 +53,7 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 128
     subspace_rank: int = 0
+    activation_checkpointing: bool = False   # recompute each block in backward
 
 
 class CausalSelfAttention(nn.Module):
@@ -144,6 +149,7 @@ class Stage(nn.Module):
         self.register_buffer("subspace", subspace, persistent=False)
         self.register_buffer("shift", shift, persistent=False)
         self.needs_tokens = shift is not None and not self.first
+        self.checkpoint_blocks = c.activation_checkpointing
         if self.first:
             self.wte = nn.Embedding(c.vocab_size, c.d_model)
             self.wpe = nn.Embedding(c.block_size, c.d_model)
@@ -170,7 +176,12 @@ class Stage(nn.Module):
                 raise ValueError("this stage needs the token ids (model.subspace_token_shift > 0)")
             x = project(x, self.subspace) + self.shift[tokens]
         for block in self.blocks.values():
-            x = block(x)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                # keep only the block's input; its insides are recomputed in backward
+                # (no dropout or other randomness: the recomputation is exact)
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return x
 
     def loss(self, h, targets):
@@ -203,7 +214,8 @@ def build_stage(cfg, stage: int, n_stages: int) -> nn.Module:
             raise ValueError(f"model.builder {m.builder!r} does not import: {e}") from None
         return fn(stage, n_stages, cfg)
     gc = GPTConfig(vocab_size=m.vocab_size, block_size=cfg.train.seq_len, n_layer=m.n_layer,
-                   n_head=m.n_head, d_model=m.d_model, subspace_rank=m.subspace_rank)
+                   n_head=m.n_head, d_model=m.d_model, subspace_rank=m.subspace_rank,
+                   activation_checkpointing=cfg.train.activation_checkpointing)
     basis = projection(m.d_model, m.subspace_rank, cfg.train.seed) if m.subspace_rank else None
     shift = None
     if basis is not None and m.subspace_token_shift > 0:

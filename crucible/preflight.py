@@ -169,12 +169,19 @@ def _check_sizes(cfg: Config, boundary: tuple[int, int, int], numels: list[int])
                                   f"net.max_message_mb or use outer.mode = sparseloco")
 
 
-def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: str = "cpu") -> list[str]:
-    """Every check; raises CheckFailed with one line, else returns summary lines."""
+def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: str = "") -> list[str]:
+    """Every check; raises CheckFailed with one line, else returns summary lines.
+    `device` "" is job.device as its first slot gets it."""
     import torch
+
+    from crucible import devices
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
+    try:
+        device = str(devices.resolve(device or cfg.job.device, 0, 0, cfg.job.stages))
+    except devices.DeviceError as e:
+        raise CheckFailed(str(e)) from None
     check_run_dir(run_dir, resume)
     corpus, data_line = check_data(cfg)
     model_line = check_model(cfg, corpus, device)

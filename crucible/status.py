@@ -51,6 +51,15 @@ def format_progress(st: dict) -> str:
     return " | ".join(parts)
 
 
+def _device(w: dict) -> str:
+    """cpu, or cuda:0 with its memory: allocated / peak / total MiB."""
+    dev = w.get("device") or "-"
+    if "mem_total_mb" in w:
+        dev += (f" {w.get('mem_allocated_mb', 0):,}/{w.get('mem_peak_mb', 0):,}/{w['mem_total_mb']:,} MiB "
+                "(alloc/peak/total)")
+    return dev
+
+
 def format_table(st: dict) -> str:
     lines = [f"run {st['run_dir']}  epoch {st['epoch']:#x}  elapsed {st['elapsed_s']:.0f}s  "
              f"latest checkpoint step {_fmt(st['checkpoint']['latest_committed_step'], 'd')}"]
@@ -63,10 +72,10 @@ def format_table(st: dict) -> str:
                  for b in r.get("links") or []]
         if links:
             lines.append(f"{'r%d' % r['id']:>7} links (Mbit/s down/up over a step): {'  '.join(links)}")
-    lines.append(f"{'worker':>7} {'state':>9} {'pid':>7}  address")
+    lines.append(f"{'worker':>7} {'state':>9} {'pid':>7}  {'address':<21} device")
     for w in st["workers"]:
         lines.append(f"{'r%ds%d' % (w['replica'], w['stage']):>7} {w['state']:>9} {_fmt(w['pid'], 'd'):>7}  "
-                     f"{w['address'] or '-'}")
+                     f"{w['address'] or '-':<21} {_device(w)}")
     return "\n".join(lines)
 
 

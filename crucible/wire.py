@@ -33,21 +33,25 @@ class WireError(ValueError):
 
 
 def to_wire(t: torch.Tensor, codec=None) -> pb.Tensor:
+    """A codec encodes where `t` is (on a GPU: quantize there, copy the compact
+    payload); a raw tensor is copied to host whole."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
     raw = t.numel() * t.element_size()
     if codec is not None:
         return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=codec.encode(t),
                          codec=codec.name, raw_nbytes=raw)
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
     data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=data, raw_nbytes=raw)
 
 
 def from_wire(msg: pb.Tensor, expect_dtype: torch.dtype, expect_shape: tuple[int, ...],
-              what: str = "tensor", codec=None) -> torch.Tensor:
-    """Decode and validate; returns a fresh, writable, contiguous tensor."""
+              what: str = "tensor", codec=None, device=None) -> torch.Tensor:
+    """Decode and validate; returns a fresh, writable, contiguous tensor. A
+    codec's payload decodes to float32 (whatever the sender's dtype, which must
+    still be the expected one), built on `device` (default: the CPU)."""
     if msg.dtype not in DTYPES:
         raise WireError(f"{what}: unknown dtype {msg.dtype!r}")
     dtype = DTYPES[msg.dtype]
@@ -63,10 +67,10 @@ def from_wire(msg: pb.Tensor, expect_dtype: torch.dtype, expect_shape: tuple[int
         if codec is None or msg.codec != codec.name:
             raise WireError(f"{what}: codec {msg.codec!r}, this boundary uses {getattr(codec, 'name', 'none')!r}")
         try:
-            t = codec.decode(msg.data, shape)
+            t = codec.decode(msg.data, shape, device=device)
         except ValueError as e:
             raise WireError(f"{what}: payload does not decode: {e}") from None
-        if t.dtype != dtype or tuple(t.shape) != shape:
+        if t.dtype != torch.float32 or tuple(t.shape) != shape:
             raise WireError(f"{what}: decoded to {NAMES.get(t.dtype)} {list(t.shape)}")
         return t
     if codec is not None and codec.name != "none":

@@ -110,6 +110,7 @@ class Coordinator:
         self.report_seq = last_sequence_numbers(metrics_path)    # source -> newest seq written
         self.metrics = MetricsLog(metrics_path)
         self.last_errors: dict[tuple[int, int], dict] = {}   # slot -> its last worker_error
+        self.devices: dict[tuple[int, int], dict] = {}       # slot -> its worker's device (and GPU memory)
         self.started = time.time()
         self.stopping = threading.Event()
         self.finished = threading.Event()
@@ -392,6 +393,9 @@ class Coordinator:
             rep.goodput = {k: v for k, v in ev.items() if k.endswith("_s") or k == "goodput"}
         elif kind == "worker_error":
             self._record_error((w.replica, w.stage), ev, w.worker_id)
+        elif kind == "device":
+            self.devices[(w.replica, w.stage)] = {k: v for k, v in ev.items()
+                                                  if k.startswith(("device", "mem_")) and isinstance(v, (str, int))}
         elif kind == "suspect":
             self._start_probe(ev.get("replica"), ev.get("stage"), str(ev.get("reason", "")),
                               reporter=w.stage if ev.get("replica") == w.replica else None)
@@ -560,7 +564,8 @@ class Coordinator:
                                 "pid": w.pid if w else None, "address": w.address if w else None,
                                 "worker_id": wid, "step": w.step if w else None,
                                 "last_seen_s": round(now - w.last_seen, 3) if w else None,
-                                "last_error": self.last_errors.get((r, s))})
+                                "last_error": self.last_errors.get((r, s)),
+                                **(self.devices.get((r, s), {}) if w else {})})
             return {
                 "version": crucible_version(),
                 "run_dir": self.run_dir,

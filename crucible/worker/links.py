@@ -200,6 +200,7 @@ class Links:
         if tuple(h.shape) != shape or h.dtype != torch.float32:
             raise ValueError(f"stage {self.stage}'s model returned {tuple(h.shape)} {h.dtype}; a stage boundary "
                              f"must be {shape} torch.float32 [microbatch, train.seq_len, model.d_model]")
+        h = h.detach().to(self.decoder.dtype)     # bf16 precision: the boundary is rounded once, here
         f = self.frame(kind, step, micro, self.down_epoch, tensor=to_wire(h, self.decoder.fwd_codec),
                        targets=targets_msg, **extra)
         st.sent(f, time.perf_counter() - t0, down=True)
@@ -221,7 +222,7 @@ class Links:
         t0 = time.perf_counter()
         f = self.frame(kind, step, micro, up.epoch, **kw)
         if g is not None:
-            f.tensor.CopyFrom(to_wire(g, self.decoder.bwd_codec))
+            f.tensor.CopyFrom(to_wire(g.detach().to(self.decoder.dtype), self.decoder.bwd_codec))
         st.sent(f, time.perf_counter() - t0)
         up.send(f)
 

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from crucible import exits, procs, rpc
+from crucible import devices, exits, procs, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible.compress.activations import make_codec
 from crucible.config import Config
@@ -73,10 +73,12 @@ def boundary_codec(spec: str, cfg: Config):
 
 class Worker:
     def __init__(self, coordinator: str, token: str, replica: int = -1, stage: int = -1,
-                 bind: str = "127.0.0.1:0", advertise: str = "", device: str = "cpu"):
+                 bind: str = "127.0.0.1:0", advertise: str = "", device: str = ""):
         self.coordinator, self.token = coordinator, token
         self.replica, self.stage = replica, stage
-        self.bind, self.advertise, self.device = bind, advertise, torch.device(device)
+        self.bind, self.advertise = bind, advertise
+        self.device_spec = device            # "" = the job's (job.device), resolved once the slot is known
+        self.device = torch.device("cpu")
         self.cfg: Config | None = None
         self.stop_requested = threading.Event()
         self.exit_code = 0
@@ -158,6 +160,7 @@ class Worker:
         self.pulse = pulse.start(self.coordinator, reply.worker_id, cfg.fault.heartbeat_interval_s,
                                  cfg.fault.heartbeat_timeout_s)
         self.ctl.start_reporting()
+        self._report_device()
         threading.Thread(target=self.ctl.heartbeat_loop, args=(cfg.fault.heartbeat_interval_s, self.on_command),
                          kwargs={"on_reply": self.ckpt.on_heartbeat}, daemon=True, name="heartbeat").start()
         return reply
@@ -165,6 +168,9 @@ class Worker:
     def _build(self) -> None:
         """The stage's model, optimizer, outer state, and (stage 0) data."""
         cfg, S = self.cfg, self.cfg.job.stages
+        self.device = devices.resolve(self.device_spec or cfg.job.device, self.replica, self.stage, S)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         torch.manual_seed(cfg.train.seed * 1000 + self.replica * 100 + self.stage)
         self.model = build_stage(cfg, self.stage, S).to(self.device)
         send_tokens = tokens_needed(cfg)              # stage 0 ships the input ids ...
@@ -176,7 +182,8 @@ class Worker:
         self.decoder = FrameDecoder((mb, cfg.train.seq_len, cfg.model.d_model), cfg.train.microbatches,
                                     cfg.train.eval_batches, cfg.model.vocab_size,
                                     boundary_codec(cfg.compress.forward, cfg), boundary_codec(cfg.compress.backward, cfg),
-                                    needs_tokens=needs_tokens, send_tokens=send_tokens)
+                                    needs_tokens=needs_tokens, send_tokens=send_tokens,
+                                    dtype=devices.boundary_dtype(cfg.train.precision), device=self.device)
         # (above what the schedule ever has in flight)
         self.inbox = Inbox(cap=2 * (cfg.train.microbatches + cfg.train.eval_batches) + 8)
         self.ledger = Ledger(self._report, self.replica)
@@ -229,6 +236,14 @@ class Worker:
         close, then the checkpoint's snapshot (never between the two)."""
         self.outer_round.after(step)
         self.ckpt.after_commit(snapshot)
+        if self.device.type == "cuda" and time.monotonic() - self.device_reported > 10.0:
+            self._report_device()
+
+    def _report_device(self) -> None:
+        """This worker's device and (on a GPU) its memory, for `status`."""
+        self.device_reported = time.monotonic()
+        self._report({"event": "device", "replica": self.replica, "stage": self.stage,
+                      **devices.describe(self.device)})
 
     def _report(self, event: dict) -> None:
         self.ctl.report(event)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from crucible import devices
 from crucible.worker import optim
 
 
@@ -42,17 +43,31 @@ class StageStep:
         self.model, self.opt, self.train = model, opt, train_cfg
         self.device, self.first, self.needs_tokens = device, first, needs_tokens
         self.M = train_cfg.microbatches
+        self.precision = getattr(train_cfg, "precision", "fp32")
+        devices.setup_precision(self.precision, device)
         self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids as they are; an activation (float32, or bfloat16 off a bf16
+        boundary) as a float32 tensor on the device: the residual stream."""
+        if self.first:
+            return x.to(self.device)
+        return x.to(self.device, torch.float32)
+
     def _run(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
-        if self.needs_tokens:
-            return self.model(x, tokens=tokens.to(self.device))
-        return self.model(x)
+        with devices.autocast(self.precision, self.device):
+            if self.needs_tokens:
+                return self.model(x, tokens=tokens.to(self.device))
+            return self.model(x)
+
+    def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with devices.autocast(self.precision, self.device):
+            return self.model.loss(h, targets.to(self.device))
 
     def forward(self, micro: int, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Stage 0 takes token ids; the others an activation, whose gradient
         ``backward`` returns."""
-        x = x.to(self.device)
+        x = self._input(x)
         if not self.first:
             x = x.requires_grad_(True)
         h = self._run(x, tokens)
@@ -65,14 +80,14 @@ class StageStep:
     def loss_backward(self, micro: int, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
         """The last stage: this microbatch's loss (unscaled) and its backward,
         scaled by 1/M; returns (loss, the input's gradient)."""
-        loss = self.model.loss(h, targets.to(self.device)) / self.M
+        loss = self._loss(h, targets) / self.M
         loss.backward()
         x, _ = self.saved.pop(micro)
         return float(loss.detach()) * self.M, (x.grad if x is not None else None)
 
     def backward(self, micro: int, grad: torch.Tensor) -> torch.Tensor | None:
         x, h = self.saved.pop(micro)
-        h.backward(grad.to(self.device))
+        h.backward(grad.to(self.device, h.dtype))
         return x.grad if x is not None else None
 
     def grad_sumsq(self) -> float:
@@ -98,8 +113,8 @@ class StageStep:
 
     def evaluate(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         with torch.no_grad():
-            return self._run(x.to(self.device), tokens)
+            return self._run(self._input(x), tokens)
 
     def eval_loss(self, h: torch.Tensor, targets: torch.Tensor) -> float:
         with torch.no_grad():
-            return float(self.model.loss(h, targets.to(self.device)))
+            return float(self._loss(self._input(h), targets))
