@@ -137,7 +137,7 @@ def _add_results(sub) -> None:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("what", choices=["launch", "pipeline", "outer", "activations", "ckpt", "chaos", "soak",
-                                          "slurm", "network", "readme"],
+                                          "slurm", "network", "gpu", "readme"],
                    help="a benchmark, or readme: regenerate the README's figures from bench/results")
     p.add_argument("--check", action="store_true",
                    help="bench readme: change nothing; exit 1 when a README figure differs from its result file")
@@ -145,8 +145,13 @@ def _add_bench(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a short run (for smoke tests)")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--size-mb", type=float, help="bench ckpt: state size in MB (default: the job's)")
-    p.add_argument("--repeats", type=int, help="bench ckpt, pipeline, chaos, launch: runs of each variant, "
-                                               "interleaved (default: ckpt 2, pipeline 5, chaos 3, launch 5; --quick 1)")
+    p.add_argument("--repeats", type=int, help="bench ckpt, pipeline, chaos, launch, gpu: runs of each variant, "
+                                               "interleaved (default: ckpt 2, pipeline 5, chaos 3, launch 5, gpu 1; "
+                                               "--quick 1)")
+    p.add_argument("--device", help="bench gpu: cuda (default: every stage on GPU 0), cuda:N or cpu (with --quick: "
+                                    "a CPU smoke test)")
+    p.add_argument("--peak-tflops", help="bench gpu: the GPU's dense peak TFLOP/s for MFU: 989 (bf16), or "
+                                         "bf16=989,fp32=67 (default: a table by the GPU's name)")
     p.add_argument("--minutes", type=float, help="bench soak: how long to inject faults (default 15)")
     p.add_argument("--gap", type=float, help="bench soak: mean seconds between faults (default 3)")
     p.add_argument("--seed", type=int, help="bench soak, slurm: the faults' random seed (default 1)")

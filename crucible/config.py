@@ -204,6 +204,9 @@ class DebugConfig:
     stall_outer: str = ""            # "r1s1:30": that worker sleeps 30 s inside each outer round (fault tests)
     dump_final: bool = False         # write run_dir/debug/final_r{r}s{s}.pt (model, optimizer, outer state) at the end
     persist_delay_s: float = 0.0     # stretch every shard write by this much (checkpoint fault tests)
+    # On a GPU: deterministic kernels only (torch.use_deterministic_algorithms,
+    # CUBLAS_WORKSPACE_CONFIG), for the bitwise GPU tests; slower. A CPU is deterministic already.
+    deterministic: bool = False
 
 
 @dataclass

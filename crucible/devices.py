@@ -21,6 +21,7 @@ them, several stages per GPU otherwise (they share its memory and compute).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -59,6 +60,14 @@ def describe(device: torch.device) -> dict:
             "mem_allocated_mb": round(torch.cuda.memory_allocated(device) / mib),
             "mem_reserved_mb": round(torch.cuda.memory_reserved(device) / mib),
             "mem_peak_mb": round(torch.cuda.max_memory_allocated(device) / mib)}
+
+
+def setup_deterministic(device: torch.device) -> None:
+    """Bitwise-reproducible GPU kernels (for the GPU tests): call before the
+    first cuBLAS call of the process."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def setup_precision(precision: str, device: torch.device) -> None:

@@ -37,6 +37,10 @@ KINDS: dict[str, str] = {
     "ckpt_restore": "a worker loaded its state from a checkpoint: replica, stage, step, outer_round, dir, seconds "
                     "(source: another replica's shard, for a slot vacant in it)",
     "ckpt_error": "a worker's previous persist failed: replica, stage, error",
+    "snapshot": "a worker's snapshot for a save: replica, stage, step, stall_s (the training loop's pause), "
+                "wait_previous_s, queued_s, copy_s, bytes, pinned",
+    "device": "a worker's device, at join and every 10 s on a GPU: replica, stage, device, and on CUDA "
+              "device_name, mem_total_mb, mem_allocated_mb, mem_reserved_mb, mem_peak_mb",
     # ---- the coordinator ----
     "coordinator_start": "address, incarnation, pid, replicas, stages, restored, version, config",
     "coordinator_restored": "a restarted coordinator continues its predecessor's membership: incarnation, "

@@ -9,6 +9,7 @@ INVALID_ARGUMENT). Nothing is ever silently reshaped.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -32,6 +33,29 @@ class WireError(ValueError):
     """An incoming tensor does not match what it declares or what is expected."""
 
 
+_local = threading.local()
+
+
+def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host buffer of this shape and dtype, reused by this thread
+    (a GPU copies to and from pinned memory about 4x faster than pageable)."""
+    cache = getattr(_local, "pinned", None)
+    if cache is None:
+        cache = _local.pinned = {}
+    key = (tuple(shape), dtype)
+    if key not in cache:
+        cache[key] = torch.empty(key[0], dtype=dtype, pin_memory=True)
+    return cache[key]
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t.cpu()
+    buf = _pinned(tuple(t.shape), t.dtype)
+    buf.copy_(t)             # waits for the copy (the buffer is read right after)
+    return buf
+
+
 def to_wire(t: torch.Tensor, codec=None) -> pb.Tensor:
     """A codec encodes where `t` is (on a GPU: quantize there, copy the compact
     payload); a raw tensor is copied to host whole."""
@@ -41,7 +65,7 @@ def to_wire(t: torch.Tensor, codec=None) -> pb.Tensor:
         return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=codec.encode(t),
                          codec=codec.name, raw_nbytes=raw)
     if t.device.type != "cpu":
-        t = t.cpu()
+        t = _to_host(t)
     t = t.contiguous()
     data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=data, raw_nbytes=raw)
@@ -78,7 +102,12 @@ def from_wire(msg: pb.Tensor, expect_dtype: torch.dtype, expect_shape: tuple[int
     if len(msg.data) != nbytes:
         raise WireError(f"{what}: {len(msg.data)} bytes for {msg.dtype} {list(shape)} (needs {nbytes})")
     if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
+    if device is not None and torch.device(device).type == "cuda":
+        # on the receiving thread, off the compute thread: through a pinned buffer to the GPU
+        buf = _pinned(shape, dtype)
+        buf.view(-1).view(torch.uint8).numpy()[:] = memoryview(msg.data)
+        return buf.to(device)
     return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(shape)
 
 

@@ -169,13 +169,13 @@ def positive(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
-def run_bench(name: str, out_path, timeout: float) -> dict:
-    """`crucible bench NAME --json --quick --out OUT` in its own process group,
+def run_bench(name: str, out_path, timeout: float, extra: tuple[str, ...] = ()) -> dict:
+    """`crucible bench NAME --json --quick --out OUT [extra...]` in its own process group,
     with a bounded wait: on a timeout SIGTERM (a bench closes its jobs), then
     SIGKILL; the group is killed at the end whatever happened. Returns its JSON,
     checked to be exactly what it wrote to OUT."""
-    proc = subprocess.Popen(crucible_cmd("bench", name, "--json", "--quick", "--out", str(out_path)), cwd=ROOT,
-                            env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(crucible_cmd("bench", name, "--json", "--quick", "--out", str(out_path), *extra),
+                            cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

@@ -75,7 +75,7 @@ def _cfg_overrides(stages: int, extra: tuple[str, ...] = ()) -> list[str]:
     return TINY + ["debug.dump_grads_step=0", f"train.microbatches={M}", *extra]
 
 
-def split_reference(stages: int, extra: tuple[str, ...]):
+def split_reference(stages: int, extra: tuple[str, ...], device: str = "cpu"):
     """One process, one thread, the model split into `stages` modules and run
     as the pipeline's workers run them (crucible.devices): each stage under
     the precision's autocast, each boundary rounded to the boundary dtype and
@@ -84,19 +84,20 @@ def split_reference(stages: int, extra: tuple[str, ...]):
 
     torch.set_num_threads(1)
     cfg = Config.load(None, TINY + ["job.replicas=1", f"job.stages={stages}", f"train.microbatches={M}", *extra])
-    mods = [build_stage(cfg, s, stages) for s in range(stages)]
-    cpu, prec = torch.device("cpu"), cfg.train.precision
+    dev, prec = torch.device(device), cfg.train.precision
+    devices.setup_precision(prec, dev)
+    mods = [build_stage(cfg, s, stages).to(dev) for s in range(stages)]
     wire = devices.boundary_dtype(prec)
     x, y = Corpus(cfg).reader(cfg, 0).batch_at(0, cfg.train.batch_size)
     losses = []
     for xm, ym in zip(x.chunk(M), y.chunk(M)):
-        h = xm
+        h, ym = xm.to(dev), ym.to(dev)
         for s, mod in enumerate(mods):
             if s:
                 h = h.to(wire).float()
-            with devices.autocast(prec, cpu):
+            with devices.autocast(prec, dev):
                 h = mod(h)
-        with devices.autocast(prec, cpu):
+        with devices.autocast(prec, dev):
             loss = mods[-1].loss(h, ym) / M
         loss.backward()
         losses.append(float(loss.detach()) * M)

@@ -103,9 +103,14 @@ def test_every_copy_of_a_stage_lost_is_rebuilt_from_a_checkpoint_and_the_rounds_
     checkpoint: no roll-back. The replacements load the old shard and replay the
     rounds the coordinator kept, so their global weights are bitwise the ones the
     dead workers had, and the two replicas agree again in the rounds after."""
+    every_copy_lost_is_rebuilt(start_job)
+
+
+def every_copy_lost_is_rebuilt(start_job, extra: tuple[str, ...] = ()) -> None:
+    """The scenario above; `extra` overrides (tests/test_gpu.py runs it on a GPU)."""
     job = start_job(["--replicas", "2", "--stages", "3", "--steps", "1000000", "--respawn-delay", "0.5"],
                     TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=100000",
-                            "outer.H=3", "debug.dump_outer=true"])
+                            "outer.H=3", "debug.dump_outer=true", *extra])
     job.wait_for(lambda st: job.events("ckpt_commit") and min(r["step"] for r in st["replicas"])
                  >= job.events("ckpt_commit")[0]["step"] + 12, 150, "four outer rounds past a committed checkpoint")
     victims = [w for w in job.status()["workers"] if w["stage"] == 1]

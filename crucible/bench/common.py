@@ -161,10 +161,11 @@ class EventTail:
 
 
 class Launch(Child):
-    """``crucible launch --run-dir D ...`` with stdout and stderr in D/launch.out."""
+    """``crucible launch --run-dir D ...`` with stdout and stderr in D/launch.out;
+    ``args``: more launcher flags (e.g. ``--no-check``), before the overrides."""
 
     def __init__(self, run_dir: str, replicas: int, stages: int, steps: int, overrides: Iterable[str] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, args: Iterable[str] = ()):
         self.run_dir = os.path.abspath(run_dir)
         self.steps = steps
         self._seen: dict[int, int] = {}     # replica -> latest step (progress line)
@@ -172,7 +173,7 @@ class Launch(Child):
         os.makedirs(self.run_dir, exist_ok=True)
         self.out_path = os.path.join(self.run_dir, "launch.out")
         argv = crucible_argv("launch", "--replicas", str(replicas), "--stages", str(stages), "--steps", str(steps),
-                             "--run-dir", self.run_dir, "--respawn-delay", "-1", *overrides)
+                             "--run-dir", self.run_dir, "--respawn-delay", "-1", *args, *overrides)
         with open(self.out_path, "wb") as out:
             super().__init__(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -469,6 +470,7 @@ def environment() -> dict:
         "grpcio": _version("grpcio"),
         "protobuf": _version("protobuf"),
         "gpu": _gpu(),
+        **_gpu_details(),
         "loadavg_start": loadavg(),
     }
 
@@ -482,6 +484,36 @@ def _gpu() -> str | None:
     except Exception:  # noqa: BLE001 - no driver: no GPU
         pass
     return None
+
+
+def _gpu_details() -> dict:
+    """With torch loaded: the CUDA version torch was built with and, where a GPU
+    is visible, the driver's version and every GPU's name (``nvidia-smi``, when
+    on the PATH). Nothing (an empty dict) without torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    out: dict = {"cuda": getattr(torch.version, "cuda", None), "gpu_driver": None}
+    try:
+        available = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - no driver: no GPU
+        available = False
+    if not available:
+        return out
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        rows = [[x.strip() for x in line.split(",")] for line in smi.stdout.strip().splitlines() if line.strip()]
+        if smi.returncode == 0 and rows:
+            out["gpu_driver"] = rows[0][1] if len(rows[0]) > 1 else None
+            out["gpus"] = [{"name": r[0], "memory": r[2] if len(r) > 2 else None} for r in rows]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        out["cudnn"] = torch.backends.cudnn.version()
+    except Exception:  # noqa: BLE001 - not built with cuDNN
+        pass
+    return out
 
 
 def full_config(overrides) -> dict | None:

@@ -182,8 +182,11 @@ def analyse(events: list[dict], stages: int, warmup: int) -> dict:
 
 
 def run_pipeline(workdir: str, stages: int, steps: int, warmup: int, extra: list[str],
-                 pin: dict[str, int] | None = None) -> dict:
-    name = f"S{stages}" + ("_pinned" if pin else "")
+                 pin: dict[str, int] | None = None, name: str | None = None,
+                 launch_args: list[str] | tuple = ()) -> dict:
+    """One launch of R = 1 and S stages; ``name`` (default ``S<stages>[_pinned]``)
+    names its run directory under ``workdir``; ``launch_args``: more launcher flags."""
+    name = name or f"S{stages}" + ("_pinned" if pin else "")
     run_dir = os.path.join(workdir, name)
     cores = common.usable_cores()
     info: dict = {"stages": stages, "replicas": 1, "steps": steps, "pinned": bool(pin),
@@ -207,7 +210,7 @@ def run_pipeline(workdir: str, stages: int, steps: int, warmup: int, extra: list
                     affinity[wname] = aff
 
     t0 = time.monotonic()
-    job = common.Launch(run_dir, 1, stages, steps, BASE_OVERRIDES + extra)
+    job = common.Launch(run_dir, 1, stages, steps, BASE_OVERRIDES + extra, args=launch_args)
     try:
         code = job.wait(timeout, poll=poll, every=0.1)
         info["wall_s_total"] = time.monotonic() - t0
@@ -246,9 +249,13 @@ def run_pipeline(workdir: str, stages: int, steps: int, warmup: int, extra: list
 
 
 def plain_main(steps: int, warmup: int, overrides: list[str]) -> int:
+    """The plain loop, on ``job.device`` (its first slot's) in ``train.precision``:
+    autocast around the forward and the loss as a stage does (one stage has no
+    boundary to round), the device synchronized before each step is stamped."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
+    from crucible import devices
     from crucible.config import Config
     from crucible.data import Corpus
     from crucible.model import build_stage
@@ -257,8 +264,12 @@ def plain_main(steps: int, warmup: int, overrides: list[str]) -> int:
     torch.set_num_threads(1)
     cfg = Config.load(None, ["job.replicas=1", "job.stages=1", f"train.steps={steps}"] + BASE_OVERRIDES + overrides)
     t, M = cfg.train, cfg.train.microbatches
+    device = devices.resolve(cfg.job.device, 0, 0, 1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    devices.setup_precision(t.precision, device)
     torch.manual_seed(t.seed * 1000)  # as worker r0s0 does
-    model = build_stage(cfg, 0, 1)
+    model = build_stage(cfg, 0, 1).to(device)
     opt = optim.make_optimizer(model, t)
     reader = Corpus(cfg).reader(cfg, 0)
     params = sum(p.numel() for p in model.parameters())
@@ -268,11 +279,13 @@ def plain_main(steps: int, warmup: int, overrides: list[str]) -> int:
         x, y = reader.batch_at(step * t.batch_size, t.batch_size)
         losses = []
         for xm, ym in zip(x.chunk(M), y.chunk(M)):
-            loss = model.loss(model(xm), ym) / M
+            with devices.autocast(t.precision, device):
+                loss = model.loss(model(xm.to(device)), ym.to(device)) / M
             loss.backward()
             losses.append(float(loss.detach()) * M)
         coef = optim.clip_coefficient(optim.grad_sumsq(model), t.grad_clip)
         optim.apply_step(model, opt, coef, optim.lr_at(step, t))
+        devices.synchronize(device)
         events.append({"event": "step", "replica": 0, "step": step, "loss": sum(losses) / M,
                        "tokens": t.batch_size * t.seq_len, "step_s": time.perf_counter() - t0,
                        "time": time.time(), "cpu": time.process_time()})
@@ -283,12 +296,17 @@ def plain_main(steps: int, warmup: int, overrides: list[str]) -> int:
     out = {"tokens_per_s": tp["tokens_per_s"], "throughput": tp, "params": params,
            "process_cpu_s": time.process_time(),
            "threads": torch.get_num_threads(), "losses": [e["loss"] for e in events]}
+    if device.type == "cuda":
+        out.update(devices.describe(device))
+    else:
+        out["device"] = str(device)
+    out["precision"] = t.precision
     print(json.dumps(out), flush=True)
     return 0
 
 
-def run_plain(steps: int, warmup: int, extra: list[str]) -> dict:
-    progress(f"plain: one process, no gRPC, {steps} steps")
+def run_plain(steps: int, warmup: int, extra: list[str], label: str = "plain") -> dict:
+    progress(f"{label}: one process, no gRPC, {steps} steps")
     argv = [sys.executable, "-m", "crucible.bench.pipeline", "--plain", str(steps), "--warmup", str(warmup)]
     for o in extra:
         argv += ["--set", o]
@@ -316,7 +334,7 @@ def run_plain(steps: int, warmup: int, extra: list[str]) -> dict:
         info["machine"] = {"busy_cores": (busy1 - busy0) / (t1 - t0), "others_cores": others}
         info["contended"] = others > 0.25
     info["loadavg_after"] = common.loadavg()
-    progress(f"plain: {info['tokens_per_s']:.0f} tokens/s")
+    progress(f"{label}: {info['tokens_per_s']:.0f} tokens/s")
     return common.round_floats(info)
 
 

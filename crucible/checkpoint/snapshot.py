@@ -26,6 +26,7 @@ import gc
 import logging
 import mmap
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,8 @@ class Snapshotter:
         self.dsts: list[Any] = []
         self.allocations = 0
         self.data_bytes = 0
+        self.queued_s = 0.0      # of the last snapshot on a GPU: waiting for work queued before it
+        self.copy_s = 0.0        # ... and the copies themselves (the pinned copy floor, in a job)
 
     def snapshot(self, state: dict) -> dict:
         # No cyclic garbage collection inside the stall: the small objects the
@@ -144,11 +147,14 @@ class Snapshotter:
         if sig != self.sig or self.region is None or self.region.size != enc.size:
             self._new_region(enc.size, enc.blobs)
             self.sig = sig
-        cuda = False
+        cuda = any(isinstance(src, torch.Tensor) and src.device.type == "cuda" for src in enc.payloads)
+        t0 = time.perf_counter()
+        if cuda:   # what the GPU still has queued is not the snapshot's: measured apart
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
         for dst, src in zip(self.dsts, enc.payloads):
             if isinstance(src, torch.Tensor):
                 nb = src.device.type == "cuda"
-                cuda = cuda or nb
                 dst.copy_(src, non_blocking=nb and self.region.pinned)
             elif isinstance(src, np.ndarray):
                 np.copyto(dst, src.reshape(dst.shape))
@@ -156,6 +162,7 @@ class Snapshotter:
                 dst[:] = bytes(src)
         if cuda:
             torch.cuda.synchronize()
+        self.queued_s, self.copy_s = t1 - t0, time.perf_counter() - t1
         self.data_bytes = enc.size
         return enc.header(tree)
 

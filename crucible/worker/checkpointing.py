@@ -292,10 +292,16 @@ class WorkerCheckpointer:
                                             error=f"skipped: {e}"))
             return
         t1 = time.perf_counter()
-        header = self._snapshotter().snapshot(self.state_dict())
+        snap = self._snapshotter()
+        header = snap.snapshot(self.state_dict())
         stall = time.perf_counter() - t1
         self.last_stall_s, self.last_wait_s = stall, t1 - t0
         self.on_stall(stall + self.last_wait_s)
+        # where the stall went: the previous persist, work a GPU still had queued, the copies
+        self._event("snapshot", step=ckpt_step, stall_s=round(stall + self.last_wait_s, 6),
+                    wait_previous_s=round(self.last_wait_s, 6), queued_s=round(snap.queued_s, 6),
+                    copy_s=round(snap.copy_s, 6), bytes=snap.data_bytes,
+                    pinned=bool(snap.region is not None and snap.region.pinned))
         if self._thread is None:
             self._thread = threading.Thread(target=self._persist_loop, daemon=True, name="ckpt-persist")
             self._thread.start()
@@ -473,7 +479,11 @@ class WorkerCheckpointer:
                 if outer.mode == "none":    # independent replicas: no global weights to share
                     model.load_state_dict(sd["model"])
                 else:
-                    outer.load_global(sd["outer"]["theta_global"], int(sd["outer"]["round"]))
+                    # with DiLoCo, that replica's outer momentum too: the next rounds then
+                    # move this copy exactly as they move the others
+                    nest = (sd["outer"].get("nesterov") or {}) if outer.nesterov is not None else None
+                    outer.load_global(sd["outer"]["theta_global"], int(sd["outer"]["round"]),
+                                      **({} if nest is None else {"momentum": nest.get("buf")}))
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 log.warning("%s: %s/%s does not fit this stage: %s", self.name, ck.path, name, e)
                 continue

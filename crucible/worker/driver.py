@@ -93,7 +93,7 @@ class Driver:
         snapshot = self.commit_flag(step)   # the checkpoint's cut: every stage snapshots after this step
         self.links.send_commit(step, coef, snapshot)
         lr = self.step.commit(step, coef)
-        st.compute += time.perf_counter() - t0
+        st.compute_since(t0, self.step.device)
         self.progress.set(step + 1)
         self.report({"event": "step", "replica": self.links.replica, "stage": 0, "step": step,
                      "loss": sum(losses) / self.M, "tokens": cfg.train.batch_size * cfg.train.seq_len, "lr": lr,
@@ -107,7 +107,7 @@ class Driver:
             t0 = time.perf_counter()
             loss, _ = self.step.loss_backward(m, self.step.forward(m, xs[m]), ys[m])
             losses.append(loss)
-            st.compute += time.perf_counter() - t0
+            st.compute_since(t0, self.step.device)
         return losses
 
     def _pipelined(self, step: int, epoch: int, xs, ys, st: StepStats) -> tuple[list[float], float]:
@@ -121,7 +121,7 @@ class Driver:
             if fwd < self.M and fwd - bwd < limit:
                 t0 = time.perf_counter()
                 h = self.step.forward(fwd, xs[fwd])
-                st.compute += time.perf_counter() - t0
+                st.compute_since(t0, self.step.device)
                 self.links.send_down(st, K.FORWARD, step, fwd, h, targets=ys[fwd], tokens=xs[fwd])
                 fwd += 1
                 continue
@@ -130,7 +130,7 @@ class Driver:
                 continue  # a late answer of an aborted attempt
             t0 = time.perf_counter()
             self.step.backward(bwd, ev.x)
-            st.compute += time.perf_counter() - t0
+            st.compute_since(t0, self.step.device)
             losses.append(ev.loss)
             if bwd == self.M - 1:
                 down_sumsq = ev.grad_sumsq

@@ -64,6 +64,9 @@ def dense_decode(payload: bytes, numel: int) -> torch.Tensor:
     return out
 
 
+KEEP = object()     # load_global: leave the outer momentum as it is
+
+
 class OuterState:
     def __init__(self, model: torch.nn.Module, outer_cfg, replicas: int = 2):
         self.cfg = outer_cfg
@@ -79,10 +82,15 @@ class OuterState:
         self.skipped: list[tuple[int, torch.Tensor | None]] = []   # (round, our Δ̂) not yet settled
         self.outcomes: dict[int, object] = {}   # skipped round -> its final reply, once asked for
 
-    def load_global(self, theta: torch.Tensor, outer_round: int) -> None:
-        """Replacement rule: θ_global from a peer, θ_local ← θ_global, e ← 0."""
+    def load_global(self, theta: torch.Tensor, outer_round: int, momentum=KEEP) -> None:
+        """Replacement rule: θ_global from a peer, θ_local ← θ_global, e ← 0;
+        with DiLoCo the peer's outer momentum too (``momentum``: its buffer, or
+        None before its first round; KEEP: this worker's own, e.g. from a
+        checkpoint)."""
         with self.lock, torch.no_grad():
             self.theta_global.copy_(theta)
+            if self.nesterov is not None and momentum is not KEEP:
+                self.nesterov.buf = None if momentum is None else momentum.to(self.theta_global.device, copy=True)
             if self.e is not None:
                 self.e.zero_()
             self.round = int(outer_round)

@@ -64,10 +64,10 @@ class Reactor:
         if self.links.down is None:   # last in the route: loss and backward at once
             loss, grad = self.step.loss_backward(ev.micro, h, ev.targets)
             sumsq = self._last_micro(ev, 0.0)
-            self.st.compute += time.perf_counter() - t0
+            self.st.compute_since(t0, self.step.device)
             self.links.send_up(self.st, K.BACKWARD, ev.step, ev.micro, ev.epoch, grad, loss=loss, grad_sumsq=sumsq)
         else:
-            self.st.compute += time.perf_counter() - t0
+            self.st.compute_since(t0, self.step.device)
             self.links.send_down(self.st, K.FORWARD, ev.step, ev.micro, h, targets_msg=ev.targets_msg,
                                  tokens_msg=ev.tokens_msg)
 
@@ -84,7 +84,7 @@ class Reactor:
         t0 = time.perf_counter()
         grad = self.step.backward(ev.micro, ev.x)
         sumsq = self._last_micro(ev, ev.grad_sumsq)
-        self.st.compute += time.perf_counter() - t0
+        self.st.compute_since(t0, self.step.device)
         self.links.send_up(self.st, K.BACKWARD, ev.step, ev.micro, None, grad, loss=ev.loss, grad_sumsq=sumsq)
 
     def on_commit(self, ev: Event) -> None:
@@ -96,7 +96,7 @@ class Reactor:
             self.step.commit(ev.step, ev.clip_coef)
         else:
             self.step.abort()
-        self.st.compute += time.perf_counter() - t0
+        self.st.compute_since(t0, self.step.device)
         self.progress.set(ev.step + 1)
         self.report({"event": "stage_step", "replica": self.links.replica, "stage": self.links.stage,
                      "step": ev.step, **self.st.as_dict()})

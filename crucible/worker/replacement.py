@@ -50,27 +50,35 @@ CHUNK = 1 << 20
 
 
 def weight_chunks(outer: OuterState, stage: int, my_stage: int, step: int):
-    """Serve PullWeights: a consistent copy of θ_global, in 1 MiB chunks."""
+    """Serve PullWeights: a consistent copy of θ_global, in 1 MiB chunks; with
+    DiLoCo followed by the outer momentum (``total`` = 2 x numel), which a
+    replacement needs to apply the next rounds exactly as its peers do."""
     if stage != my_stage:
         raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, f"this worker holds stage {my_stage}")
     with outer.lock:
-        theta = outer.theta_global.clone()
+        parts = [outer.theta_global.detach().to("cpu", copy=True)]     # (copied off a GPU, too)
+        if outer.nesterov is not None and outer.nesterov.buf is not None:
+            parts.append(outer.nesterov.buf.detach().to("cpu", copy=True))
         rnd = outer.round
-    data = theta.numpy().tobytes()
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+    data = flat.numpy().tobytes()
     for off in range(0, max(len(data), 1), CHUNK):
-        yield pb.WeightChunk(offset=off // 4, total=theta.numel(), data=data[off:off + CHUNK], step=step,
+        yield pb.WeightChunk(offset=off // 4, total=flat.numel(), data=data[off:off + CHUNK], step=step,
                              outer_round=rnd)
 
 
-def pull_weights(address: str, stage: int, numel: int, token: str, max_mb: int) -> tuple[torch.Tensor, int]:
-    """θ_global of `stage` from the worker at `address`: (weights, its outer round)."""
+def pull_weights(address: str, stage: int, numel: int, token: str, max_mb: int,
+                 momentum: bool = False) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """θ_global of `stage` from the worker at `address`: (weights, its outer
+    round, its DiLoCo momentum or None). `momentum`: the job runs DiLoCo (the
+    peer may send the momentum after the weights)."""
     buf, total, rnd = None, None, 0
     with rpc.make_channel(address, max_mb) as ch:
         for chunk in pbg.StageStub(ch).PullWeights(pb.PullRequest(stage=stage), metadata=rpc.metadata(token),
                                                    timeout=30):
             if total is None:
                 total = int(chunk.total)
-                if total != numel:
+                if total != numel and not (momentum and total == 2 * numel):
                     raise ValueError(f"peer sends {total} weights; this stage has {numel}")
                 buf = bytearray(4 * total)
             start, n = 4 * int(chunk.offset), len(chunk.data)
@@ -80,7 +88,8 @@ def pull_weights(address: str, stage: int, numel: int, token: str, max_mb: int) 
             rnd = chunk.outer_round
     if buf is None:
         raise ValueError("peer sent no weights")
-    return torch.frombuffer(buf, dtype=torch.float32).clone(), int(rnd)
+    flat = torch.frombuffer(buf, dtype=torch.float32).clone()
+    return flat[:numel], int(rnd), (flat[numel:] if total == 2 * numel else None)
 
 
 def _phase_seconds(phases: dict[str, float]) -> dict[str, float]:
@@ -111,8 +120,9 @@ class Replacement:
             for replica, address in peers:
                 self.links.check_stop()
                 try:
-                    self.outer.load_global(*pull_weights(address, self.links.stage, self.outer.numel, self.token,
-                                                         self.max_mb))
+                    theta, rnd, momentum = pull_weights(address, self.links.stage, self.outer.numel, self.token,
+                                                        self.max_mb, momentum=self.outer.nesterov is not None)
+                    self.outer.load_global(theta, rnd, momentum=momentum)
                     return slot_name(replica, self.links.stage)
                 except (grpc.RpcError, ValueError) as e:
                     log.warning("%s: pulling weights from r%d failed: %s", self.name, replica, e)

@@ -171,6 +171,8 @@ class Worker:
         self.device = devices.resolve(self.device_spec or cfg.job.device, self.replica, self.stage, S)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            if cfg.debug.deterministic:
+                devices.setup_deterministic(self.device)
         torch.manual_seed(cfg.train.seed * 1000 + self.replica * 100 + self.stage)
         self.model = build_stage(cfg, self.stage, S).to(self.device)
         send_tokens = tokens_needed(cfg)              # stage 0 ships the input ids ...

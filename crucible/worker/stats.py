@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from crucible import devices
 from crucible.worker.dataplane import Event, frame_nbytes
 
 
@@ -53,6 +54,13 @@ class StepStats:
     bytes_in: int = 0
     raw_in: int = 0
     bytes_down: int = 0          # of bytes_out: to the successor (the rest went to the predecessor)
+
+    def compute_since(self, t0: float, device) -> None:
+        """Compute from perf_counter `t0` to now. On a GPU the queued kernels are
+        waited for first, so compute is what the device did, not what was
+        launched (the copies and codecs after it would otherwise be charged for it)."""
+        devices.synchronize(device)
+        self.compute += time.perf_counter() - t0
 
     def received(self, ev: Event) -> None:
         self.serialize += ev.decode_s

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 12, as one script for a GPU machine that has python3
+# with a CUDA build of torch and nothing else (no registry): run
+# launch/gpu-wheels.sh where a registry is reachable first and bring
+# .gpu-wheels/ along. Results go to $OUT (default ./gpu-out):
+#
+#   launch/gpu-check.sh tests   the GPU suite (pytest -m gpu tests/test_gpu.py): gpu-tests.log, gpu-tests.xml
+#   launch/gpu-check.sh bench   crucible bench gpu --json: gpu.json (commit it as bench/results/gpu.json)
+#   launch/gpu-check.sh demo    crucible launch --device cuda, 2 x 3 with outer sync, an inner worker
+#                               SIGKILLed by --chaos: demo.log, demo-status.json, demo-events.jsonl
+#   launch/gpu-check.sh all     the three, in that order
+#
+# GPU_CHECK_DEVICE=cpu runs the same phases on the CPU with the quick bench
+# (the smoke run before spending GPU time). Every phase is bounded; the whole
+# of `all` is sized for about 10 minutes on one H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+DEV=${GPU_CHECK_DEVICE:-cuda}
+PY=${PY:-python3}
+if [ -d .gpu-wheels ] && [ "$DEV" = cuda ]; then
+    SITE=${SITE:-/tmp/crucible-site}
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        .gpu-wheels/*.whl >"$OUT/pip.log" 2>&1 || { echo "gpu-check: installing .gpu-wheels failed (see $OUT/pip.log)"; exit 2; }
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+elif [ -x .venv/bin/python ] && [ "$DEV" = cpu ]; then
+    PY=.venv/bin/python
+fi
+export PYTHONUNBUFFERED=1
+"$PY" - >"$OUT/env.json" <<'PYEOF'
+import json, platform, torch
+info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+print(json.dumps(info))
+PYEOF
+cat "$OUT/env.json"
+command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+
+phase_tests() {
+    echo "== tests ($DEV)"
+    local env=()
+    [ "$DEV" = cpu ] && env=(CRUCIBLE_GPU_TESTS_DEVICE=cpu)
+    env "${env[@]}" timeout 480 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+        --junitxml="$OUT/gpu-tests.xml" >"$OUT/gpu-tests.log" 2>&1
+    local rc=$?
+    tail -5 "$OUT/gpu-tests.log"
+    echo "tests: exit $rc"
+}
+
+phase_bench() {
+    echo "== bench ($DEV)"
+    local quick=()
+    [ "$DEV" = cpu ] && quick=(--quick)
+    timeout 420 "$PY" -m crucible bench gpu --device "$DEV" "${quick[@]}" --json --out "$OUT/gpu.json" \
+        >"$OUT/bench.log" 2>&1
+    local rc=$?
+    tail -5 "$OUT/bench.log"
+    echo "bench: exit $rc"
+}
+
+phase_demo() {
+    echo "== demo ($DEV)"
+    local run="$OUT/demo-run"
+    rm -rf "$run"
+    # 2 replicas x 3 stages on the device, SparseLoCo every 5 steps; --chaos SIGKILLs r0s1 once
+    # at its replica's step 40; the launcher respawns it and it pulls stage 1 from replica 1.
+    timeout 300 "$PY" -m crucible launch --device "$DEV" --replicas 2 --stages 3 --steps 200 \
+        --run-dir "$run" --chaos "r0s1@step=40" model.preset=gpt-50m train.seq_len=256 train.batch_size=16 \
+        train.microbatches=4 train.precision=bf16 outer.H=5 fault.heartbeat_timeout_s=10 fault.rpc_timeout_s=20 \
+        train.eval_every=0 debug.dump_final=true >"$OUT/demo.log" 2>&1
+    local rc=$?
+    tail -8 "$OUT/demo.log"
+    cp "$run/metrics.jsonl" "$OUT/demo-events.jsonl" 2>/dev/null
+    "$PY" - "$run" >"$OUT/demo-summary.json" <<'PYEOF'
+import glob, json, os, sys, torch
+run = sys.argv[1]
+ev = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+finals = {os.path.basename(p)[6:-3]: torch.load(p, map_location="cpu", weights_only=False)
+          for p in glob.glob(os.path.join(run, "debug", "final_r*s*.pt"))}
+same = {s: bool(torch.equal(finals[f"r0s{s}"]["outer"]["theta_global"], finals[f"r1s{s}"]["outer"]["theta_global"]))
+        for s in range(3) if f"r0s{s}" in finals and f"r1s{s}" in finals}
+print(json.dumps({"faults": [e for e in ev if e["event"] == "fault"],
+                  "route_changes": [e for e in ev if e["event"] == "route_change"][:6],
+                  "replacements": [e for e in ev if e["event"] == "replacement_ready"],
+                  "devices": [e for e in ev if e["event"] == "device"][:6],
+                  "outer_rounds": sum(1 for e in ev if e["event"] == "outer_round"),
+                  "last_steps": [e for e in ev if e["event"] == "step"][-2:],
+                  "theta_global_equal_per_stage": same}, default=str, indent=1))
+PYEOF
+    echo "demo: exit $rc; theta_global equal: $(grep -o '"theta_global_equal_per_stage".*' -A4 "$OUT/demo-summary.json" | tr -d '\n ')"
+}
+
+case "${1:-all}" in
+    tests) phase_tests ;;
+    bench) phase_bench ;;
+    demo) phase_demo ;;
+    all) phase_tests; phase_bench; phase_demo ;;
+    *) echo "usage: launch/gpu-check.sh tests|bench|demo|all" >&2; exit 2 ;;
+esac

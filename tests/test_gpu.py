@@ -1,0 +1,137 @@
+"""The GPU suite (``pytest -m gpu``): every feature on the device.
+
+Skipped where torch sees no CUDA GPU. ``CRUCIBLE_GPU_TESTS_DEVICE=cpu`` runs
+the same tests on the CPU (how this suite is checked on machines without a
+GPU before a GPU run; ``launch/gpu-check.sh`` runs it on one).
+
+* the activation codecs encode on the device exactly as on the CPU;
+* a pipeline on the device (fp32, and bf16 with activation checkpointing)
+  computes bitwise what one process on the same device does
+  (``debug.deterministic``: deterministic kernels);
+* SIGKILL, then resume from a checkpoint, ends bitwise where a straight run ends;
+* ``crucible launch --device``: outer sync (SparseLoCo and DiLoCo), a killed
+  inner worker skipped then replaced from its peer, and both replicas'
+  θ_global equal at the end; ``status`` shows each worker's device;
+* every copy of a stage lost: rebuilt from a checkpoint and the outer rounds since.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import test_checkpoint_resume as resume
+from conftest import TINY
+from test_equivalence import M, _cfg_overrides, _dumped, split_reference
+from test_replacement_checkpoint import every_copy_lost_is_rebuilt
+
+
+def _device() -> str | None:
+    forced = os.environ.get("CRUCIBLE_GPU_TESTS_DEVICE")
+    if forced:
+        return forced
+    return "cuda" if torch.cuda.is_available() else None
+
+
+DEVICE = _device()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE is None, reason="no CUDA GPU (CRUCIBLE_GPU_TESTS_DEVICE=cpu runs these on "
+                                                        "the CPU)")]
+ON = (f"job.device={DEVICE}", "debug.deterministic=true")
+
+
+def _first_device() -> str:
+    return "cuda:0" if DEVICE == "cuda" else str(DEVICE)
+
+
+@pytest.mark.parametrize("spec", ["none", "bf16", "int8", "int4", "subspace:rank=4"])
+def test_codecs_on_the_device_match_the_cpu(spec):
+    from crucible.compress.activations import make_codec
+
+    dev = _first_device()
+    codec = make_codec(spec, 64, seed=3)
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(4, 16, 64, generator=g) * 3).to(dtype)
+        on_cpu = codec.encode(x)
+        assert codec.encode(x.to(dev)) == on_cpu, (spec, dtype)     # the same bytes, encoded on the device
+        back = codec.decode(on_cpu, x.shape, device=dev)
+        assert back.device.type == torch.device(dev).type
+        assert torch.equal(back.cpu(), codec.decode(on_cpu, x.shape)), (spec, dtype)
+
+
+@pytest.mark.parametrize("extra", [(), ("train.precision=bf16", "train.activation_checkpointing=true")],
+                         ids=["fp32", "bf16-recompute"])
+def test_pipeline_on_the_device_equals_one_process(extra, start_job):
+    torch.manual_seed(0)
+    from crucible import devices
+
+    devices.setup_deterministic(torch.device(_first_device()))
+    job = start_job(["--replicas", "1", "--stages", "2", "--steps", "1", "--respawn-delay", "-1"],
+                    _cfg_overrides(2, (*extra, *ON)), name="eq")
+    assert job.wait(300) == 0, job.output()
+    losses, grads = _dumped(job, 2)
+    ref_losses, ref_grads = split_reference(2, extra, device=_first_device())
+    assert len(losses) == M and losses == ref_losses
+    assert sorted(grads) == sorted(ref_grads)
+    for name, g in ref_grads.items():
+        assert torch.equal(grads[name].cpu(), g.cpu()), f"{name} differs on {DEVICE} with {extra}"
+
+
+def test_sigkill_then_resume_on_the_device_is_bitwise_exact(tmp_path):
+    overrides = resume.CKPT + list(ON)
+    straight = resume._start(str(tmp_path / "straight"), overrides=overrides)
+    try:
+        assert straight.wait(600) == 0, straight.output()
+    finally:
+        straight.kill()
+    reference = resume._dumps(straight.run_dir)
+    run_dir = str(tmp_path / "killed")
+    job = resume._start(run_dir, overrides=overrides + resume.PACED)
+    try:
+        resume._wait_for_commit(job, 4, 300)
+    finally:
+        job.kill()
+    job = resume._start(run_dir, overrides=overrides + resume.PACED, resume=True)
+    try:
+        assert job.wait(600) == 0, job.output()
+    finally:
+        job.kill()
+    assert resume._events(run_dir, "ckpt_resume")
+    resume._same_final_state(run_dir, reference)
+
+
+@pytest.mark.parametrize("mode", ["sparseloco", "diloco"])
+def test_launch_on_the_device_with_a_killed_inner_worker(mode, start_job):
+    """The issue's fault scenario: a 2 x 3 job with outer sync on the device, an
+    inner worker SIGKILLed and respawned; both replicas' θ_global equal at the end."""
+    steps = 150      # paced (4 Mbit/s: ~0.13 s a step) so that the kill lands mid-run on a fast device
+    job = start_job(["--replicas", "2", "--stages", "3", "--steps", str(steps), "--respawn-delay", "0.5",
+                     "--device", DEVICE],
+                    TINY + [f"outer.mode={mode}", "outer.H=5", "debug.dump_final=true", "net.link_mbps=4",
+                            "fault.heartbeat_timeout_s=10", "fault.rpc_timeout_s=20"], name=mode)
+    st = job.wait_for(lambda s: s if all(r["step"] >= 8 for r in s["replicas"]) else None, 300, "both replicas training")
+    want = "cuda" if DEVICE == "cuda" else DEVICE
+    assert all(str(w.get("device", "")).startswith(want) for w in st["workers"]), st["workers"]
+    if DEVICE == "cuda":
+        assert all(w.get("mem_total_mb", 0) > 0 for w in st["workers"]), st["workers"]
+    victim = next(w for w in st["workers"] if w["replica"] == 0 and w["stage"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    job.wait_for(lambda s: [e for e in job.events("route_change") if e["routes"].get("0") == [0, 2]], 60,
+                 "replica 0 skipping stage 1")
+    assert job.wait(600) == 0, job.output()
+    assert [e for e in job.events("replacement_ready") if e["replica"] == 0 and e["stage"] == 1]
+    finals = resume._dumps(job.run_dir)
+    assert sorted(finals) == [f"r{r}s{s}" for r in range(2) for s in range(3)]
+    for s in range(3):
+        a, b = finals[f"r0s{s}"]["outer"], finals[f"r1s{s}"]["outer"]
+        assert a["round"] == b["round"] == steps // 5
+        assert torch.equal(a["theta_global"].cpu(), b["theta_global"].cpu()), f"stage {s}: θ_global differs"
+    assert [e for e in job.events("outer_round")], "no outer round closed"
+
+
+def test_every_copy_of_a_stage_lost_on_the_device_is_rebuilt_from_a_checkpoint(start_job):
+    every_copy_lost_is_rebuilt(start_job, (f"job.device={DEVICE}",))
