@@ -244,6 +244,69 @@ def test_a_skipped_round_is_made_final_as_soon_as_the_coordinator_answers(tmp_pa
         c.stop()
 
 
+@pytest.mark.parametrize("mode", ["diloco", "sparseloco"])
+@pytest.mark.parametrize("replica_step", [4, 0])
+def test_a_round_missed_while_joining_is_applied_even_if_the_peer_lags(tmp_path, mode, replica_step):
+    """A replacement for r0s1 took θ_global at round 0 and joined its route
+    after the step round 0 follows; its first round is round 1. Replica 1
+    lags: round 0 of stage 1 is not even opened yet. The replacement must
+    wait for round 0 to close (abstaining: it trained past it without the
+    stage), apply it, and only then take part in round 1, so both copies of
+    the stage end with the same θ_global, bitwise. (It used to read "nothing
+    closed yet" as "nothing to apply" and pass round 0 over for good.)
+    ``replica_step``: how far the coordinator knows replica 0 to be (past
+    round 0's step, or not yet told)."""
+    torch = pytest.importorskip("torch")
+    from crucible.worker.outer import OuterRound, OuterState
+
+    c, ids = _coordinator(tmp_path, mode=mode)
+    if mode == "sparseloco":
+        c.cfg.outer.chunk, c.cfg.outer.k = 4, 2
+    c.m.replicas[0].step = replica_step
+    stop = threading.Event()
+    try:
+        cfg = c.cfg
+
+        def exchange_for(r):
+            def exchange(stage, round_no, payload, mode, numel, step, timeout, peek=False, fetch=False):
+                return c.outer.exchange(pb.OuterRequest(worker_id=ids[(r, stage)], stage=stage, round=round_no,
+                                                        payload=payload, mode=mode, numel=numel, step=step,
+                                                        peek=peek, fetch=fetch), _Ctx())
+            return exchange
+
+        def copy_of(r):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(3, 1)
+            state = OuterState(model, cfg.outer, replicas=2)
+            return model, OuterRound(state, cfg, exchange_for(r), lambda e: None, r, 1, debug=_NoDebug(),
+                                     resync=lambda why: pytest.fail(why), stop=stop)
+
+        def train(model, seed):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+
+        (m0, r0), (m1, r1) = copy_of(0), copy_of(1)
+        train(m0, 1)                              # the replacement trains steps 2..3
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault("r0", r0.after(3)))
+        t.start()
+        t.join(1.0)
+        assert t.is_alive(), "the replacement went on to round 1 without round 0"
+        train(m1, 2)
+        r1.after(1)                               # replica 1 reaches round 0 at last ...
+        train(m1, 3)
+        r1.after(3)                               # ... and round 1
+        t.join(30)
+        assert not t.is_alive()
+        assert r0.state.round == r1.state.round == 2
+        assert torch.equal(r0.state.theta_global, r1.state.theta_global)
+    finally:
+        stop.set()
+        c.stop()
+
+
 class _NoDebug:
     def in_outer_round(self, n):
         pass

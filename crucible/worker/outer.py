@@ -124,8 +124,11 @@ class OuterState:
         return out.to(self.theta_global.device)
 
     def apply(self, replica: int, contributors: list[int], payloads: list[bytes],
-              mine: torch.Tensor | None) -> dict:
-        """Apply a closed round; returns what happened (for the metrics)."""
+              mine: torch.Tensor | None, next_round: int | None = None) -> dict:
+        """Apply a closed round; returns what happened (for the metrics).
+        ``next_round``: the round after the one applied (a replayed round may
+        follow abandoned ones), set with θ_global under the lock, so a peer's
+        ``PullWeights`` never reads one without the other."""
         used, bad = [], []
         contribs = []
         for r, p in zip(contributors, payloads):
@@ -144,7 +147,7 @@ class OuterState:
             if replica not in used and mine is not None and self.e is not None:
                 slc.ef_restore(self.e, mine)
             self._set_local()
-            self.round += 1
+            self.round = self.round + 1 if next_round is None else max(self.round, next_round)
         return {"used": used, "undecodable": bad, "left_out": replica not in used}
 
     def skip(self, replica: int, round_no: int, mine: torch.Tensor | None) -> None:
@@ -154,8 +157,9 @@ class OuterState:
         self.skipped.append((round_no, mine))
 
     def late_apply(self, replica: int, contributors: list[int], payloads: list[bytes],
-                   mine: torch.Tensor | None) -> dict:
-        """A round skipped earlier closed for the others: apply its aggregate now."""
+                   mine: torch.Tensor | None, next_round: int | None = None) -> dict:
+        """A round skipped earlier closed for the others: apply its aggregate now
+        (``next_round``: as in ``apply``; None leaves the round number alone)."""
         used, contribs = [], []
         for r, p in zip(contributors, payloads):
             try:
@@ -179,6 +183,8 @@ class OuterState:
                     offset += n
             if replica in used and mine is not None and self.e is not None:
                 self.e.sub_(mine)          # the round took our Δ̂ after all
+            if next_round is not None:
+                self.round = max(self.round, next_round)
         return {"used": used}
 
     def state_dict(self) -> dict:
@@ -195,30 +201,40 @@ class OuterState:
 
 
 def replay_closed(state: OuterState, exchange, replica: int, stage: int, step: int, until: int | None = None,
-                  keep_local: bool = False) -> int:
+                  keep_local: bool = False, wait: bool = False) -> int:
     """Apply the outer rounds of ``stage`` closed since ``state.round`` (below
     ``until``), in order, as the replicas that took part in them did: the
     coordinator keeps them (``fetch``). A replacement catches its global
     weights up this way; a stage that joined its route while a round closed
     without it applies that round before its next one. ``keep_local``: the
     inner steps trained since are kept (θ_local moves with θ_global); else
-    θ_local ← θ_global. Returns how many were applied; raises RoundGone when
-    some of them are no longer kept, CoordinatorUnreachable."""
+    θ_local ← θ_global. ``wait``: every round below ``until``, each one
+    closed first: this replica abstains in it (it trained past the round
+    without this stage) and waits for the others, so no round is passed
+    over because it was still open or not yet opened. Returns how many were
+    applied; raises RoundGone when some of them are no longer kept,
+    CoordinatorUnreachable."""
     applied = 0
     n = state.round
     while until is None or n < until:
-        reply = exchange(stage, n, b"", state.mode, state.numel, step, timeout=60.0, fetch=True)
-        if reply.round < 0 or (until is not None and reply.round >= until):
-            break
-        if not reply.abandoned:
-            if keep_local:
-                state.late_apply(replica, list(reply.contributors), list(reply.payloads), None)
-            else:
-                state.apply(replica, list(reply.contributors), list(reply.payloads), None)
-            applied += 1
+        if wait:
+            reply = exchange(stage, n, b"", state.mode, state.numel, step, timeout=3600.0)
+            if reply.round != n:
+                raise RuntimeError(f"outer round {reply.round} answered for round {n}")
+        else:
+            reply = exchange(stage, n, b"", state.mode, state.numel, step, timeout=60.0, fetch=True)
+            if reply.round < 0 or (until is not None and reply.round >= until):
+                break
         n = int(reply.round) + 1
-        with state.lock:
-            state.round = max(state.round, n)
+        if reply.abandoned:
+            with state.lock:
+                state.round = max(state.round, n)
+            continue
+        if keep_local:
+            state.late_apply(replica, list(reply.contributors), list(reply.payloads), None, next_round=n)
+        else:
+            state.apply(replica, list(reply.contributors), list(reply.payloads), None, next_round=n)
+        applied += 1
     return applied
 
 
@@ -228,9 +244,10 @@ class OuterRound:
     apply what it closed with, and report it. Round numbers follow from the
     step, so every replica syncs after the same steps; a round this stage
     already has (a replacement that pulled newer global weights) is skipped,
-    rounds that closed without it while it joined its route are applied late
-    first (``replay_closed``), and one closed too long ago to replay sends it
-    to a peer for the global weights (``resync``)."""
+    rounds it missed while it joined its route are applied late first, each
+    once it closed, open or not yet opened as it may still be where a peer
+    replica lags (``_catch_up``), and one closed too long ago to replay sends
+    it to a peer for the global weights (``resync``)."""
 
     def __init__(self, state: OuterState, cfg, exchange, report, replica: int, stage: int, debug, resync,
                  stop: threading.Event | None = None):
@@ -249,21 +266,13 @@ class OuterRound:
         round_no = (committed_step + 1) // self.cfg.outer.H - 1
         if round_no < state.round:
             return
-        if round_no > state.round:     # rounds that closed while this stage was joining its route
-            try:
-                caught = replay_closed(state, self.exchange, self.replica, self.stage, committed_step,
-                                       until=round_no, keep_local=True)
-            except RoundGone as e:
-                self.resync(f"outer rounds {state.round}..{round_no - 1} are gone ({e})")
-                caught = 0
-            except CoordinatorUnreachable:
-                caught = 0            # (this round's own exchange will find out)
-            if caught:
-                log.info("r%ds%d: %d outer round(s) before round %d closed without this stage: applied late",
-                         self.replica, self.stage, caught, round_no)
-                self.report({"event": "outer_caught_up", "replica": self.replica, "stage": self.stage,
-                             "from_round": round_no - caught, "rounds": caught, "source": "late"})
-        state.round = round_no
+        if round_no > state.round:     # rounds this stage missed while it was joining its route
+            if not self._catch_up(round_no, committed_step):
+                return
+            if round_no < state.round:     # a resync took newer global weights
+                return
+        with state.lock:
+            state.round = round_no
         t0 = time.perf_counter()
         payload, mine = state.prepare()
         t_enc = time.perf_counter() - t0
@@ -303,6 +312,49 @@ class OuterRound:
                      "dense_bytes": 4 * state.numel, "encode_s": t_enc, "apply_s": time.perf_counter() - t1,
                      "seconds": time.perf_counter() - t0})
         self.debug.outer_done(reply.round, state.theta_global, list(reply.contributors))
+
+    def _catch_up(self, round_no: int, step: int) -> bool:
+        """Before round ``round_no``: apply every earlier round this stage has
+        not, in order, each once it closed (``replay_closed(wait=True)``).
+        Rounds trimmed away: the global weights from a peer (``resync``), then
+        the rounds since its copy. The coordinator out of reach: those rounds
+        are skipped, like any round it was out of reach for, and settled
+        (applied late, or abandoned for everyone) before the next one. False:
+        the worker is stopping."""
+        from crucible.worker.control import CoordinatorUnreachable, RoundGone, Stopping
+
+        state = self.state
+        first = state.round
+        caught = 0
+        for attempt in range(2):
+            try:
+                caught += replay_closed(state, self.exchange, self.replica, self.stage, step, until=round_no,
+                                        keep_local=True, wait=True)
+                break
+            except RoundGone as e:
+                if attempt:
+                    log.error("r%ds%d: outer rounds %d..%d cannot be applied (%s): this stage's global "
+                              "weights may differ from its peers' until a resync", self.replica, self.stage,
+                              state.round, round_no - 1, e)
+                    break
+                self.resync(f"outer rounds {state.round}..{round_no - 1} are gone ({e})")
+                first = state.round
+                if state.round >= round_no:
+                    break
+            except CoordinatorUnreachable:
+                with self._settle_lock:
+                    state.skipped.extend((n, None) for n in range(state.round, round_no))
+                self._start_settler()
+                break
+            except Stopping as e:
+                log.info("r%ds%d: %s", self.replica, self.stage, e)
+                return False
+        if caught:
+            log.info("r%ds%d: %d outer round(s) from round %d applied late, before round %d",
+                     self.replica, self.stage, caught, first, round_no)
+            self.report({"event": "outer_caught_up", "replica": self.replica, "stage": self.stage,
+                         "from_round": first, "rounds": caught, "source": "late"})
+        return True
 
     def _settle_skipped(self, step: int) -> None:
         """Rounds this stage skipped (the coordinator was out of reach), oldest
