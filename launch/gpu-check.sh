@@ -65,8 +65,11 @@ phase_demo() {
     rm -rf "$run"
     # 2 replicas x 3 stages on the device, SparseLoCo every 5 steps; --chaos SIGKILLs r0s1 once
     # at its replica's step 40; the launcher respawns it and it pulls stage 1 from replica 1.
+    local model=(model.preset=gpt-50m train.seq_len=256 train.batch_size=16)
+    # (the CPU smoke: the small preset, or 200 steps take far longer than the bound)
+    [ "$DEV" = cpu ] && model=(model.preset=small train.seq_len=64 train.batch_size=8)
     timeout 300 "$PY" -m crucible launch --device "$DEV" --replicas 2 --stages 3 --steps 200 \
-        --run-dir "$run" --chaos "r0s1@step=40" model.preset=gpt-50m train.seq_len=256 train.batch_size=16 \
+        --run-dir "$run" --chaos "r0s1@step=40" "${model[@]}" \
         train.microbatches=4 train.precision=bf16 outer.H=5 fault.heartbeat_timeout_s=10 fault.rpc_timeout_s=20 \
         train.eval_every=0 debug.dump_final=true >"$OUT/demo.log" 2>&1
     local rc=$?
@@ -88,7 +91,8 @@ print(json.dumps({"faults": [e for e in ev if e["event"] == "fault"],
                   "last_steps": [e for e in ev if e["event"] == "step"][-2:],
                   "theta_global_equal_per_stage": same}, default=str, indent=1))
 PYEOF
-    echo "demo: exit $rc; theta_global equal: $(grep -o '"theta_global_equal_per_stage".*' -A4 "$OUT/demo-summary.json" | tr -d '\n ')"
+    echo "demo: exit $rc; theta_global equal per stage: $("$PY" -c 'import json, sys
+print(json.load(open(sys.argv[1])).get("theta_global_equal_per_stage"))' "$OUT/demo-summary.json" 2>&1)"
 }
 
 case "${1:-all}" in
