@@ -307,6 +307,64 @@ def test_a_round_missed_while_joining_is_applied_even_if_the_peer_lags(tmp_path,
         c.stop()
 
 
+def test_a_trimmed_round_is_gone_not_opened_anew(tmp_path, monkeypatch):
+    """Rounds deleted to bound the disk (here: fewer kept than KEEP_CLOSED,
+    their payloads being large) answer OUT_OF_RANGE: opened anew, such a round
+    would close empty and a replica catching up would take it for a round with
+    no update, diverging silently instead of taking a peer's weights."""
+    import grpc
+
+    from crucible import rpc
+    from crucible.coordinator import outer as relay
+
+    monkeypatch.setattr(relay, "KEEP_BYTES", 1)      # keep the minimum: 4 rounds
+    c, ids = _coordinator(tmp_path)
+    try:
+        a = _dense([1.0, 0.0, 0.0, 0.0])
+        for n in range(8):
+            out, errors = _exchange_all(c, ids, 0, n, {0: a, 1: a})
+            assert not errors and list(out[0].contributors) == [0, 1]
+        assert c.outer.store.trimmed(0) == 3 and c.outer.store.numbers(0) == [4, 5, 6, 7]
+        for req in (dict(payload=b""), dict(payload=a), dict(peek=True)):
+            with pytest.raises(rpc.RpcFault) as e:
+                c.outer.exchange(pb.OuterRequest(worker_id=ids[(0, 0)], stage=0, round=2, mode="diloco", numel=4,
+                                                 step=5, **req), _Ctx())
+            assert e.value.code == grpc.StatusCode.OUT_OF_RANGE, req
+        assert c.outer.store.numbers(0) == [4, 5, 6, 7]
+    finally:
+        c.stop()
+
+
+def test_pull_weights_serves_the_round_its_global_weights_are_at():
+    """A copy that skipped rounds (the coordinator out of reach) serves, until
+    they are settled, the oldest of them as its round: its θ_global has not
+    taken them, and a replacement replays them from the coordinator."""
+    torch = pytest.importorskip("torch")
+    from crucible.worker.outer import OuterState
+    from crucible.worker.replacement import weight_chunks
+
+    cfg = Config.load(None, {"outer.mode": "diloco"}).outer
+    torch.manual_seed(0)
+    state = OuterState(torch.nn.Linear(3, 1), cfg, replicas=2)
+
+    def served():
+        chunks = list(weight_chunks(state, 0, 0, step=9))
+        flat = torch.frombuffer(bytearray(b"".join(ch.data for ch in chunks)), dtype=torch.float32)
+        return flat[:state.numel], chunks[0].outer_round
+
+    state.round = 3
+    theta = state.theta_global.clone()
+    state.skip(0, 3, None)
+    state.skip(0, 4, None)
+    assert state.round == 5 and served()[1] == 3 and torch.equal(served()[0], theta)
+    p = _dense([1.0, 2.0, 3.0, 4.0])
+    state.late_apply(0, [1], [p], None, settles=True)      # round 3 closed with replica 1: taken now
+    w, rnd = served()
+    assert rnd == 4 and not torch.equal(w, theta) and torch.equal(w, state.theta_global)
+    state.late_apply(0, [], [], None, settles=True)
+    assert served()[1] == 5 and not state.skipped
+
+
 class _NoDebug:
     def in_outer_round(self, n):
         pass

@@ -327,10 +327,13 @@ class OuterRelay:
         rnd = self.rounds.get((stage, number))
         if rnd is not None:          # opened while we read
             return rnd
-        newest = self.store.newest(stage)
-        if newest is not None and number <= newest - KEEP_CLOSED:
+        newest, trimmed = self.store.newest(stage), self.store.trimmed(stage)
+        if (newest is not None and number <= newest - KEEP_CLOSED) or number <= trimmed:
+            # (never opened anew: every replica is past it, it would close empty,
+            # and a replica catching up would take it for a round with no update)
             raise rpc.RpcFault(grpc.StatusCode.OUT_OF_RANGE,
-                               f"round {number} of stage {stage} is long gone (newest {newest})")
+                               f"round {number} of stage {stage} is long gone (newest {newest}, "
+                               f"trimmed up to {trimmed})")
         rnd = self.rounds[(stage, number)] = Round(stage, number, expected_at_open=self.c.m.expected_in_round(
             stage, number, self.c.cfg.outer.H))
         return rnd

@@ -89,6 +89,8 @@ class OuterState:
         checkpoint)."""
         with self.lock, torch.no_grad():
             self.theta_global.copy_(theta)
+            self.skipped.clear()       # (rounds of the weights replaced: moot)
+            self.outcomes.clear()
             if self.nesterov is not None and momentum is not KEEP:
                 self.nesterov.buf = None if momentum is None else momentum.to(self.theta_global.device, copy=True)
             if self.e is not None:
@@ -152,14 +154,18 @@ class OuterState:
 
     def skip(self, replica: int, round_no: int, mine: torch.Tensor | None) -> None:
         """The coordinator was out of reach for this round: left out of it (Δ̂
-        back into e, θ_local ← θ_global), and remembered until settled."""
-        self.apply(replica, [], [], mine)
+        back into e, θ_local ← θ_global), and remembered until settled (first:
+        a peer's ``PullWeights`` must never find the round number past a round
+        θ_global has not taken yet; ``weight_chunks``)."""
         self.skipped.append((round_no, mine))
+        self.apply(replica, [], [], mine)
 
     def late_apply(self, replica: int, contributors: list[int], payloads: list[bytes],
-                   mine: torch.Tensor | None, next_round: int | None = None) -> dict:
+                   mine: torch.Tensor | None, next_round: int | None = None, settles: bool = False) -> dict:
         """A round skipped earlier closed for the others: apply its aggregate now
-        (``next_round``: as in ``apply``; None leaves the round number alone)."""
+        (``next_round``: as in ``apply``; None leaves the round number alone;
+        ``settles``: it is the oldest skipped round, no longer pending, with
+        θ_global under the lock)."""
         used, contribs = [], []
         for r, p in zip(contributors, payloads):
             try:
@@ -185,6 +191,8 @@ class OuterState:
                 self.e.sub_(mine)          # the round took our Δ̂ after all
             if next_round is not None:
                 self.round = max(self.round, next_round)
+            if settles:
+                self.skipped.pop(0)
         return {"used": used}
 
     def state_dict(self) -> dict:
@@ -342,7 +350,7 @@ class OuterRound:
                 if state.round >= round_no:
                     break
             except CoordinatorUnreachable:
-                with self._settle_lock:
+                with self._settle_lock, state.lock:
                     state.skipped.extend((n, None) for n in range(state.round, round_no))
                 self._start_settler()
                 break
@@ -373,15 +381,19 @@ class OuterRound:
                     reply = self.exchange(self.stage, round_no, b"", state.mode, state.numel, step,
                                           timeout=max(3600.0, 10 * self.cfg.outer.deadline_s), peek=True)
             except RoundGone as e:
-                with self._settle_lock:
+                self.resync(f"skipped outer round {round_no} is gone ({e})")    # (a peer's copy clears them)
+                with self._settle_lock, state.lock:
                     state.skipped.clear()
                     state.outcomes.clear()
-                self.resync(f"skipped outer round {round_no} is gone ({e})")
                 return
-            done = None if reply.abandoned else state.late_apply(
-                self.replica, list(reply.contributors), list(reply.payloads), mine)
-            with self._settle_lock:
-                state.skipped.pop(0)
+            with self._settle_lock:      # applied and no longer pending in one step, for PullWeights
+                if reply.abandoned:
+                    done = None
+                    with state.lock:
+                        state.skipped.pop(0)
+                else:
+                    done = state.late_apply(self.replica, list(reply.contributors), list(reply.payloads), mine,
+                                            settles=True)
             log.info("r%ds%d: skipped outer round %d settled: %s", self.replica, self.stage, round_no,
                      "abandoned" if done is None else f"applied late ({list(reply.contributors)})")
             self.report({"event": "outer_settled", "replica": self.replica, "stage": self.stage,

@@ -59,7 +59,9 @@ def weight_chunks(outer: OuterState, stage: int, my_stage: int, step: int):
         parts = [outer.theta_global.detach().to("cpu", copy=True)]     # (copied off a GPU, too)
         if outer.nesterov is not None and outer.nesterov.buf is not None:
             parts.append(outer.nesterov.buf.detach().to("cpu", copy=True))
-        rnd = outer.round
+        # Rounds this copy skipped (the coordinator out of reach) and has not
+        # settled yet are not in θ_global: its round is the oldest of them.
+        rnd = outer.skipped[0][0] if outer.skipped else outer.round
     flat = torch.cat(parts) if len(parts) > 1 else parts[0]
     data = flat.numpy().tobytes()
     for off in range(0, max(len(data), 1), CHUNK):
