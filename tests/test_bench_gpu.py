@@ -141,7 +141,7 @@ def test_targets_and_render(result):
     assert tp["verdict"] == tp["per_codec"][tp["best_codec"]]["verdict"]
     assert t["int8_serialize_le_10pct"]["verdict"] in VERDICTS
     assert t["ckpt_stall_le_1.5x_floor"]["verdict"] in VERDICTS
-    text = gpu.render(result)
+    text = gpu.readme_part(result)
     for name in VARIANTS:
         assert f"| {name} |" in text
     assert "| plain bf16 |" in text and "| plain fp32 |" in text

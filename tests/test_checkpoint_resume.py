@@ -116,32 +116,45 @@ def _events(run_dir, kind=None):
     return read_events(run_dir, kind)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    job = _start(str(tmp_path_factory.mktemp("straight") / "run"))
+def straight_run(run_dir: str, overrides=CKPT, timeout: float = 300) -> dict:
+    """The job run to its end without a fault: its final dumps."""
+    job = _start(run_dir, overrides=overrides)
     try:
-        assert job.wait(300) == 0, job.output()
-        return {"dumps": _dumps(job.run_dir), "run_dir": job.run_dir}
+        assert job.wait(timeout) == 0, job.output()
+        return _dumps(job.run_dir)
     finally:
         job.kill()
+
+
+def sigkill_then_resume(run_dir: str, overrides=CKPT + PACED, timeout: float = 300,
+                        commit_timeout: float = 240) -> int:
+    """The job SIGKILLed (every process) once a checkpoint past the first outer
+    round (H = 3) is committed, then resumed to its end; the step it was killed at."""
+    job = _start(run_dir, overrides=overrides)
+    try:
+        _wait_for_commit(job, 4, commit_timeout)
+    finally:
+        job.kill()                        # SIGKILL to every process of the job
+    assert alive_in_group(job.pgid) == []
+    latest = store.list_checkpoints(os.path.join(run_dir, "checkpoints"))[-1]
+    job = _start(run_dir, overrides=overrides, resume=True)
+    try:
+        assert job.wait(timeout) == 0, job.output()
+    finally:
+        job.kill()
+    return latest.step
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("straight") / "run")
+    return {"dumps": straight_run(run_dir), "run_dir": run_dir}
 
 
 @pytest.fixture(scope="module")
 def sigkilled_and_resumed(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("sigkill") / "run")
-    job = _start(run_dir, overrides=CKPT + PACED)
-    try:
-        _wait_for_commit(job, 4, 240)     # past the first outer round (H = 3)
-    finally:
-        job.kill()                        # SIGKILL to every process of the job
-    assert alive_in_group(job.pgid) == []
-    latest = store.list_checkpoints(os.path.join(run_dir, "checkpoints"))[-1]
-    job = _start(run_dir, overrides=CKPT + PACED, resume=True)
-    try:
-        assert job.wait(300) == 0, job.output()
-    finally:
-        job.kill()
-    return {"run_dir": run_dir, "killed_at": latest.step}
+    return {"run_dir": run_dir, "killed_at": sigkill_then_resume(run_dir)}
 
 
 def test_sigkill_then_resume_is_bitwise_exact(reference, sigkilled_and_resumed):

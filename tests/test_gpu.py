@@ -83,23 +83,9 @@ def test_pipeline_on_the_device_equals_one_process(extra, start_job):
 
 def test_sigkill_then_resume_on_the_device_is_bitwise_exact(tmp_path):
     overrides = resume.CKPT + list(ON)
-    straight = resume._start(str(tmp_path / "straight"), overrides=overrides)
-    try:
-        assert straight.wait(600) == 0, straight.output()
-    finally:
-        straight.kill()
-    reference = resume._dumps(straight.run_dir)
+    reference = resume.straight_run(str(tmp_path / "straight"), overrides=overrides, timeout=600)
     run_dir = str(tmp_path / "killed")
-    job = resume._start(run_dir, overrides=overrides + resume.PACED)
-    try:
-        resume._wait_for_commit(job, 4, 300)
-    finally:
-        job.kill()
-    job = resume._start(run_dir, overrides=overrides + resume.PACED, resume=True)
-    try:
-        assert job.wait(600) == 0, job.output()
-    finally:
-        job.kill()
+    resume.sigkill_then_resume(run_dir, overrides=overrides + resume.PACED, timeout=600, commit_timeout=300)
     assert resume._events(run_dir, "ckpt_resume")
     resume._same_final_state(run_dir, reference)
 

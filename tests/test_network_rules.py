@@ -140,6 +140,16 @@ def test_failures_across_route_changes_are_not_a_broken_link():
     assert book.contradicted(0, 1, 2, 13.0) is None            # (replica 0 had one, now two)
 
 
+def _exchanger(c, ids, r):
+    """Worker r's side of the outer exchange (``ControlClient.outer_exchange``'s
+    signature), straight into the in-process coordinator's relay."""
+    def exchange(stage, round_no, payload, mode, numel, step, timeout, peek=False, fetch=False):
+        return c.outer.exchange(pb.OuterRequest(worker_id=ids[(r, stage)], stage=stage, round=round_no,
+                                                payload=payload, mode=mode, numel=numel, step=step,
+                                                peek=peek, fetch=fetch), _Ctx())
+    return exchange
+
+
 def test_a_skipped_round_is_abandoned_for_everyone(tmp_path):
     c, ids = _coordinator(tmp_path)
     try:
@@ -203,13 +213,13 @@ def test_a_skipped_round_is_made_final_as_soon_as_the_coordinator_answers(tmp_pa
         results = {}
 
         def exchange_for(r):
+            direct = _exchanger(c, ids, r)
+
             def exchange(stage, round_no, payload, mode, numel, step, timeout, peek=False):
                 calls.append((r, stage, round_no, peek))
                 if not reachable.is_set():
                     raise CoordinatorUnreachable("cut off (test)")
-                return c.outer.exchange(pb.OuterRequest(worker_id=ids[(r, stage)], stage=stage, round=round_no,
-                                                        payload=payload, mode=mode, numel=numel, step=step,
-                                                        peek=peek), _Ctx())
+                return direct(stage, round_no, payload, mode, numel, step, timeout, peek=peek)
             return exchange
 
         def stage_of(r, s):
@@ -267,18 +277,11 @@ def test_a_round_missed_while_joining_is_applied_even_if_the_peer_lags(tmp_path,
     try:
         cfg = c.cfg
 
-        def exchange_for(r):
-            def exchange(stage, round_no, payload, mode, numel, step, timeout, peek=False, fetch=False):
-                return c.outer.exchange(pb.OuterRequest(worker_id=ids[(r, stage)], stage=stage, round=round_no,
-                                                        payload=payload, mode=mode, numel=numel, step=step,
-                                                        peek=peek, fetch=fetch), _Ctx())
-            return exchange
-
         def copy_of(r):
             torch.manual_seed(0)
             model = torch.nn.Linear(3, 1)
             state = OuterState(model, cfg.outer, replicas=2)
-            return model, OuterRound(state, cfg, exchange_for(r), lambda e: None, r, 1, debug=_NoDebug(),
+            return model, OuterRound(state, cfg, _exchanger(c, ids, r), lambda e: None, r, 1, debug=_NoDebug(),
                                      resync=lambda why: pytest.fail(why), stop=stop)
 
         def train(model, seed):

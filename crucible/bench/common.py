@@ -25,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Iterable
 
@@ -131,6 +132,25 @@ class Child:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def child_json(argv: list[str], timeout: float, what: str) -> dict:
+    """Run ``argv`` as a ``Child`` (own process group, bounded wait, closed at
+    the end) and return the JSON object on the last line of its stdout, or
+    ``{"error": ...}``: what timed out or exited non-zero, with its stderr's tail."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = Child(argv, env=child_env(), stdout=out, stderr=err)
+        try:
+            code = child.wait(timeout)
+        finally:
+            child.close()
+        out.seek(0)
+        err.seek(0)
+        text = out.read().decode(errors="replace").strip().splitlines()
+        if code != 0 or not text:
+            return {"error": f"{what} {'timed out' if code is None else f'exited with {code}'}: "
+                             + err.read().decode(errors="replace")[-1500:]}
+    return json.loads(text[-1])
 
 
 class EventTail:
@@ -469,36 +489,26 @@ def environment() -> dict:
         "torch": _version("torch"),
         "grpcio": _version("grpcio"),
         "protobuf": _version("protobuf"),
-        "gpu": _gpu(),
-        **_gpu_details(),
+        **_gpu(),
         "loadavg_start": loadavg(),
     }
 
 
-def _gpu() -> str | None:
-    """The accelerator the benchmark could use (only when torch is already loaded)."""
+def _gpu() -> dict:
+    """The accelerator the benchmark could use, only when torch is already
+    loaded: ``gpu`` (name x count), the CUDA version torch was built with and,
+    where a GPU is visible, the driver's version, every GPU (``nvidia-smi``,
+    when on the PATH) and cuDNN's version."""
     torch = sys.modules.get("torch")
-    try:
-        if torch is not None and torch.cuda.is_available():
-            return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
-    except Exception:  # noqa: BLE001 - no driver: no GPU
-        pass
-    return None
-
-
-def _gpu_details() -> dict:
-    """With torch loaded: the CUDA version torch was built with and, where a GPU
-    is visible, the driver's version and every GPU's name (``nvidia-smi``, when
-    on the PATH). Nothing (an empty dict) without torch."""
-    torch = sys.modules.get("torch")
+    out: dict = {"gpu": None}
     if torch is None:
-        return {}
-    out: dict = {"cuda": getattr(torch.version, "cuda", None), "gpu_driver": None}
+        return out
+    out.update({"cuda": getattr(torch.version, "cuda", None), "gpu_driver": None})
     try:
-        available = torch.cuda.is_available()
+        if not torch.cuda.is_available():
+            return out
+        out["gpu"] = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
     except Exception:  # noqa: BLE001 - no driver: no GPU
-        available = False
-    if not available:
         return out
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",

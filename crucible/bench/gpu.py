@@ -225,6 +225,7 @@ def floor_main(overrides: list[str], copies: int = FLOOR_COPIES) -> int:
     import torch
 
     from crucible import devices
+    from crucible.checkpoint.snapshot import LayoutEncoder
     from crucible.config import Config
     from crucible.model import build_stage
     from crucible.worker import optim
@@ -247,17 +248,6 @@ def floor_main(overrides: list[str], copies: int = FLOOR_COPIES) -> int:
     else:
         info["device"] = str(device)
 
-    def tensors_of(state, out: list) -> list:
-        if isinstance(state, torch.Tensor):
-            out.append(state)
-        elif isinstance(state, dict):
-            for v in state.values():
-                tensors_of(v, out)
-        elif isinstance(state, (list, tuple)):
-            for v in state:
-                tensors_of(v, out)
-        return out
-
     pairs_by_stage, params = [], []
     keep = []   # the stages' objects stay alive while their tensors are copied
     for s in range(S):
@@ -273,7 +263,9 @@ def floor_main(overrides: list[str], copies: int = FLOOR_COPIES) -> int:
             parts["data"] = DataCursor(cfg.train.batch_size, 0, cfg.train.seed, step=lambda: 1)
         ck = WorkerCheckpointer(cfg, os.path.join(tempfile.gettempdir(), "crucible-bench-floor"), 0, s, parts,
                                 step=lambda: 1, set_step=lambda k: None)
-        ts = tensors_of(ck.state_dict(), [])
+        enc = LayoutEncoder()          # the tensors a snapshot copies, as it finds them
+        enc.encode(ck.state_dict())
+        ts = [t for t in enc.payloads if isinstance(t, torch.Tensor)]
         bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in ts]
         pairs_by_stage.append(list(zip(bufs, ts)))
         params.append(sum(p.numel() for p in model.parameters()))
@@ -307,32 +299,16 @@ def run_floor(overrides: list[str]) -> dict:
     argv = [sys.executable, "-m", "crucible.bench.gpu", "--floor"]
     for o in overrides:
         argv += ["--set", o]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = common.Child(argv, env=common.child_env(), stdout=out, stderr=err)
-        try:
-            code = child.wait(300.0)
-        finally:
-            child.close()
-        out.seek(0)
-        err.seek(0)
-        text = out.read().decode(errors="replace").strip().splitlines()
-        if code != 0 or not text:
-            msg = f"floor {'timed out' if code is None else f'exited with {code}'}: " + \
-                  err.read().decode(errors="replace")[-1500:]
-            progress(msg)
-            return {"error": msg}
-    info = json.loads(text[-1])
+    info = common.child_json(argv, 300.0, "floor")
+    if "error" in info:
+        progress(info["error"])
+        return info
     progress(f"floor: job state {info['job']['state_bytes'] / 1e6:.0f} MB in {info['job']['floor_s'] * 1e3:.1f} ms")
     return info
 
 
 # ---------------------------------------------------------------------------
 # what a launch's events say beyond pipeline.analyse
-
-
-def _pct(xs: list[float], p: float) -> float | None:
-    ys = sorted(xs)
-    return ys[min(len(ys) - 1, int(round(p * (len(ys) - 1))))] if ys else None
 
 
 def checkpoint_stats(events: list[dict]) -> dict:
@@ -426,11 +402,6 @@ def _terminate(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def _median_run(rs: list[dict]) -> dict:
-    ok = sorted((r for r in rs if r.get("tokens_per_s")), key=lambda r: r["tokens_per_s"])
-    return ok[(len(ok) - 1) // 2] if ok else (rs[-1] if rs else {})
-
-
 def _noise(value: float | None, *xss: list[float]) -> float | None:
     """``value`` times the largest relative spread of the repeats (None with one repeat)."""
     sp = [common.spread(xs) for xs in xss if xs]
@@ -507,8 +478,8 @@ def main(args) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    result["runs"] = {name: _median_run(rs) for name, rs in every.items()}
-    result["baseline"] = {prec: _median_run(rs) for prec, rs in plain_every.items()}
+    result["runs"] = {name: pipeline.median_run(rs) for name, rs in every.items()}
+    result["baseline"] = {prec: pipeline.median_run(rs) for prec, rs in plain_every.items()}
     result["repeats"] = {**{name: [r.get("tokens_per_s") for r in rs] for name, rs in every.items()},
                          **{f"plain_{prec}": [r.get("tokens_per_s") for r in rs] for prec, rs in plain_every.items()}}
     result["device"] = {k: v for k, v in (result.get("floor") or {}).items()
@@ -665,7 +636,7 @@ def _print_table(result: dict, f) -> None:
     print("", file=f)
 
 
-def render(r: dict, name: str = "gpu") -> str:
+def readme_part(r: dict, name: str = "gpu") -> str:
     """A README part (markdown) from a result: one row per variant, then the
     targets' verdicts. Not registered in ``crucible.bench.readme`` yet."""
     from crucible.bench.readme import _provenance, _verdict
@@ -707,8 +678,6 @@ def render(r: dict, name: str = "gpu") -> str:
         lines.append(f"* Note: {t['note']}.")
     return "\n".join(lines) + "\n"
 
-
-readme_part = render
 
 
 def _entry(argv: list[str] | None = None) -> int:

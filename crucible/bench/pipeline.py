@@ -310,24 +310,13 @@ def run_plain(steps: int, warmup: int, extra: list[str], label: str = "plain") -
     argv = [sys.executable, "-m", "crucible.bench.pipeline", "--plain", str(steps), "--warmup", str(warmup)]
     for o in extra:
         argv += ["--set", o]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        info: dict = {"loadavg_before": common.loadavg()}
-        busy0, t0 = common.system_busy_seconds(), time.time()
-        child = common.Child(argv, env=common.child_env(), stdout=out, stderr=err)
-        try:
-            code = child.wait(60.0 + steps * 5.0)
-        finally:
-            child.close()
-        busy1, t1 = common.system_busy_seconds(), time.time()
-        out.seek(0)
-        err.seek(0)
-        text = out.read().decode(errors="replace").strip().splitlines()
-        if code != 0 or not text:
-            info["error"] = f"plain baseline {'timed out' if code is None else f'exited with {code}'}: " \
-                            + err.read().decode(errors="replace")[-1500:]
-            progress(info["error"])
-            return info
-    info.update(json.loads(text[-1]))
+    info: dict = {"loadavg_before": common.loadavg()}
+    busy0, t0 = common.system_busy_seconds(), time.time()
+    info.update(common.child_json(argv, 60.0 + steps * 5.0, "plain baseline"))
+    busy1, t1 = common.system_busy_seconds(), time.time()
+    if "error" in info:
+        progress(info["error"])
+        return info
     if busy0 is not None and busy1 is not None and t1 > t0:
         # over the child's whole life (start-up included): cores busy with anything but it
         others = max(0.0, (busy1 - busy0 - info["process_cpu_s"]) / (t1 - t0))
@@ -517,11 +506,11 @@ def main(args) -> int:
             shutil.rmtree(os.path.join(workdir, "S2_pinned"), ignore_errors=True)
             every.setdefault("plain", []).append(run_plain(steps, warmup, extra))
         # per variant, the detail of its median repeat (by tokens/s), and every repeat's tokens/s
-        runs = {name: _median_run(rs) for name, rs in every.items() if name != "plain"}
+        runs = {name: median_run(rs) for name, rs in every.items() if name != "plain"}
         if cores < 2:
             runs["S2_pinned"]["note"] = "fewer than 2 usable cores: both workers share one"
         result["runs"] = runs
-        result["baseline"] = _median_run(every["plain"])
+        result["baseline"] = median_run(every["plain"])
         result["repeats"] = {name: [r.get("tokens_per_s") for r in rs] for name, rs in every.items()}
         result["loopback"] = run_loopback(16.0 if quick else 64.0, 2 if quick else 3, 16 if quick else 64)
     finally:
@@ -570,7 +559,7 @@ def main(args) -> int:
     return common.finish(result, errors, args, _print_table)
 
 
-def _median_run(rs: list[dict]) -> dict:
+def median_run(rs: list[dict]) -> dict:
     """The repeat with the median tokens/s (the lower middle of an even count)."""
     ok = sorted((r for r in rs if r.get("tokens_per_s")), key=lambda r: r["tokens_per_s"])
     return ok[(len(ok) - 1) // 2] if ok else rs[-1]

@@ -37,10 +37,10 @@ from .persister import ProcessPersister, ThreadPersister
 
 log = logging.getLogger("crucible.ckpt")
 
-__all__ = ["Region", "Snapshotter"]
+__all__ = ["LayoutEncoder", "Region", "Snapshotter"]
 
 
-class _LayoutEncoder(shard.Encoder):
+class LayoutEncoder(shard.Encoder):
     """The shard encoder, except that tensors are not copied: each is given its
     place in the data region and kept by reference for the snapshot."""
 
@@ -141,7 +141,7 @@ class Snapshotter:
                 gc.enable()
 
     def _snapshot(self, state: dict) -> dict:
-        enc = _LayoutEncoder()
+        enc = LayoutEncoder()
         tree = enc.encode(state)
         sig = [(m["kind"], m.get("dtype"), tuple(m.get("shape") or ()), m["offset"], m["nbytes"]) for m in enc.blobs]
         if sig != self.sig or self.region is None or self.region.size != enc.size:

@@ -318,8 +318,9 @@ class OuterRelay:
         if rnd is not None:
             return rnd
         self.c.cv.release()
-        try:
+        try:               # (disk, off the lock)
             done = self.store.read(stage, number)
+            newest, trimmed = self.store.newest(stage), self.store.trimmed(stage)
         finally:
             self.c.cv.acquire()
         if done is not None:
@@ -327,7 +328,6 @@ class OuterRelay:
         rnd = self.rounds.get((stage, number))
         if rnd is not None:          # opened while we read
             return rnd
-        newest, trimmed = self.store.newest(stage), self.store.trimmed(stage)
         if (newest is not None and number <= newest - KEEP_CLOSED) or number <= trimmed:
             # (never opened anew: every replica is past it, it would close empty,
             # and a replica catching up would take it for a round with no update)

@@ -481,9 +481,8 @@ class WorkerCheckpointer:
                 else:
                     # with DiLoCo, that replica's outer momentum too: the next rounds then
                     # move this copy exactly as they move the others
-                    nest = (sd["outer"].get("nesterov") or {}) if outer.nesterov is not None else None
                     outer.load_global(sd["outer"]["theta_global"], int(sd["outer"]["round"]),
-                                      **({} if nest is None else {"momentum": nest.get("buf")}))
+                                      momentum=(sd["outer"].get("nesterov") or {}).get("buf"))
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 log.warning("%s: %s/%s does not fit this stage: %s", self.name, ck.path, name, e)
                 continue

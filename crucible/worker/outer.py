@@ -386,16 +386,11 @@ class OuterRound:
                     state.skipped.clear()
                     state.outcomes.clear()
                 return
-            with self._settle_lock:      # applied and no longer pending in one step, for PullWeights
-                if reply.abandoned:
-                    done = None
-                    with state.lock:
-                        state.skipped.pop(0)
-                else:
-                    done = state.late_apply(self.replica, list(reply.contributors), list(reply.payloads), mine,
-                                            settles=True)
+            with self._settle_lock:      # applied (abandoned: nothing) and no longer pending in one step
+                state.late_apply(self.replica, [] if reply.abandoned else list(reply.contributors),
+                                 list(reply.payloads), mine, settles=True)
             log.info("r%ds%d: skipped outer round %d settled: %s", self.replica, self.stage, round_no,
-                     "abandoned" if done is None else f"applied late ({list(reply.contributors)})")
+                     "abandoned" if reply.abandoned else f"applied late ({list(reply.contributors)})")
             self.report({"event": "outer_settled", "replica": self.replica, "stage": self.stage,
                          "round": round_no, "abandoned": reply.abandoned, "contributors": list(reply.contributors)})
 

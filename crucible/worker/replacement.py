@@ -56,13 +56,15 @@ def weight_chunks(outer: OuterState, stage: int, my_stage: int, step: int):
     if stage != my_stage:
         raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, f"this worker holds stage {my_stage}")
     with outer.lock:
-        parts = [outer.theta_global.detach().to("cpu", copy=True)]     # (copied off a GPU, too)
-        if outer.nesterov is not None and outer.nesterov.buf is not None:
-            parts.append(outer.nesterov.buf.detach().to("cpu", copy=True))
+        n = outer.numel
+        buf = outer.nesterov.buf if outer.nesterov is not None else None
+        flat = torch.empty(n if buf is None else 2 * n, dtype=torch.float32)   # on the host, off a GPU too
+        flat[:n].copy_(outer.theta_global)
+        if buf is not None:
+            flat[n:].copy_(buf)
         # Rounds this copy skipped (the coordinator out of reach) and has not
         # settled yet are not in θ_global: its round is the oldest of them.
         rnd = outer.skipped[0][0] if outer.skipped else outer.round
-    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
     data = flat.numpy().tobytes()
     for off in range(0, max(len(data), 1), CHUNK):
         yield pb.WeightChunk(offset=off // 4, total=flat.numel(), data=data[off:off + CHUNK], step=step,
