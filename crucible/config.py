@@ -168,6 +168,9 @@ class NetConfig:
     advertise: str = ""              # the coordinator's address as workers dial it ("" = the bound one)
     max_message_mb: int = 64         # largest gRPC message, control and data plane alike
     link_mbps: float = 0.0           # simulated link rate for the data plane; 0 = off
+    # Boundary copies off the compute thread, on side CUDA streams
+    # (crucible.worker.outbox): auto (on a GPU), on, off.
+    overlap_copies: str = "auto"
     # Every gRPC connection pings its peer after this much silence; a peer that
     # leaves a ping unanswered for fault.heartbeat_timeout_s is gone (a silent
     # partition sends no RST: this is how a stream on it ends).
@@ -387,6 +390,7 @@ class Config:
         need(self.fault.suspicion_window_s > 0, "fault.suspicion_window_s", "must be > 0")
         need(1 <= self.net.max_message_mb <= 1024, "net.max_message_mb", "must be in 1..1024")
         need(self.net.link_mbps >= 0, "net.link_mbps", "must be >= 0")
+        need(self.net.overlap_copies in ("auto", "on", "off"), "net.overlap_copies", "must be auto, on or off")
         need(self.net.keepalive_s > 0, "net.keepalive_s", "must be > 0")
         need(-1 <= self.metrics.prometheus_port <= 65535, "metrics.prometheus_port",
              "must be -1 (off), 0 (any free port) or a port")

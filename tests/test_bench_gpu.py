@@ -24,7 +24,7 @@ from crucible.bench import gpu
 
 TIMEOUT_S = 300  # ~40 s on an idle machine; generous for a loaded one
 VARIANTS = {"S1_bf16_none", "S2_bf16_none", "S2_bf16_int8", "S1_fp32_none", "S2_fp32_none", "S2_fp32_int8",
-            "S2_bf16_none_ckpt"}
+            "S2_bf16_none_no_overlap", "S2_bf16_none_ckpt"}
 VERDICTS = ("met", "missed", "within noise")
 
 
@@ -141,7 +141,14 @@ def test_targets_and_render(result):
     assert tp["verdict"] == tp["per_codec"][tp["best_codec"]]["verdict"]
     assert t["int8_serialize_le_10pct"]["verdict"] in VERDICTS
     assert t["ckpt_stall_le_1.5x_floor"]["verdict"] in VERDICTS
+    ov = result["summary"]["overlap"]
+    assert (ov["with"], ov["without"]) == ("S2_bf16_none", "S2_bf16_none_no_overlap")
+    assert ov["tokens_ratio"] == pytest.approx(result["summary"]["variants"]["S2_bf16_none"]["tokens_per_s"]
+                                               / result["summary"]["variants"]["S2_bf16_none_no_overlap"]["tokens_per_s"],
+                                               rel=1e-3)
+    assert "net.overlap_copies=off" in result["runs"]["S2_bf16_none_no_overlap"]["overrides"]
     text = gpu.readme_part(result)
+    assert "Sends overlapped with compute" in text
     for name in VARIANTS:
         assert f"| {name} |" in text
     assert "| plain bf16 |" in text and "| plain fp32 |" in text
@@ -158,8 +165,11 @@ def test_plan_default_is_the_issue_s_configuration():
         assert o in ov
     vs = gpu.variants(p)
     names = [v["name"] for v in vs]
-    # S = 1 once per precision (no boundary), S = 2 and 4 per codec, and the checkpointing run
-    assert len(names) == len(set(names)) == 2 * (1 + 2 + 2) + 1
+    # S = 1 once per precision (no boundary), S = 2 and 4 per codec, S = 4 without overlap, the checkpointing run
+    assert len(names) == len(set(names)) == 2 * (1 + 2 + 2) + 2
+    (off,) = [v for v in vs if v.get("overlap") == "off"]
+    assert off["name"] == "S4_bf16_none_no_overlap" and "net.overlap_copies=off" in gpu.variant_overrides(p, off)
+    assert not any(o.startswith("net.overlap_copies") for o in gpu.variant_overrides(p, vs[2]))
     ck = vs[-1]
     assert ck["name"] == "S4_bf16_none_ckpt" and ck["checkpointing"]
     assert "checkpoint.minimum_interval_s=0" in gpu.variant_overrides(p, ck)

@@ -28,6 +28,7 @@ def test_toml_and_overrides(tmp_path):
     ("outer.mode=fast", "bad value for 'outer.mode'"),
     ("checkpoint.enable_checkpointing=maybe", "bad value for 'checkpoint.enable_checkpointing'"),
     ("model.n_head=3", "bad value for 'model.n_head'"),
+    ("net.overlap_copies=yes", "bad value for 'net.overlap_copies'"),
     ("noequals", "must look like section.key=value"),
 ])
 def test_bad_keys_and_values_are_named(override, needle):

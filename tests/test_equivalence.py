@@ -118,6 +118,7 @@ def _dumped(job, stages: int):
 
 @pytest.mark.parametrize("stages,extra", [
     (4, ("train.precision=bf16",)),
+    (4, ("train.precision=bf16", "net.overlap_copies=on")),   # sends off the compute thread, as on a GPU
     (2, ("train.activation_checkpointing=true",)),
     pytest.param(3, ("train.precision=bf16", "train.activation_checkpointing=true", "compress.forward=int8"),
                  marks=pytest.mark.slow),

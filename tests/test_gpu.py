@@ -40,7 +40,9 @@ DEVICE = _device()
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE is None, reason="no CUDA GPU (CRUCIBLE_GPU_TESTS_DEVICE=cpu runs these on "
                                                         "the CPU)")]
-ON = (f"job.device={DEVICE}", "debug.deterministic=true")
+# net.overlap_copies=on: boundary sends off the compute thread (on side CUDA
+# streams), the default on a GPU, and on a CPU the same thread logic
+ON = (f"job.device={DEVICE}", "debug.deterministic=true", "net.overlap_copies=on")
 
 
 def _first_device() -> str:
@@ -98,7 +100,7 @@ def test_launch_on_the_device_with_a_killed_inner_worker(mode, start_job):
     job = start_job(["--replicas", "2", "--stages", "3", "--steps", str(steps), "--respawn-delay", "0.5",
                      "--device", DEVICE],
                     TINY + [f"outer.mode={mode}", "outer.H=5", "debug.dump_final=true", "net.link_mbps=4",
-                            "fault.heartbeat_timeout_s=10", "fault.rpc_timeout_s=20"], name=mode)
+                            "net.overlap_copies=on", "fault.heartbeat_timeout_s=10", "fault.rpc_timeout_s=20"], name=mode)
     st = job.wait_for(lambda s: s if all(r["step"] >= 8 for r in s["replicas"]) else None, 300, "both replicas training")
     want = "cuda" if DEVICE == "cuda" else DEVICE
     assert all(str(w.get("device", "")).startswith(want) for w in st["workers"]), st["workers"]

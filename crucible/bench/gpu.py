@@ -28,7 +28,11 @@ group at the end; every variant ``--repeats`` times, interleaved):
    microbatches, clipping and AdamW); at the same precision its losses must
    equal the S = 1 launch's on a CPU (recorded, not required, on a GPU:
    kernels may differ in the last bit between processes).
-4. S = max in bf16, codec none, with continuous checkpointing at
+4. S = max in bf16, codec none, with ``net.overlap_copies=off``: every send
+   on the compute thread, against the same run with the default (on a GPU:
+   sends on the outbox's thread and a side CUDA stream); the ratio of their
+   tokens/s is ``summary.overlap``.
+5. S = max in bf16, codec none, with continuous checkpointing at
    ``minimum_interval_s = 0`` (saves back to back; one committed checkpoint
    kept): the snapshot stall every worker reports (``snapshot`` events:
    stall, of which waiting for queued GPU work and the copies; else the
@@ -55,7 +59,7 @@ running job <= 1.5x the pinned copy floor of the job's state
 before the snapshot, p50 over the saves after the first). Verdicts: ``common.verdict`` against the
 spread of the repeats (none with one repeat).
 
-Cost: 11 launches and 2 plain runs of gpt-200m, the checkpointing run the
+Cost: 12 launches and 2 plain runs of gpt-200m, the checkpointing run the
 longest (120 steps and back-to-back saves of the job's ~3.2 GB of state), the
 fp32 runs 14 steps each: by estimate (CUDA start-up ~10-15 s a process) about
 4-5 minutes on one H200; not yet measured. ``--quick --device cpu``: about
@@ -166,6 +170,9 @@ def variants(p: dict) -> list[dict]:
                             "checkpointing": False, "steps": p["steps"][prec][0], "warmup": p["steps"][prec][1]})
     S = max(p["stage_counts"])
     prec = "bf16" if "bf16" in p["precisions"] else p["precisions"][0]
+    # what the overlapped sends give: the same run with every send on the compute thread
+    out.append({"name": f"S{S}_{prec}_none_no_overlap", "stages": S, "precision": prec, "codec": "none",
+                "checkpointing": False, "overlap": "off", "steps": p["steps"][prec][0], "warmup": p["steps"][prec][1]})
     out.append({"name": f"S{S}_{prec}_none_ckpt", "stages": S, "precision": prec, "codec": "none",
                 "checkpointing": True, "steps": p["ckpt_steps"][0], "warmup": p["ckpt_steps"][1]})
     return out
@@ -189,6 +196,7 @@ def base_overrides(p: dict) -> list[str]:
 def variant_overrides(p: dict, v: dict) -> list[str]:
     ov = base_overrides(p) + [f"train.precision={v['precision']}",
                               f"compress.forward={v['codec']}", f"compress.backward={v['codec']}"]
+    ov += [f"net.overlap_copies={v['overlap']}"] if v.get("overlap") else []
     return ov + (CKPT_OVERRIDES if v["checkpointing"] else [])
 
 
@@ -512,7 +520,7 @@ def summarise(result: dict, p: dict, vs: list[dict], every: dict, peak_given: st
         t = tps.get(v["name"])
         table[v["name"]] = {
             "stages": v["stages"], "precision": v["precision"], "codec": v["codec"],
-            "checkpointing": v["checkpointing"],
+            "checkpointing": v["checkpointing"], "overlap_copies": v.get("overlap", "auto"),
             "tokens_per_s": t, "tokens_per_s_spread": spreads.get(v["name"]),
             "relative_to_plain": t / plain if t and plain else None,
             "mfu": mfu(params, t, peak, v["precision"]),
@@ -557,8 +565,17 @@ def summarise(result: dict, p: dict, vs: list[dict], every: dict, peak_given: st
     ckpt_sum["stall_over_largest_stage_floor"] = excl / stage_floor if excl is not None and stage_floor else None
     copy = (ck.get("copy_s") or {}).get("p50")
     ckpt_sum["copy_over_floor"] = copy / job_floor if copy is not None and job_floor else None
+    off = next(v["name"] for v in vs if v.get("overlap") == "off")
+    on = off[:-len("_no_overlap")]
+    noise = _noise(tps[on] / tps[off], reps.get(on, []), reps.get(off, [])) \
+        if tps.get(on) and tps.get(off) and len(reps.get(on, [])) > 1 else None
+    overlap = {"with": on, "without": off, "tokens_ratio": tps[on] / tps[off] if tps.get(on) and tps.get(off) else None,
+               "noise": noise}
+    overlap["verdict"] = (None if overlap["tokens_ratio"] is None or noise is None else
+                          "within noise" if abs(overlap["tokens_ratio"] - 1) <= noise else
+                          "faster with overlap" if overlap["tokens_ratio"] > 1 else "slower with overlap")
     result["summary"] = common.round_floats({
-        "variants": table, "plain": plains, "checkpoint": ckpt_sum, "params": params,
+        "variants": table, "plain": plains, "checkpoint": ckpt_sum, "overlap": overlap, "params": params,
         "peak_tflops": peak, "peak_source": peak_source,
     })
     result["targets"] = common.round_floats(targets(p, vs, table, tps, spreads, every, ckpt_sum, result["repeats"]))
@@ -630,6 +647,9 @@ def _print_table(result: dict, f) -> None:
     print(f"checkpoint ({ck.get('variant')}): stall p50 {_f((ck.get('stall_excl_queued_s') or {}).get('p50'))} s "
           f"(excl. queued), floor {_f(ck.get('floor_job_s'))} s, ratio {_f(ck.get('stall_over_floor'), '.2f')}",
           file=f)
+    ov = s.get("overlap") or {}
+    print(f"overlapped sends: {ov.get('with')} / {ov.get('without')} tokens/s = {_f(ov.get('tokens_ratio'), '.2f')}x "
+          f"({ov.get('verdict') or 'one run: no noise figure'})", file=f)
     for k, t in (result.get("targets") or {}).items():
         if isinstance(t, dict) and "verdict" in t:
             print(f"target {k}: {t['verdict']}", file=f)
@@ -674,6 +694,10 @@ def readme_part(r: dict, name: str = "gpu") -> str:
         f"{_f(ck.get('floor_job_s'), '.3f')} s for the job's {_f((ck.get('state_bytes_job') or 0) / 1e6, '.0f')} MB "
         f"= {_f(stall['stall_over_floor'], '.2f')}x over {stall['saves']} saves — {_verdict(stall['verdict'])}.",
     ]
+    ov = s.get("overlap") or {}
+    lines.append(f"* Sends overlapped with compute (`net.overlap_copies`): {_f(ov.get('tokens_ratio'), '.2f')}x the "
+                 f"tokens/s of the same run with every send on the compute thread "
+                 f"({ov.get('verdict') or 'one run: no noise figure'}).")
     if t.get("note"):
         lines.append(f"* Note: {t['note']}.")
     return "\n".join(lines) + "\n"

@@ -158,10 +158,11 @@ class FrameDecoder:
 
     def __init__(self, act_shape: tuple[int, int, int], microbatches: int, eval_batches: int, vocab_size: int,
                  fwd_codec=None, bwd_codec=None, needs_tokens: bool = False, send_tokens: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None, overlap: bool = False):
         self.act_shape, self.M, self.eval_batches, self.vocab = act_shape, microbatches, eval_batches, vocab_size
         self.dtype = dtype                   # what a boundary carries: float32, or bfloat16 (train.precision=bf16)
         self.device = device                 # where a codec expands its payload (the compact data is copied there)
+        self.side_stream = overlap           # on a GPU: copy to the device on the receiving thread's own stream
         self.fwd_codec, self.bwd_codec = fwd_codec, bwd_codec
         self.needs_tokens = needs_tokens     # this stage rebuilds its input from the token ids
         self.send_tokens = send_tokens       # the job ships the token ids with every frame
@@ -177,7 +178,7 @@ class FrameDecoder:
                 raise WireError(f"step {f.step} < 0")
             t0 = time.perf_counter()
             ev.x = from_wire(f.tensor, self.dtype, self.act_shape, "activations", codec=self.fwd_codec,
-                             device=self.device)
+                             device=self.device, side_stream=self.side_stream)
             ev.targets = tokens_from_wire(f.targets, self.act_shape[:2], self.vocab)
             ev.decode_s = time.perf_counter() - t0
             ev.targets_msg = f.targets
@@ -203,7 +204,7 @@ class FrameDecoder:
                 raise ValueError(f"BACKWARD micro {f.micro} out of range")
             t0 = time.perf_counter()
             ev.x = from_wire(f.tensor, self.dtype, self.act_shape, "gradient", codec=self.bwd_codec,
-                             device=self.device)
+                             device=self.device, side_stream=self.side_stream)
             ev.decode_s = time.perf_counter() - t0
             ev.nbytes, ev.raw_nbytes = frame_nbytes(f)
         elif f.kind != K.EVAL_RESULT:

@@ -86,14 +86,14 @@ class Driver:
             losses, down_sumsq = self._alone(xs, ys, st), 0.0
         else:
             losses, down_sumsq = self._pipelined(step, epoch, xs, ys, st)
-        t0 = time.perf_counter()
-        self.debug.grads(step, self.step.model, losses)
-        coef = optim.clip_coefficient(self.step.grad_sumsq() + down_sumsq, cfg.train.grad_clip)
-        self.links.last_commit = (step, coef)
-        snapshot = self.commit_flag(step)   # the checkpoint's cut: every stage snapshots after this step
-        self.links.send_commit(step, coef, snapshot)
-        lr = self.step.commit(step, coef)
-        st.compute_since(t0, self.step.device)
+        with st.computing(self.step.device):
+            self.debug.grads(step, self.step.model, losses)
+            coef = optim.clip_coefficient(self.step.grad_sumsq() + down_sumsq, cfg.train.grad_clip)
+            self.links.last_commit = (step, coef)
+            snapshot = self.commit_flag(step)   # the checkpoint's cut: every stage snapshots after this step
+            self.links.send_commit(step, coef, snapshot)
+            lr = self.step.commit(step, coef)
+        self.links.flush()                  # the step's sends are in its split
         self.progress.set(step + 1)
         self.report({"event": "step", "replica": self.links.replica, "stage": 0, "step": step,
                      "loss": sum(losses) / self.M, "tokens": cfg.train.batch_size * cfg.train.seq_len, "lr": lr,
@@ -104,10 +104,9 @@ class Driver:
     def _alone(self, xs, ys, st: StepStats) -> list[float]:
         losses = []
         for m in range(self.M):
-            t0 = time.perf_counter()
-            loss, _ = self.step.loss_backward(m, self.step.forward(m, xs[m]), ys[m])
+            with st.computing(self.step.device):
+                loss, _ = self.step.loss_backward(m, self.step.forward(m, xs[m]), ys[m])
             losses.append(loss)
-            st.compute_since(t0, self.step.device)
         return losses
 
     def _pipelined(self, step: int, epoch: int, xs, ys, st: StepStats) -> tuple[list[float], float]:
@@ -119,18 +118,16 @@ class Driver:
         fwd = bwd = 0
         while bwd < self.M:
             if fwd < self.M and fwd - bwd < limit:
-                t0 = time.perf_counter()
-                h = self.step.forward(fwd, xs[fwd])
-                st.compute_since(t0, self.step.device)
+                with st.computing(self.step.device):
+                    h = self.step.forward(fwd, xs[fwd])
                 self.links.send_down(st, K.FORWARD, step, fwd, h, targets=ys[fwd], tokens=xs[fwd])
                 fwd += 1
                 continue
             ev = self.links.next_event(st, epoch, timeout=self.cfg.fault.rpc_timeout_s)
             if ev.kind != K.BACKWARD or ev.step != step or ev.micro != bwd:
                 continue  # a late answer of an aborted attempt
-            t0 = time.perf_counter()
-            self.step.backward(bwd, ev.x)
-            st.compute_since(t0, self.step.device)
+            with st.computing(self.step.device):
+                self.step.backward(bwd, ev.x)
             losses.append(ev.loss)
             if bwd == self.M - 1:
                 down_sumsq = ev.grad_sumsq

@@ -16,6 +16,7 @@ step in flight (``RouteChanged``); the attempt is replayed on the new route.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -28,7 +29,11 @@ from crucible import identity
 from crucible._pb import crucible_pb2 as pb
 from crucible.wire import to_wire, tokens_to_wire
 from crucible.worker.dataplane import Downstream, Event, FrameDecoder, Inbox, K
+from crucible.worker.outbox import Outbox, SendFailed, overlapping
 from crucible.worker.stats import StepStats
+
+
+log = logging.getLogger("crucible.worker")
 
 
 class RouteChanged(Exception):
@@ -39,7 +44,7 @@ class Links:
     def __init__(self, replica: int, stage: int, token: str, cfg, decoder: FrameDecoder, inbox: Inbox,
                  suspect: Callable[[int, str], None], on_epoch: Callable[[int], None],
                  check_stop: Callable[[], None], idle: Callable[[], None],
-                 secret: Callable[[], bytes] = lambda: b""):
+                 secret: Callable[[], bytes] = lambda: b"", device: torch.device = torch.device("cpu")):
         self.replica, self.stage, self.token, self.cfg = replica, stage, token, cfg
         self.decoder, self.inbox = decoder, inbox
         self.suspect, self.on_epoch, self.check_stop, self.idle = suspect, on_epoch, check_stop, idle
@@ -52,6 +57,8 @@ class Links:
         self.down_epoch, self.down_stage = 0, None
         self.hello_expect: tuple[int, bytes] = (0, b"")   # (route epoch, tag our predecessor's HELLO carries)
         self.last_commit: tuple[int, float] | None = None   # stage 0: (step, coef) of the last COMMIT sent
+        # sends (crucible.worker.outbox): off the compute thread where net.overlap_copies says so
+        self.outbox = Outbox(device, overlapping(cfg.net.overlap_copies, device), f"outbox-r{replica}s{stage}")
 
     # ---- the route ----------------------------------------------------------
 
@@ -177,6 +184,12 @@ class Links:
             self.down.send(self.frame(K.COMMIT, step, 0, self.down_epoch, clip_coef=coef))
 
     def close(self, wait: float) -> None:
+        try:
+            if not self.outbox.flush(timeout=wait):
+                log.warning("r%ds%d: sends still queued at close", self.replica, self.stage)
+        except SendFailed as e:
+            log.warning("r%ds%d: %s", self.replica, self.stage, e)
+        self.outbox.close(wait=0.0)
         if self.down is not None:
             self.down.close(wait=wait)
 
@@ -189,26 +202,29 @@ class Links:
     def send_down(self, st: StepStats, kind: int, step: int, micro: int, h: torch.Tensor,
                   targets_msg=None, targets: torch.Tensor | None = None,
                   tokens_msg=None, tokens: torch.Tensor | None = None) -> None:
-        t0 = time.perf_counter()
-        vocab = self.cfg.model.vocab_size
-        if targets_msg is None:
-            targets_msg = tokens_to_wire(targets, vocab)
-        if tokens_msg is None and tokens is not None and self.decoder.send_tokens:
-            tokens_msg = tokens_to_wire(tokens, vocab)
-        extra = {"tokens": tokens_msg} if tokens_msg is not None else {}
         shape = self.decoder.act_shape
         if tuple(h.shape) != shape or h.dtype != torch.float32:
             raise ValueError(f"stage {self.stage}'s model returned {tuple(h.shape)} {h.dtype}; a stage boundary "
                              f"must be {shape} torch.float32 [microbatch, train.seq_len, model.d_model]")
         h = h.detach().to(self.decoder.dtype)     # bf16 precision: the boundary is rounded once, here
-        f = self.frame(kind, step, micro, self.down_epoch, tensor=to_wire(h, self.decoder.fwd_codec),
-                       targets=targets_msg, **extra)
-        st.sent(f, time.perf_counter() - t0, down=True)
-        self.down.send(f)
+        down, epoch, vocab = self.down, self.down_epoch, self.cfg.model.vocab_size
+        send_tokens = tokens_msg is None and tokens is not None and self.decoder.send_tokens
+
+        def send() -> None:
+            t0 = time.perf_counter()
+            tg = targets_msg if targets_msg is not None else tokens_to_wire(targets, vocab)
+            tk = tokens_to_wire(tokens, vocab) if send_tokens else tokens_msg
+            extra = {"tokens": tk} if tk is not None else {}
+            f = self.frame(kind, step, micro, epoch, tensor=to_wire(h, self.decoder.fwd_codec), targets=tg, **extra)
+            st.sent(f, time.perf_counter() - t0, down=True)
+            down.send(f)
+
+        self.outbox.submit(send)
 
     def send_commit(self, step: int, coef: float, snapshot: bool = False) -> None:
         if self.down is not None:
-            self.down.send(self.frame(K.COMMIT, step, 0, self.down_epoch, clip_coef=coef, snapshot=snapshot))
+            f, down = self.frame(K.COMMIT, step, 0, self.down_epoch, clip_coef=coef, snapshot=snapshot), self.down
+            self.outbox.submit(lambda: down.send(f))   # behind every frame of the step
 
     def send_up(self, st: StepStats, kind: int, step: int, micro: int, epoch: int | None,
                 g: torch.Tensor | None = None, **kw) -> None:
@@ -219,12 +235,22 @@ class Links:
             up = self.upstream
         if up is None or (epoch is not None and up.epoch != epoch):
             return
-        t0 = time.perf_counter()
-        f = self.frame(kind, step, micro, up.epoch, **kw)
         if g is not None:
-            f.tensor.CopyFrom(to_wire(g.detach().to(self.decoder.dtype), self.decoder.bwd_codec))
-        st.sent(f, time.perf_counter() - t0)
-        up.send(f)
+            g = g.detach().to(self.decoder.dtype)
+
+        def send() -> None:
+            t0 = time.perf_counter()
+            f = self.frame(kind, step, micro, up.epoch, **kw)
+            if g is not None:
+                f.tensor.CopyFrom(to_wire(g, self.decoder.bwd_codec))
+            st.sent(f, time.perf_counter() - t0)
+            up.send(f)
+
+        self.outbox.submit(send)
+
+    def flush(self) -> None:
+        """Wait for every send handed off so far (the step's split is complete after it)."""
+        self.outbox.flush()
 
     # ---- receiving ---------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ stage or on none.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable
 
 from crucible.worker.dataplane import Event, K
@@ -59,15 +58,15 @@ class Reactor:
                 log.warning("%s: stage 0 is at step %d, this stage at %d: following it",
                             self.name, ev.step, self.progress.step)
             self.progress.set(ev.step)
-        t0 = time.perf_counter()
-        h = self.step.forward(ev.micro, ev.x, ev.tokens)
-        if self.links.down is None:   # last in the route: loss and backward at once
-            loss, grad = self.step.loss_backward(ev.micro, h, ev.targets)
-            sumsq = self._last_micro(ev, 0.0)
-            self.st.compute_since(t0, self.step.device)
+        last = self.links.down is None   # last in the route: loss and backward at once
+        with self.st.computing(self.step.device):
+            h = self.step.forward(ev.micro, ev.x, ev.tokens)
+            if last:
+                loss, grad = self.step.loss_backward(ev.micro, h, ev.targets)
+                sumsq = self._last_micro(ev, 0.0)
+        if last:
             self.links.send_up(self.st, K.BACKWARD, ev.step, ev.micro, ev.epoch, grad, loss=loss, grad_sumsq=sumsq)
         else:
-            self.st.compute_since(t0, self.step.device)
             self.links.send_down(self.st, K.FORWARD, ev.step, ev.micro, h, targets_msg=ev.targets_msg,
                                  tokens_msg=ev.tokens_msg)
 
@@ -81,22 +80,21 @@ class Reactor:
     def on_backward(self, ev: Event) -> None:
         if not self.step.has(ev.micro) or ev.step != self.progress.step:
             return
-        t0 = time.perf_counter()
-        grad = self.step.backward(ev.micro, ev.x)
-        sumsq = self._last_micro(ev, ev.grad_sumsq)
-        self.st.compute_since(t0, self.step.device)
+        with self.st.computing(self.step.device):
+            grad = self.step.backward(ev.micro, ev.x)
+            sumsq = self._last_micro(ev, ev.grad_sumsq)
         self.links.send_up(self.st, K.BACKWARD, ev.step, ev.micro, None, grad, loss=ev.loss, grad_sumsq=sumsq)
 
     def on_commit(self, ev: Event) -> None:
         self.links.send_commit(ev.step, ev.clip_coef, ev.snapshot)
         if ev.step < self.progress.step:
             return  # a replay of a COMMIT we applied
-        t0 = time.perf_counter()
-        if ev.step == self.progress.step:
-            self.step.commit(ev.step, ev.clip_coef)
-        else:
-            self.step.abort()
-        self.st.compute_since(t0, self.step.device)
+        with self.st.computing(self.step.device):
+            if ev.step == self.progress.step:
+                self.step.commit(ev.step, ev.clip_coef)
+            else:
+                self.step.abort()
+        self.links.flush()                  # the step's sends are in its split
         self.progress.set(ev.step + 1)
         self.report({"event": "stage_step", "replica": self.links.replica, "stage": self.links.stage,
                      "step": ev.step, **self.st.as_dict()})

@@ -51,6 +51,7 @@ from crucible.worker.dataplane import SERVICE, FrameDecoder, Inbox, StageService
 from crucible.worker.debug import DebugHooks
 from crucible.worker.driver import Driver
 from crucible.worker.links import Links
+from crucible.worker.outbox import overlapping
 from crucible.worker.outer import OuterRound, OuterState
 from crucible.worker.reactor import Reactor
 from crucible.worker.replacement import Replacement, weight_chunks
@@ -185,7 +186,8 @@ class Worker:
                                     cfg.train.eval_batches, cfg.model.vocab_size,
                                     boundary_codec(cfg.compress.forward, cfg), boundary_codec(cfg.compress.backward, cfg),
                                     needs_tokens=needs_tokens, send_tokens=send_tokens,
-                                    dtype=devices.boundary_dtype(cfg.train.precision), device=self.device)
+                                    dtype=devices.boundary_dtype(cfg.train.precision), device=self.device,
+                                    overlap=overlapping(cfg.net.overlap_copies, self.device))
         # (above what the schedule ever has in flight)
         self.inbox = Inbox(cap=2 * (cfg.train.microbatches + cfg.train.eval_batches) + 8)
         self.ledger = Ledger(self._report, self.replica)
@@ -200,7 +202,8 @@ class Worker:
         cfg = self.cfg
         self.links = Links(self.replica, self.stage, self.token, cfg, self.decoder, self.inbox,
                            suspect=self.suspect, on_epoch=lambda e: setattr(self.ctl, "epoch", e),
-                           check_stop=self._check_stop, idle=lambda: self.ckpt.idle(), secret=lambda: self.ctl.secret)
+                           check_stop=self._check_stop, idle=lambda: self.ckpt.idle(), secret=lambda: self.ctl.secret,
+                           device=self.device)
         self.ckpt = self._checkpointer()
         self.replacement = Replacement(self.links, self.outer, self.model, self.ckpt, self.ctl, self.token,
                                        cfg.net.max_message_mb, lambda: self.progress.step, self.debug, self.name)

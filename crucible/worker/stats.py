@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from crucible import devices
+import torch
+
 from crucible.worker.dataplane import Event, frame_nbytes
 
 
@@ -54,13 +55,21 @@ class StepStats:
     bytes_in: int = 0
     raw_in: int = 0
     bytes_down: int = 0          # of bytes_out: to the successor (the rest went to the predecessor)
+    _events: list = field(default_factory=list)   # (start, end) CUDA events of compute sections not settled yet
 
-    def compute_since(self, t0: float, device) -> None:
-        """Compute from perf_counter `t0` to now. On a GPU the queued kernels are
-        waited for first, so compute is what the device did, not what was
-        launched (the copies and codecs after it would otherwise be charged for it)."""
-        devices.synchronize(device)
-        self.compute += time.perf_counter() - t0
+    def computing(self, device: torch.device):
+        """Time one compute section (``with st.computing(device): ...``). On a
+        CPU: its wall time. On a GPU: the device's time between two events on
+        the compute stream, read at the end of the step (``settle``), so the
+        section only queues its kernels and nothing waits for them here."""
+        return _Section(self, device)
+
+    def settle(self) -> None:
+        """Add the GPU sections' times (waits for the last one to end)."""
+        for start, end in self._events:
+            end.synchronize()
+            self.compute += start.elapsed_time(end) / 1000.0
+        self._events.clear()
 
     def received(self, ev: Event) -> None:
         self.serialize += ev.decode_s
@@ -78,9 +87,32 @@ class StepStats:
             self.bytes_down += n
 
     def as_dict(self) -> dict:
+        self.settle()
         total = time.perf_counter() - self.t0
         transport = min(self.transport, self.wait)
         return {"step_s": total, "compute_s": self.compute, "serialize_s": self.serialize,
                 "transport_s": transport, "idle_s": max(0.0, self.wait - transport),
                 "bytes_out": self.bytes_out, "raw_bytes_out": self.raw_out,
                 "bytes_in": self.bytes_in, "raw_bytes_in": self.raw_in, "bytes_down": self.bytes_down}
+
+
+class _Section:
+    def __init__(self, st: StepStats, device: torch.device):
+        self.st, self.device, self.cuda = st, device, device.type == "cuda"
+
+    def __enter__(self) -> None:
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record(torch.cuda.current_stream(self.device))
+        else:
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is not None:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            self.st._events.append((self.start, end))
+        else:
+            self.st.compute += time.perf_counter() - self.t0
