@@ -65,6 +65,40 @@ def test_codecs_on_the_device_match_the_cpu(spec):
         assert torch.equal(back.cpu(), codec.decode(on_cpu, x.shape)), (spec, dtype)
 
 
+@pytest.mark.parametrize("spec", ["none", "int8"])
+def test_sends_and_receives_on_side_streams_see_the_compute_stream_s_data(spec):
+    """The outbox (overlap on) waits for the compute stream's kernels before it
+    copies on its side stream, and a receive on the receiving thread's side
+    stream hands over finished data: the bytes and tensors equal the CPU's."""
+    from crucible.compress.activations import make_codec
+    from crucible.wire import from_wire, to_wire
+    from crucible.worker.outbox import Outbox
+
+    dev = torch.device(_first_device())
+    codec = None if spec == "none" else make_codec(spec, 256, seed=3)
+    box = Outbox(dev, overlap=True)
+    try:
+        g = torch.Generator().manual_seed(2)
+        a = torch.randn(512, 256, generator=g)
+        b = torch.randn(256, 256, generator=g) / 16
+        sent, ys = [], []
+        for k in range(6):
+            x = a.to(dev)
+            for _ in range(20):          # a queue of kernels the copy must wait for (nothing synchronizes here)
+                x = torch.tanh(x @ b.to(dev))
+            ys.append(x.view(2, 256, 256) + k)
+            box.submit(lambda y=ys[-1]: sent.append(to_wire(y, codec)))
+        assert box.flush(timeout=60)
+    finally:
+        box.close()
+    want = [to_wire(y.cpu(), codec) for y in ys]
+    assert [m.SerializeToString() for m in sent] == [m.SerializeToString() for m in want]
+    for m in sent:
+        got = from_wire(m, torch.float32, (2, 256, 256), codec=codec, device=dev, side_stream=True)
+        assert got.device.type == dev.type
+        assert torch.equal((got * 1).cpu(), from_wire(m, torch.float32, (2, 256, 256), codec=codec))
+
+
 @pytest.mark.parametrize("extra", [(), ("train.precision=bf16", "train.activation_checkpointing=true")],
                          ids=["fp32", "bf16-recompute"])
 def test_pipeline_on_the_device_equals_one_process(extra, start_job):

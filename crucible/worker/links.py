@@ -206,7 +206,7 @@ class Links:
         if tuple(h.shape) != shape or h.dtype != torch.float32:
             raise ValueError(f"stage {self.stage}'s model returned {tuple(h.shape)} {h.dtype}; a stage boundary "
                              f"must be {shape} torch.float32 [microbatch, train.seq_len, model.d_model]")
-        h = h.detach().to(self.decoder.dtype)     # bf16 precision: the boundary is rounded once, here
+        h = h.detach()
         down, epoch, vocab = self.down, self.down_epoch, self.cfg.model.vocab_size
         send_tokens = tokens_msg is None and tokens is not None and self.decoder.send_tokens
 
@@ -215,7 +215,8 @@ class Links:
             tg = targets_msg if targets_msg is not None else tokens_to_wire(targets, vocab)
             tk = tokens_to_wire(tokens, vocab) if send_tokens else tokens_msg
             extra = {"tokens": tk} if tk is not None else {}
-            f = self.frame(kind, step, micro, epoch, tensor=to_wire(h, self.decoder.fwd_codec), targets=tg, **extra)
+            x = h.to(self.decoder.dtype)          # bf16 precision: the boundary is rounded once, here
+            f = self.frame(kind, step, micro, epoch, tensor=to_wire(x, self.decoder.fwd_codec), targets=tg, **extra)
             st.sent(f, time.perf_counter() - t0, down=True)
             down.send(f)
 
@@ -235,14 +236,13 @@ class Links:
             up = self.upstream
         if up is None or (epoch is not None and up.epoch != epoch):
             return
-        if g is not None:
-            g = g.detach().to(self.decoder.dtype)
+        g = g.detach() if g is not None else None
 
         def send() -> None:
             t0 = time.perf_counter()
             f = self.frame(kind, step, micro, up.epoch, **kw)
             if g is not None:
-                f.tensor.CopyFrom(to_wire(g, self.decoder.bwd_codec))
+                f.tensor.CopyFrom(to_wire(g.to(self.decoder.dtype), self.decoder.bwd_codec))
             st.sent(f, time.perf_counter() - t0)
             up.send(f)
 
