@@ -36,16 +36,22 @@ class WireError(ValueError):
 _local = threading.local()
 
 
+def _per_thread(kind: str, key, make):
+    """This thread's own `kind` object for `key`, made once by `make()`."""
+    cache = getattr(_local, kind, None)
+    if cache is None:
+        cache = {}
+        setattr(_local, kind, cache)
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
 def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A page-locked host buffer of this shape and dtype, reused by this thread
     (a GPU copies to and from pinned memory about 4x faster than pageable)."""
-    cache = getattr(_local, "pinned", None)
-    if cache is None:
-        cache = _local.pinned = {}
-    key = (tuple(shape), dtype)
-    if key not in cache:
-        cache[key] = torch.empty(key[0], dtype=dtype, pin_memory=True)
-    return cache[key]
+    shape = tuple(shape)
+    return _per_thread("pinned", (shape, dtype), lambda: torch.empty(shape, dtype=dtype, pin_memory=True))
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -127,12 +133,7 @@ def _beside(device: torch.device, make) -> torch.Tensor:
     thread's side stream and wait for it; the tensor is then handed to the
     compute stream (``record_stream``: its memory is not reused until the
     compute stream's work queued before it is freed is done)."""
-    streams = getattr(_local, "streams", None)
-    if streams is None:
-        streams = _local.streams = {}
-    side = streams.get(device)
-    if side is None:
-        side = streams[device] = torch.cuda.Stream(device)
+    side = _per_thread("streams", device, lambda: torch.cuda.Stream(device))
     with torch.cuda.device(device), torch.cuda.stream(side):
         t = make()
     side.synchronize()

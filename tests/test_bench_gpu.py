@@ -169,6 +169,7 @@ def test_plan_default_is_the_issue_s_configuration():
     assert len(names) == len(set(names)) == 2 * (1 + 2 + 2) + 2
     (off,) = [v for v in vs if v.get("overlap") == "off"]
     assert off["name"] == "S4_bf16_none_no_overlap" and "net.overlap_copies=off" in gpu.variant_overrides(p, off)
+    assert off["versus"] == "S4_bf16_none" in names         # the run it is compared with
     assert not any(o.startswith("net.overlap_copies") for o in gpu.variant_overrides(p, vs[2]))
     ck = vs[-1]
     assert ck["name"] == "S4_bf16_none_ckpt" and ck["checkpointing"]

@@ -6,6 +6,10 @@ side stream (tests/test_gpu.py runs pipelines with it, on the GPU and here)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -74,3 +78,98 @@ def test_off_runs_each_send_inline():
     with pytest.raises(ZeroDivisionError):
         box.submit(lambda: 1 / 0)
     assert box.flush(timeout=0) is True
+
+
+class Boom(BaseException):
+    """Not an Exception: what a bare `except Exception` would let through."""
+
+
+def test_the_thread_survives_whatever_a_send_raises():
+    box = Outbox(CPU, overlap=True)
+    try:
+        out = []
+
+        def boom():
+            raise Boom("not an Exception")
+
+        box.submit(boom)
+        box.submit(lambda: out.append("after"))
+        with pytest.raises(SendFailed, match="Boom"):
+            box.flush(timeout=10)
+        assert box.thread.is_alive() and out == ["after"]
+    finally:
+        box.close()
+
+
+def test_close_drops_queued_sends_and_ends_the_thread_once_the_running_one_returns():
+    box = Outbox(CPU, overlap=True)
+    stream_closed, out = threading.Event(), []
+    box.submit(lambda: (stream_closed.wait(10), out.append("running")))   # blocked as on a full stream
+    for i in range(5):
+        box.submit(lambda i=i: out.append(i))
+    time.sleep(0.1)
+    box.stop()
+    assert box.join(0.2) is False                     # the running send has not returned yet
+    stream_closed.set()                               # ... until its stream closes
+    t0 = time.monotonic()
+    assert box.join(5) is True and time.monotonic() - t0 < 2
+    assert out == ["running"] and box.pending == 0    # the queued ones were dropped, not sent late
+    box.submit(lambda: out.append("late"))            # a send after close is dropped too
+    assert box.flush(timeout=1) is True and out == ["running"]
+
+
+def test_a_send_blocked_on_a_full_stream_returns_when_the_successor_is_killed(tmp_path):
+    """A successor that stops reading, then dies (SIGKILL): the stream's reader
+    marks it broken, so a send waiting on its full queue gives up at once
+    instead of waiting for the compute thread (the one flush holds) to notice."""
+    from crucible._pb import crucible_pb2 as pb
+    from crucible.worker.dataplane import Downstream
+    from tests.conftest import ROOT, child_env
+
+    server = ("import sys, threading\n"
+              "from crucible import rpc\n"
+              "from crucible._pb import crucible_pb2 as pb\n"
+              "def pipe(frames, ctx):\n"
+              "    next(frames)\n"
+              "    threading.Event().wait()\n"
+              "    yield pb.Frame()\n"
+              "srv, port = rpc.make_server('crucible.v1.Stage', {'Pipe': rpc.stream_stream('Pipe', pb.Frame, pb.Frame,"
+              " pipe)}, 't', '127.0.0.1:0', max_workers=2)\n"
+              "print(port, flush=True)\n"
+              "threading.Event().wait()\n")
+    proc = subprocess.Popen([sys.executable, "-c", server], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    down = None
+    try:
+        port = int(proc.stdout.readline())
+        events = []
+        # 0.001 Mbit/s: the first frame holds the stream for 30 s, so the queue fills and stays full
+        down = Downstream(f"127.0.0.1:{port}", pb.Frame(kind=pb.Frame.HELLO, epoch=1), "t", 64, 0.001,
+                          lambda ev, *_: events.append(ev), lambda f: f)
+        frame = pb.Frame(kind=pb.Frame.FORWARD, epoch=1, tensor=pb.Tensor(data=b"x" * 4096))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:         # fill until it stays full (the stream takes one frame
+            while not down.q.full():               # into its 30 s wait; only this thread puts)
+                down.q.put_nowait(frame)
+            time.sleep(0.5)
+            if down.q.full():
+                break
+        assert down.q.full() and not events
+        result = []
+        sender = threading.Thread(target=lambda: result.append(down.send(frame)), daemon=True)
+        sender.start()
+        sender.join(1.0)
+        assert sender.is_alive()                   # waiting on the full queue
+        os.killpg(proc.pid, signal.SIGKILL)
+        sender.join(15)
+        assert not sender.is_alive(), "the send still waits on a stream whose successor is dead"
+        assert down.broken and not down.failed     # failed stays the compute thread's (it reports the suspect)
+        assert [ev.note for ev in events] == ["down_error"]
+    finally:
+        if down is not None:
+            down.close(wait=0.0)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)

@@ -172,7 +172,8 @@ def variants(p: dict) -> list[dict]:
     prec = "bf16" if "bf16" in p["precisions"] else p["precisions"][0]
     # what the overlapped sends give: the same run with every send on the compute thread
     out.append({"name": f"S{S}_{prec}_none_no_overlap", "stages": S, "precision": prec, "codec": "none",
-                "checkpointing": False, "overlap": "off", "steps": p["steps"][prec][0], "warmup": p["steps"][prec][1]})
+                "checkpointing": False, "overlap": "off", "versus": f"S{S}_{prec}_none",
+                "steps": p["steps"][prec][0], "warmup": p["steps"][prec][1]})
     out.append({"name": f"S{S}_{prec}_none_ckpt", "stages": S, "precision": prec, "codec": "none",
                 "checkpointing": True, "steps": p["ckpt_steps"][0], "warmup": p["ckpt_steps"][1]})
     return out
@@ -565,8 +566,7 @@ def summarise(result: dict, p: dict, vs: list[dict], every: dict, peak_given: st
     ckpt_sum["stall_over_largest_stage_floor"] = excl / stage_floor if excl is not None and stage_floor else None
     copy = (ck.get("copy_s") or {}).get("p50")
     ckpt_sum["copy_over_floor"] = copy / job_floor if copy is not None and job_floor else None
-    off = next(v["name"] for v in vs if v.get("overlap") == "off")
-    on = off[:-len("_no_overlap")]
+    off, on = next((v["name"], v["versus"]) for v in vs if v.get("overlap") == "off")
     noise = _noise(tps[on] / tps[off], reps.get(on, []), reps.get(off, [])) \
         if tps.get(on) and tps.get(off) and len(reps.get(on, [])) > 1 else None
     overlap = {"with": on, "without": off, "tokens_ratio": tps[on] / tps[off] if tps.get(on) and tps.get(off) else None,

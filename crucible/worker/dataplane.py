@@ -384,7 +384,8 @@ class Downstream:
         self.on_event, self.decode_down = on_event, decode_down
         self.channel = rpc.make_channel(address, max_mb)
         self.closed = False
-        self.failed = False
+        self.failed = False      # set by the compute thread once it has reported the successor
+        self.broken = False      # set by the reader when the stream ends or errs: sends stop waiting on it
         self.epoch = hello.epoch
         self.q.put(hello)
         stub = pbg.StageStub(self.channel)
@@ -395,7 +396,7 @@ class Downstream:
     def send(self, frame) -> None:
         """Queue a frame; waits while the stream is SEND_QUEUE frames behind, and
         drops the frame once the stream failed or closed (the step is retried)."""
-        _put_bounded(self.q, frame, give_up=lambda: self.failed or self.closed)
+        _put_bounded(self.q, frame, give_up=lambda: self.failed or self.broken or self.closed)
 
     def _requests(self):
         while True:
@@ -413,14 +414,17 @@ class Downstream:
                 try:
                     ev = self.decode_down(f)
                 except ValueError as e:
+                    self.broken = True
                     self.on_event(Event("notice", note="down_error", epoch=self.epoch))
                     log.error("bad frame from downstream %s: %s", self.address, e)
                     self.call.cancel()
                     return
                 self.on_event(ev, lambda: self.closed)
+            self.broken = True
             if not self.closed:
                 self.on_event(Event("notice", note="down_closed", epoch=self.epoch))
         except grpc.RpcError as e:
+            self.broken = True
             if not self.closed:
                 log.warning("downstream %s: %s %s", self.address, e.code().name, e.details())
                 self.on_event(Event("notice", note="down_error", epoch=self.epoch))

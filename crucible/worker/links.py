@@ -189,9 +189,10 @@ class Links:
                 log.warning("r%ds%d: sends still queued at close", self.replica, self.stage)
         except SendFailed as e:
             log.warning("r%ds%d: %s", self.replica, self.stage, e)
-        self.outbox.close(wait=0.0)
+        self.outbox.stop()
         if self.down is not None:
-            self.down.close(wait=wait)
+            self.down.close(wait=wait)     # a send blocked on the stream's full queue gives up now
+        self.outbox.join(wait=1.0)
 
     # ---- sending ----------------------------------------------------------------------
 
@@ -249,8 +250,11 @@ class Links:
         self.outbox.submit(send)
 
     def flush(self) -> None:
-        """Wait for every send handed off so far (the step's split is complete after it)."""
-        self.outbox.flush()
+        """Wait for every send handed off so far (the step's split is complete
+        after it). A send waits at most until its stream breaks (the reader
+        marks it), and a stop request ends the wait."""
+        while not self.outbox.flush(timeout=0.5):
+            self.check_stop()
 
     # ---- receiving ---------------------------------------------------------------------
 

@@ -17,6 +17,13 @@ on the outbox's thread is raised on the compute thread at its next send or
 ``flush``. The tensor a send reads is held until the send returns, and
 every copy in it is synchronous on the side stream, so the compute stream's
 allocator never hands out its memory while a copy still reads it.
+
+The thread survives whatever a send raises (it is kept and raised on the
+compute thread). At close, sends still queued are dropped (the worker is
+leaving; its neighbours retry the step) and the one in progress gets a
+bounded time to return: a send blocked on a full stream returns once that
+stream is closed or broken (``Downstream``), which is why ``Links.close``
+stops the outbox, closes the stream, then joins.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class Outbox:
         self.cv = threading.Condition()
         self.pending = 0
         self.error: BaseException | None = None
+        self.closing = False
         self.thread = None
         if overlap:
             self.thread = threading.Thread(target=self._run, daemon=True, name=name)
@@ -69,6 +77,8 @@ class Outbox:
             send()
             return
         self._raise_failed()
+        if self.closing:
+            return                           # the worker is leaving: as the queued ones, dropped
         with self.cv:
             self.pending += 1
         self.q.put((send, ready))
@@ -81,10 +91,26 @@ class Outbox:
         self._raise_failed()
         return done
 
-    def close(self, wait: float = 5.0) -> None:
-        if self.thread is not None:
+    def stop(self) -> None:
+        """Run no more sends: those still queued are dropped; one in progress
+        goes on (``join``)."""
+        if self.thread is not None and not self.closing:
+            self.closing = True
             self.q.put(None)
-            self.thread.join(wait)
+
+    def join(self, wait: float) -> bool:
+        """Wait up to `wait` seconds for the thread to end after ``stop``."""
+        if self.thread is None:
+            return True
+        self.thread.join(wait)
+        if self.thread.is_alive():
+            log.warning("%s: a send still runs at close", self.thread.name)
+            return False
+        return True
+
+    def close(self, wait: float = 1.0) -> bool:
+        self.stop()
+        return self.join(wait)
 
     def _raise_failed(self) -> None:
         with self.cv:
@@ -93,21 +119,29 @@ class Outbox:
             raise SendFailed(f"a send off the compute thread failed: {type(e).__name__}: {e}") from e
 
     def _run(self) -> None:
+        broken = None
         if self.cuda:
-            torch.cuda.set_device(self.device)     # a thread starts on GPU 0 (cuda:N slots)
+            try:
+                torch.cuda.set_device(self.device)     # a thread starts on GPU 0 (cuda:N slots)
+            except BaseException as e:                 # every send fails with it (on the compute thread)
+                broken = e
         while True:
             item = self.q.get()
             if item is None:
                 return
             send, ready = item
             try:
+                if broken is not None:
+                    raise broken
+                if self.closing:
+                    continue                 # dropped: the worker is leaving
                 if ready is None:
                     send()
                 else:
                     ready.synchronize()      # the data is on the device: from here on it is the send's own time
                     with torch.cuda.stream(self.stream):
                         send()
-            except Exception as e:
+            except BaseException as e:       # kept for the compute thread; this thread goes on
                 log.exception("send failed on the outbox thread")
                 with self.cv:
                     self.error = self.error or e
