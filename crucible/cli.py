@@ -137,7 +137,7 @@ def _add_results(sub) -> None:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("what", choices=["launch", "pipeline", "outer", "activations", "ckpt", "chaos", "soak",
-                                          "slurm", "network", "gpu", "readme"],
+                                          "slurm", "network", "gpu", "revisions", "readme"],
                    help="a benchmark, or readme: regenerate the README's figures from bench/results")
     p.add_argument("--check", action="store_true",
                    help="bench readme: change nothing; exit 1 when a README figure differs from its result file")
@@ -147,7 +147,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--size-mb", type=float, help="bench ckpt: state size in MB (default: the job's)")
     p.add_argument("--repeats", type=int, help="bench ckpt, pipeline, chaos, launch, gpu: runs of each variant, "
                                                "interleaved (default: ckpt 2, pipeline 5, chaos 3, launch 5, gpu 1; "
-                                               "--quick 1)")
+                                               "--quick 1); bench revisions: rounds (default 3)")
+    p.add_argument("--base", help="bench revisions: the git revision to compare this checkout's CPU pipeline with")
     p.add_argument("--device", help="bench gpu: cuda (default: every stage on GPU 0), cuda:N or cpu (with --quick: "
                                     "a CPU smoke test)")
     p.add_argument("--peak-tflops", help="bench gpu: the GPU's dense peak TFLOP/s for MFU: 989 (bf16), or "

@@ -347,10 +347,16 @@ def _chaos(r: dict, name: str = "chaos") -> str:
     return readme_part(r, name)
 
 
+def _revisions(r: dict, name: str = "revisions") -> str:
+    from crucible.bench.revisions import readme_part
+
+    return readme_part(r, name)
+
+
 RENDERERS: dict[str, Callable[[dict, str], str]] = {
     "network": network, "soak": soak, "soak_memory": soak_memory, "slurm": slurm, "slurm_full_load": slurm,
     "pipeline": pipeline, "ckpt": ckpt, "outer": outer, "launch": launch,
-    "activations": _activations, "chaos": _chaos,
+    "activations": _activations, "chaos": _chaos, "revisions": _revisions,
 }
 
 

@@ -1,0 +1,175 @@
+"""``crucible bench revisions --base REV``: the CPU pipeline at two revisions
+of the code, interleaved.
+
+What a change to the worker's data path owes the CPU path (issue 12: "the CPU
+stays as it is, its benchmarks within noise"). Each round runs ``crucible
+bench pipeline --json --repeats 1`` once from a git worktree of the base
+revision and once from this checkout (the head, as it is), in rotated order,
+so that drifting load hits both alike. Per variant of that benchmark (S = 1,
+2, 4 stages, S = 2 pinned, one plain process): each side's median tokens/s
+over the rounds and the head's gap to the base, paired round by round
+(``common.paired_gap``: the mean relative difference ± its 95 % half-width;
+"within noise" when the interval holds 0). Both sides run with this
+checkout's Python and packages, so the base must take the same ``bench
+pipeline`` command line; the worktree is removed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from crucible.bench import common
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PIPELINE_TIMEOUT_S = 900.0      # one full `bench pipeline --repeats 1` takes about 2 minutes on 2 cores
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=60)
+
+
+def resolve(rev: str) -> str | None:
+    """The commit `rev` names in this checkout, or None."""
+    try:
+        r = _git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
+
+
+def run_pipeline(tree: str, quick: bool, what: str) -> dict:
+    """``bench pipeline`` from the source tree `tree` (its package first on the
+    path, for the bench and every process it starts)."""
+    argv = [sys.executable, "-m", "crucible", "bench", "pipeline", "--json", "--repeats", "1",
+            *(["--quick"] if quick else [])]
+    env = common.child_env(PYTHONPATH=tree + (os.pathsep + os.environ["PYTHONPATH"]
+                                              if os.environ.get("PYTHONPATH") else ""))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = common.Child(argv, env=env, stdout=out, stderr=err, cwd=tree)
+        try:
+            code = child.wait(PIPELINE_TIMEOUT_S)
+        finally:
+            child.close()
+        out.seek(0)
+        err.seek(0)
+        text = out.read().decode(errors="replace").strip()
+        if code is None or not text:
+            return {"error": f"{what}: {'timed out' if code is None else f'exited with {code}'}: "
+                             + err.read().decode(errors="replace")[-1500:]}
+    try:
+        result = json.loads(text)      # --json: stdout is exactly one object (errors inside it)
+    except ValueError:
+        return {"error": f"{what}: exited with {code}, no JSON: " + text[-500:]}
+    if code != 0:
+        result.setdefault("errors", []).append(f"{what}: exited with {code}")
+    return result
+
+
+def summarise(rounds: list[dict]) -> dict:
+    """Per variant: both sides' tokens/s by round, their medians, and the head's
+    paired gap to the base. `rounds`: [{"base": tokens_per_s, "head": tokens_per_s}]."""
+    names = [k for k in rounds[0]["base"] if all(k in r["base"] and k in r["head"] for r in rounds)] \
+        if rounds else []
+    out = {}
+    for k in names:
+        base = [r["base"][k] for r in rounds]
+        head = [r["head"][k] for r in rounds]
+        gap = common.paired_gap(head, base)
+        out[k] = {"base": base, "head": head, "base_median": statistics.median(base),
+                  "head_median": statistics.median(head), "head_vs_base": gap}
+    diffs = {v["head_vs_base"]["difference"] for v in out.values()}
+    verdict = None if not out else ("within noise" if diffs == {"within noise"} else
+                                    "lower" if "lower" in diffs and "higher" not in diffs else
+                                    "higher" if "higher" in diffs and "lower" not in diffs else "mixed")
+    return {"variants": out, "verdict": verdict}
+
+
+def main(args) -> int:
+    from crucible import exits
+
+    base_rev = getattr(args, "base", None)
+    if not base_rev:
+        print("crucible bench revisions: --base REV is required (the revision to compare this checkout with)",
+              file=sys.stderr)
+        return exits.USAGE
+    base = resolve(base_rev)
+    if base is None:
+        print(f"crucible bench revisions: {base_rev!r} is not a commit of this checkout ({ROOT})", file=sys.stderr)
+        return exits.USAGE
+    quick = bool(getattr(args, "quick", False))
+    n = getattr(args, "repeats", None) or (1 if quick else 3)
+    result: dict = {
+        "bench": "revisions", "quick": quick, "environment": common.environment(),
+        "settings": {"bench": "pipeline --json --repeats 1" + (" --quick" if quick else ""), "rounds": n,
+                     "order": "rotated each round"},
+        "base": {"rev": base_rev, "commit": base}, "head": {"commit": common.git_commit(), "tree": ROOT},
+    }
+    errors: list[str] = []
+    rounds, runs = [], []
+    tree = tempfile.mkdtemp(prefix="crucible-base-")
+    try:
+        added = _git("worktree", "add", "--detach", "--force", tree, base)
+        if added.returncode != 0:
+            print(f"crucible bench revisions: cannot check out {base[:10]}: {added.stderr.strip()}", file=sys.stderr)
+            return exits.ERROR
+        trees = {"base": tree, "head": ROOT}
+        for i in range(n):
+            got = {}
+            for side in common.rotated(["base", "head"], i):
+                common.progress(f"round {i + 1}/{n}: bench pipeline at the {side} ({trees[side]})")
+                r = run_pipeline(trees[side], quick, f"round {i + 1} {side}")
+                errors += [f"round {i + 1} {side}: {e}" for e in r.get("errors", [])]
+                if "error" in r:
+                    errors.append(r["error"])
+                    continue
+                got[side] = (r.get("summary") or {}).get("tokens_per_s") or {}
+                runs.append({"round": i + 1, "side": side, "commit": r["environment"].get("commit"),
+                             "loadavg_start": r["environment"].get("loadavg_start"),
+                             "loadavg_end": r["environment"].get("loadavg_end"), "tokens_per_s": got[side],
+                             "contended": (r.get("summary") or {}).get("contended")})
+            if len(got) == 2:
+                rounds.append(got)
+    finally:
+        _git("worktree", "remove", "--force", tree)
+        shutil.rmtree(tree, ignore_errors=True)
+        _git("worktree", "prune")
+    result["runs"] = runs
+    result["summary"] = summarise(rounds)
+    return common.finish(result, errors, args, print_table=_table, round_nd=4)
+
+
+def _table(r: dict, f) -> None:
+    s = r["summary"]
+    print(f"head {str(r['head']['commit'])[:10]} against base {r['base']['commit'][:10]} "
+          f"({r['settings']['rounds']} rounds):", file=f)
+    for k, v in s["variants"].items():
+        g = v["head_vs_base"]
+        print(f"  {k:10s} base {v['base_median']:10,.0f}  head {v['head_median']:10,.0f} tokens/s  "
+              f"{common.fmt_rel(g['mean'], g['ci95_halfwidth'], 1)} ({g['difference']})", file=f)
+    print(f"verdict: {s['verdict']}", file=f)
+
+
+def readme_part(r: dict, name: str = "revisions") -> str:
+    from crucible.bench.readme import _provenance
+
+    s = r["summary"]
+    rows = [f"| {k} | {v['base_median']:,.0f} | {v['head_median']:,.0f} | "
+            f"{common.fmt_rel(v['head_vs_base']['mean'], v['head_vs_base']['ci95_halfwidth'], 1)} | "
+            f"{v['head_vs_base']['difference']} |" for k, v in s["variants"].items()]
+    return "\n".join([
+        f"`crucible bench revisions --base {r['base']['rev']}` (`bench pipeline` on the CPU at "
+        f"`{r['base']['commit'][:10]}` and at the head, {r['settings']['rounds']} interleaved rounds; the gap is "
+        f"paired round by round, mean ± 95 % half-width; {_provenance(r)}; `bench/results/{name}.json`):",
+        "",
+        "| variant | base tokens/s | head tokens/s | head vs base | |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Verdict: {s['verdict']}.",
+    ]) + "\n"
