@@ -134,23 +134,28 @@ class Child:
         self.close()
 
 
-def child_json(argv: list[str], timeout: float, what: str) -> dict:
+def child_json(argv: list[str], timeout: float, what: str, env: dict | None = None,
+               cwd: str | None = None) -> dict:
     """Run ``argv`` as a ``Child`` (own process group, bounded wait, closed at
-    the end) and return the JSON object on the last line of its stdout, or
-    ``{"error": ...}``: what timed out or exited non-zero, with its stderr's tail."""
+    the end) and return the JSON object that is its stdout (a bench's
+    ``--json``) or its stdout's last line, or ``{"error": ...}``: what timed
+    out or exited non-zero, with its stderr's tail."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = Child(argv, env=child_env(), stdout=out, stderr=err)
+        child = Child(argv, env=env or child_env(), stdout=out, stderr=err, cwd=cwd)
         try:
             code = child.wait(timeout)
         finally:
             child.close()
         out.seek(0)
         err.seek(0)
-        text = out.read().decode(errors="replace").strip().splitlines()
+        text = out.read().decode(errors="replace").strip()
         if code != 0 or not text:
             return {"error": f"{what} {'timed out' if code is None else f'exited with {code}'}: "
                              + err.read().decode(errors="replace")[-1500:]}
-    return json.loads(text[-1])
+    try:
+        return json.loads(text)
+    except ValueError:
+        return json.loads(text.splitlines()[-1])
 
 
 class EventTail:

@@ -16,7 +16,6 @@ pipeline`` command line; the worktree is removed at the end.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -50,25 +49,7 @@ def run_pipeline(tree: str, quick: bool, what: str) -> dict:
             *(["--quick"] if quick else [])]
     env = common.child_env(PYTHONPATH=tree + (os.pathsep + os.environ["PYTHONPATH"]
                                               if os.environ.get("PYTHONPATH") else ""))
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = common.Child(argv, env=env, stdout=out, stderr=err, cwd=tree)
-        try:
-            code = child.wait(PIPELINE_TIMEOUT_S)
-        finally:
-            child.close()
-        out.seek(0)
-        err.seek(0)
-        text = out.read().decode(errors="replace").strip()
-        if code is None or not text:
-            return {"error": f"{what}: {'timed out' if code is None else f'exited with {code}'}: "
-                             + err.read().decode(errors="replace")[-1500:]}
-    try:
-        result = json.loads(text)      # --json: stdout is exactly one object (errors inside it)
-    except ValueError:
-        return {"error": f"{what}: exited with {code}, no JSON: " + text[-500:]}
-    if code != 0:
-        result.setdefault("errors", []).append(f"{what}: exited with {code}")
-    return result
+    return common.child_json(argv, PIPELINE_TIMEOUT_S, what, env=env, cwd=tree)
 
 
 def summarise(rounds: list[dict]) -> dict:
@@ -123,8 +104,7 @@ def main(args) -> int:
             got = {}
             for side in common.rotated(["base", "head"], i):
                 common.progress(f"round {i + 1}/{n}: bench pipeline at the {side} ({trees[side]})")
-                r = run_pipeline(trees[side], quick, f"round {i + 1} {side}")
-                errors += [f"round {i + 1} {side}: {e}" for e in r.get("errors", [])]
+                r = run_pipeline(trees[side], quick, f"round {i + 1} {side}: bench pipeline")
                 if "error" in r:
                     errors.append(r["error"])
                     continue
