@@ -103,11 +103,11 @@ def test_the_thread_survives_whatever_a_send_raises():
 
 def test_close_drops_queued_sends_and_ends_the_thread_once_the_running_one_returns():
     box = Outbox(CPU, overlap=True)
-    stream_closed, out = threading.Event(), []
-    box.submit(lambda: (stream_closed.wait(10), out.append("running")))   # blocked as on a full stream
+    started, stream_closed, out = threading.Event(), threading.Event(), []
+    box.submit(lambda: (started.set(), stream_closed.wait(10), out.append("running")))   # as on a full stream
     for i in range(5):
         box.submit(lambda i=i: out.append(i))
-    time.sleep(0.1)
+    assert started.wait(10)
     box.stop()
     assert box.join(0.2) is False                     # the running send has not returned yet
     stream_closed.set()                               # ... until its stream closes
@@ -116,15 +116,20 @@ def test_close_drops_queued_sends_and_ends_the_thread_once_the_running_one_retur
     assert out == ["running"] and box.pending == 0    # the queued ones were dropped, not sent late
     box.submit(lambda: out.append("late"))            # a send after close is dropped too
     assert box.flush(timeout=1) is True and out == ["running"]
+    inline = Outbox(CPU, overlap=False)
+    inline.close()
+    inline.submit(lambda: out.append("late inline"))  # ... with overlap off as well
+    assert out == ["running"]
 
 
 def test_a_send_blocked_on_a_full_stream_returns_when_the_successor_is_killed(tmp_path):
     """A successor that stops reading, then dies (SIGKILL): the stream's reader
     marks it broken, so a send waiting on its full queue gives up at once
-    instead of waiting for the compute thread (the one flush holds) to notice."""
+    instead of waiting for the compute thread (the one flush holds) to notice
+    (before, flush waited for ever)."""
     from crucible._pb import crucible_pb2 as pb
     from crucible.worker.dataplane import Downstream
-    from tests.conftest import ROOT, child_env
+    from conftest import ROOT, child_env
 
     server = ("import sys, threading\n"
               "from crucible import rpc\n"
@@ -139,7 +144,7 @@ def test_a_send_blocked_on_a_full_stream_returns_when_the_successor_is_killed(tm
               "threading.Event().wait()\n")
     proc = subprocess.Popen([sys.executable, "-c", server], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, start_new_session=True)
-    down = None
+    down, box = None, Outbox(CPU, overlap=True)
     try:
         port = int(proc.stdout.readline())
         events = []
@@ -155,21 +160,47 @@ def test_a_send_blocked_on_a_full_stream_returns_when_the_successor_is_killed(tm
             if down.q.full():
                 break
         assert down.q.full() and not events
-        result = []
-        sender = threading.Thread(target=lambda: result.append(down.send(frame)), daemon=True)
-        sender.start()
-        sender.join(1.0)
-        assert sender.is_alive()                   # waiting on the full queue
+        box.submit(lambda: down.send(frame))       # a send the compute thread handed off ...
+        assert box.flush(timeout=1.0) is False     # ... waits on the full queue
         os.killpg(proc.pid, signal.SIGKILL)
-        sender.join(15)
-        assert not sender.is_alive(), "the send still waits on a stream whose successor is dead"
+        assert box.flush(timeout=15) is True, "the send still waits on a stream whose successor is dead"
         assert down.broken and not down.failed     # failed stays the compute thread's (it reports the suspect)
         assert [ev.note for ev in events] == ["down_error"]
     finally:
         if down is not None:
             down.close(wait=0.0)
+        box.close()
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         proc.wait(10)
+
+
+def test_links_flush_ends_on_a_stop_request_without_raising():
+    """A stop while the step's sends are still out: flush returns (the caller
+    finishes the step's bookkeeping; its next check_stop exits) instead of
+    raising in the middle of it."""
+    from crucible.config import Config
+    from crucible.worker.links import Links
+
+    stop = threading.Event()
+
+    def check_stop():
+        raise AssertionError("flush must not raise on a stop")
+
+    links = Links(0, 0, "t", Config.load(), None, None, suspect=lambda *a: None, on_epoch=lambda e: None,
+                  check_stop=check_stop, idle=lambda: None, stopping=stop.is_set)
+    links.outbox.close()
+    links.outbox = Outbox(CPU, overlap=True)
+    gate, done = threading.Event(), threading.Event()
+    try:
+        links.outbox.submit(lambda: gate.wait(30))   # a send that does not return
+        flusher = threading.Thread(target=lambda: (links.flush(), done.set()), daemon=True)
+        flusher.start()
+        assert not done.wait(1.0)                    # flush waits for it ...
+        stop.set()
+        assert done.wait(5)                          # ... until the stop
+    finally:
+        gate.set()
+        links.outbox.close()

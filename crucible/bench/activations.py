@@ -734,6 +734,7 @@ def _errors(result: dict, rows: list[dict]) -> list[str]:
 
 
 def main(args) -> int:
+    common.exit_on_sigterm()
     from crucible.config import Config
 
     quick = bool(getattr(args, "quick", False))

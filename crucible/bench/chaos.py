@@ -673,6 +673,7 @@ def readme_part(r: dict, name: str = "chaos") -> str:
 
 
 def main(args) -> int:
+    common.exit_on_sigterm()
     quick = bool(getattr(args, "quick", False))
     settings = QUICK if quick else FULL
     repeats = getattr(args, "repeats", None) or settings["repeats"]

@@ -42,8 +42,8 @@ import statistics
 import tempfile
 import time
 
-from crucible.bench.common import (Launch, environment, finish, git_commit, progress, read_events, spread, verdict,
-                                   write_out)
+from crucible.bench.common import (Launch, environment, exit_on_sigterm, finish, git_commit, progress, read_events,
+                                   spread, verdict, write_out)
 
 TARGET_MIN_MB = 100
 
@@ -381,6 +381,7 @@ def reverdict(path: str) -> int:
 
 
 def main(args) -> int:
+    exit_on_sigterm()
     quick = bool(getattr(args, "quick", False))
     size_mb = getattr(args, "size_mb", None) or (16.0 if quick else 256.0)
     import torch

@@ -35,8 +35,21 @@ from crucible.progress import Progress
 
 from crucible.version import version as crucible_version
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the source tree
+
 STAGE_FIELDS = ("step_s", "compute_s", "serialize_s", "transport_s", "idle_s",
                 "bytes_out", "raw_bytes_out", "bytes_in", "raw_bytes_in")
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (a test's timeout, a user) raises SystemExit in the main
+    thread, so that the bench's finally blocks close every job and child it
+    started (each in its own session: a signal to the bench's group misses them)."""
+    signal.signal(signal.SIGTERM, _terminate)
 
 
 def progress(msg: str) -> None:
@@ -152,10 +165,12 @@ def child_json(argv: list[str], timeout: float, what: str, env: dict | None = No
         if code != 0 or not text:
             return {"error": f"{what} {'timed out' if code is None else f'exited with {code}'}: "
                              + err.read().decode(errors="replace")[-1500:]}
-    try:
-        return json.loads(text)
-    except ValueError:
-        return json.loads(text.splitlines()[-1])
+    for doc in (text, text.splitlines()[-1]):
+        try:
+            return json.loads(doc)
+        except ValueError:
+            pass
+    return {"error": f"{what} printed no JSON: {text[-500:]}"}
 
 
 class EventTail:
@@ -468,7 +483,7 @@ def _cpu_model() -> str:
 def git_commit() -> str | None:
     """The commit of the source tree the benchmark runs from (+ "-dirty" with
     uncommitted changes), or None outside a git checkout."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = ROOT
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
                               timeout=10).stdout.strip()

@@ -407,9 +407,6 @@ def one_variant(workdir: str, p: dict, v: dict) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def _terminate(signum, frame):
-    raise SystemExit(128 + signum)
-
 
 def _noise(value: float | None, *xss: list[float]) -> float | None:
     """``value`` times the largest relative spread of the repeats (None with one repeat)."""
@@ -419,7 +416,7 @@ def _noise(value: float | None, *xss: list[float]) -> float | None:
 
 
 def main(args) -> int:
-    signal.signal(signal.SIGTERM, _terminate)   # a test's timeout, a user: the finally blocks close every job
+    common.exit_on_sigterm()
     quick = bool(getattr(args, "quick", False))
     spec = getattr(args, "device", None) or "cuda"
     import torch  # noqa: F401  (loaded: environment() records the CUDA build and the driver)

@@ -74,6 +74,7 @@ def run_once(workdir: str, i: int, replicas: int, stages: int, steps: int, warmu
 
 
 def main(args) -> int:
+    common.exit_on_sigterm()
     from crucible.config import Config
 
     quick = bool(getattr(args, "quick", False))

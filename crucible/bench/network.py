@@ -55,7 +55,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from crucible import procs
@@ -406,6 +405,7 @@ def _check(x, limit) -> bool | None:
 
 
 def main(args) -> int:
+    common.exit_on_sigterm()
     from crucible.testing import netns
 
     quick = bool(getattr(args, "quick", False))

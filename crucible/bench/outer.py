@@ -63,7 +63,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -387,13 +386,10 @@ def _seeds(workdir: str, tag: str, replicas: int, cfg: dict, overrides: list[str
 # ---------------------------------------------------------------------------
 
 
-def _terminate(signum, frame):
-    raise SystemExit(128 + signum)
-
 
 def code_version() -> dict:
     """The commit the bench ran from, and what differed from it (``git status``)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = common.ROOT
     out: dict = {"root": root, "commit": None, "changed_files": None}
     try:
         out["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -406,8 +402,7 @@ def code_version() -> dict:
 
 
 def main(args) -> int:
-    # SIGTERM (a test's timeout, a user) runs the finally blocks: every job is closed.
-    signal.signal(signal.SIGTERM, _terminate)
+    common.exit_on_sigterm()
     quick = bool(getattr(args, "quick", False))
     cfg = QUICK if quick else FULL
     steps, H = cfg["steps"], cfg["H"]

@@ -471,6 +471,7 @@ def run_loopback(total_mb: float, repeats: int, pings: int) -> dict:
 
 
 def main(args) -> int:
+    common.exit_on_sigterm()
     from crucible.config import Config
 
     quick = bool(getattr(args, "quick", False))

@@ -23,9 +23,8 @@ import re
 import sys
 from typing import Callable
 
-from crucible.bench.common import fmt_mean_sd, fmt_rel
+from crucible.bench.common import ROOT, fmt_mean_sd, fmt_rel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PART = re.compile(r"(<!-- bench:(?P<name>[a-z0-9_]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 
 

@@ -25,7 +25,7 @@ import tempfile
 
 from crucible.bench import common
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = common.ROOT
 PIPELINE_TIMEOUT_S = 900.0      # one full `bench pipeline --repeats 1` takes about 2 minutes on 2 cores
 
 
@@ -72,6 +72,7 @@ def summarise(rounds: list[dict]) -> dict:
 
 
 def main(args) -> int:
+    common.exit_on_sigterm()
     from crucible import exits
 
     base_rev = getattr(args, "base", None)
@@ -109,9 +110,10 @@ def main(args) -> int:
                     errors.append(r["error"])
                     continue
                 got[side] = (r.get("summary") or {}).get("tokens_per_s") or {}
-                runs.append({"round": i + 1, "side": side, "commit": r["environment"].get("commit"),
-                             "loadavg_start": r["environment"].get("loadavg_start"),
-                             "loadavg_end": r["environment"].get("loadavg_end"), "tokens_per_s": got[side],
+                env = r.get("environment") or {}
+                runs.append({"round": i + 1, "side": side, "commit": env.get("commit"),
+                             "loadavg_start": env.get("loadavg_start"),
+                             "loadavg_end": env.get("loadavg_end"), "tokens_per_s": got[side],
                              "contended": (r.get("summary") or {}).get("contended")})
             if len(got) == 2:
                 rounds.append(got)

@@ -46,7 +46,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -279,12 +278,9 @@ def run_bench(workdir: str, settings: dict, result: dict) -> list[str]:
     return errors
 
 
-def _terminate(signum, frame):
-    raise SystemExit(128 + signum)   # the finally blocks run: the job is taken down
-
 
 def main(args) -> int:
-    signal.signal(signal.SIGTERM, _terminate)
+    common.exit_on_sigterm()
     quick = bool(getattr(args, "quick", False))
     settings = dict(QUICK if quick else FULL)
     if getattr(args, "seed", None) is not None:

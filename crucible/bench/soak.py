@@ -433,6 +433,7 @@ def rss_summary(samples: list[dict]) -> dict:
 
 
 def main(args) -> int:
+    common.exit_on_sigterm()
     quick = bool(getattr(args, "quick", False))
     minutes = float(getattr(args, "minutes", None) or (1.5 if quick else 15.0))
     gap = float(getattr(args, "gap", None) or (5.0 if quick else 3.0))

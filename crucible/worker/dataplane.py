@@ -394,8 +394,10 @@ class Downstream:
         self.reader.start()
 
     def send(self, frame) -> None:
-        """Queue a frame; waits while the stream is SEND_QUEUE frames behind, and
-        drops the frame once the stream failed or closed (the step is retried)."""
+        """Queue a frame; waits while the stream is SEND_QUEUE frames behind. A
+        frame that finds the queue full once the stream is failed, broken (its
+        call ended: the reader saw it) or closed is dropped (the step is
+        retried); one that finds room is queued and goes nowhere."""
         _put_bounded(self.q, frame, give_up=lambda: self.failed or self.broken or self.closed)
 
     def _requests(self):

@@ -44,11 +44,13 @@ class Links:
     def __init__(self, replica: int, stage: int, token: str, cfg, decoder: FrameDecoder, inbox: Inbox,
                  suspect: Callable[[int, str], None], on_epoch: Callable[[int], None],
                  check_stop: Callable[[], None], idle: Callable[[], None],
-                 secret: Callable[[], bytes] = lambda: b"", device: torch.device = torch.device("cpu")):
+                 secret: Callable[[], bytes] = lambda: b"", device: torch.device = torch.device("cpu"),
+                 stopping: Callable[[], bool] = lambda: False):
         self.replica, self.stage, self.token, self.cfg = replica, stage, token, cfg
         self.decoder, self.inbox = decoder, inbox
         self.suspect, self.on_epoch, self.check_stop, self.idle = suspect, on_epoch, check_stop, idle
         self.secret = secret              # this registration's secret: it signs our HELLOs (crucible.identity)
+        self.stopping = stopping          # a stop was requested (check_stop raises on it)
         self.cv = threading.Condition()
         self.route: pb.Route | None = None
         self.all_routes: list = []
@@ -252,9 +254,11 @@ class Links:
     def flush(self) -> None:
         """Wait for every send handed off so far (the step's split is complete
         after it). A send waits at most until its stream breaks (the reader
-        marks it), and a stop request ends the wait."""
+        marks it). A stop request ends the wait without raising: the caller
+        finishes the step's bookkeeping, and its next check_stop exits."""
         while not self.outbox.flush(timeout=0.5):
-            self.check_stop()
+            if self.stopping():
+                return
 
     # ---- receiving ---------------------------------------------------------------------
 

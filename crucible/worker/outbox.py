@@ -67,6 +67,8 @@ class Outbox:
     def submit(self, send: Callable[[], None]) -> None:
         """Run `send` once every kernel the compute thread has queued so far
         is done: on the outbox's thread (overlap) or now."""
+        if self.closing:
+            return                           # the worker is leaving: as the queued ones, dropped
         ready = None
         if self.cuda:
             ready = torch.cuda.Event()
@@ -77,8 +79,6 @@ class Outbox:
             send()
             return
         self._raise_failed()
-        if self.closing:
-            return                           # the worker is leaving: as the queued ones, dropped
         with self.cv:
             self.pending += 1
         self.q.put((send, ready))
@@ -94,9 +94,10 @@ class Outbox:
     def stop(self) -> None:
         """Run no more sends: those still queued are dropped; one in progress
         goes on (``join``)."""
-        if self.thread is not None and not self.closing:
+        if not self.closing:
             self.closing = True
-            self.q.put(None)
+            if self.thread is not None:
+                self.q.put(None)
 
     def join(self, wait: float) -> bool:
         """Wait up to `wait` seconds for the thread to end after ``stop``."""
@@ -132,7 +133,8 @@ class Outbox:
             send, ready = item
             try:
                 if broken is not None:
-                    raise broken
+                    raise RuntimeError(f"torch.cuda.set_device({self.device}) failed on the outbox thread: "
+                                       f"{broken!r}") from broken
                 if self.closing:
                     continue                 # dropped: the worker is leaving
                 if ready is None:

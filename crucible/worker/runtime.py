@@ -203,7 +203,7 @@ class Worker:
         self.links = Links(self.replica, self.stage, self.token, cfg, self.decoder, self.inbox,
                            suspect=self.suspect, on_epoch=lambda e: setattr(self.ctl, "epoch", e),
                            check_stop=self._check_stop, idle=lambda: self.ckpt.idle(), secret=lambda: self.ctl.secret,
-                           device=self.device)
+                           device=self.device, stopping=self.stop_requested.is_set)
         self.ckpt = self._checkpointer()
         self.replacement = Replacement(self.links, self.outer, self.model, self.ckpt, self.ctl, self.token,
                                        cfg.net.max_message_mb, lambda: self.progress.step, self.debug, self.name)
