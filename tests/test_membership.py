@@ -294,3 +294,24 @@ def test_reports_are_written_once(tmp_path):
     from crucible.coordinator.persist import last_sequence_numbers
 
     assert last_sequence_numbers(str(tmp_path / "metrics.jsonl")) == {"abc": 13}
+
+
+@pytest.mark.parametrize("leave", [True, False])
+def test_a_coordinator_that_leaves_tells_no_worker_to_stop(tmp_path, leave):
+    """SIGTERM under a scheduler (`leave`): the workers go on with the next
+    coordinator, so a heartbeat in the server's last second must not say
+    "stop" (it did, and healthy workers exited); a coordinator that ends
+    the job still says it."""
+    c, ids = _coordinator(tmp_path)
+
+    def heartbeat():
+        return c.Heartbeat(pb.HeartbeatRequest(worker_id=ids[(1, 0)], epoch=c.epoch, step=3, state="training"), None)
+
+    assert heartbeat().command == ""
+    c.stop(leave=leave)
+    if leave:
+        with pytest.raises(rpc.RpcFault) as e:
+            heartbeat()
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    else:
+        assert heartbeat().command == "stop"

@@ -113,6 +113,7 @@ class Coordinator:
         self.devices: dict[tuple[int, int], dict] = {}       # slot -> its worker's device (and GPU memory)
         self.started = time.time()
         self.stopping = threading.Event()
+        self.leaving = False    # stopping under a scheduler: the workers go on with the next coordinator
         self.finished = threading.Event()
         self.server = None
         self.port = 0
@@ -213,7 +214,13 @@ class Coordinator:
         log.info("coordinator %s up at %s (incarnation %d)", self.run_dir, adv, self.incarnation)
         return self.port
 
-    def stop(self, grace: float = 1.0) -> None:
+    def stop(self, grace: float = 1.0, leave: bool = False) -> None:
+        """Stop serving (`grace` seconds for the calls in flight). With
+        `leave`, no worker is told to stop meanwhile: a heartbeat answers
+        UNAVAILABLE, as from a coordinator that is gone, and the worker goes
+        on with the next one (before, the grace's heartbeats said "stop" and
+        healthy workers exited)."""
+        self.leaving = leave
         if self.server is not None:
             self.health.stop()
         self.stopping.set()
@@ -299,6 +306,8 @@ class Coordinator:
                                                                         req.rejoin or replacement))
 
     def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        if self.leaving:
+            raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "this coordinator is leaving; the next one takes over")
         with self.cv:
             w = self.member(req.worker_id)
             what = self.m.heartbeat(w, req.step, req.state, time.time())
@@ -606,7 +615,7 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
         time.sleep(0.5)  # let workers see the final state before the server goes
     elif on_sigterm == "leave" and got[:1] == [signal.SIGTERM]:
         log.warning("SIGTERM: leaving the workers running for the next coordinator")
-        coord.stop()
+        coord.stop(leave=True)
         return 128 + signal.SIGTERM    # not done: a scheduler starts the next one
     else:  # SIGTERM/SIGINT (a preemption notice): a final checkpoint, then every worker stops
         coord.ckpt.final_checkpoint(cfg.checkpoint.preemption_timeout_s)
