@@ -407,7 +407,6 @@ def one_variant(workdir: str, p: dict, v: dict) -> dict:
 # ---------------------------------------------------------------------------
 
 
-
 def _noise(value: float | None, *xss: list[float]) -> float | None:
     """``value`` times the largest relative spread of the repeats (None with one repeat)."""
     sp = [common.spread(xs) for xs in xss if xs]
@@ -698,7 +697,6 @@ def readme_part(r: dict, name: str = "gpu") -> str:
     if t.get("note"):
         lines.append(f"* Note: {t['note']}.")
     return "\n".join(lines) + "\n"
-
 
 
 def _entry(argv: list[str] | None = None) -> int:

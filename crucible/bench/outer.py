@@ -386,7 +386,6 @@ def _seeds(workdir: str, tag: str, replicas: int, cfg: dict, overrides: list[str
 # ---------------------------------------------------------------------------
 
 
-
 def code_version() -> dict:
     """The commit the bench ran from, and what differed from it (``git status``)."""
     root = common.ROOT

@@ -126,14 +126,20 @@ def main(args) -> int:
     return common.finish(result, errors, args, print_table=_table, round_nd=4)
 
 
+def _rows(s: dict) -> list[tuple[str, dict, str, str]]:
+    """Per variant of a summary: its name, its entry, the head's gap (mean ±
+    half-width) and whether it is told apart from noise."""
+    return [(k, v, common.fmt_rel(v["head_vs_base"]["mean"], v["head_vs_base"]["ci95_halfwidth"], 1),
+             v["head_vs_base"]["difference"]) for k, v in s["variants"].items()]
+
+
 def _table(r: dict, f) -> None:
     s = r["summary"]
     print(f"head {str(r['head']['commit'])[:10]} against base {r['base']['commit'][:10]} "
           f"({r['settings']['rounds']} rounds):", file=f)
-    for k, v in s["variants"].items():
-        g = v["head_vs_base"]
-        print(f"  {k:10s} base {v['base_median']:10,.0f}  head {v['head_median']:10,.0f} tokens/s  "
-              f"{common.fmt_rel(g['mean'], g['ci95_halfwidth'], 1)} ({g['difference']})", file=f)
+    for k, v, gap, diff in _rows(s):
+        print(f"  {k:10s} base {v['base_median']:10,.0f}  head {v['head_median']:10,.0f} tokens/s  {gap} ({diff})",
+              file=f)
     print(f"verdict: {s['verdict']}", file=f)
 
 
@@ -141,9 +147,8 @@ def readme_part(r: dict, name: str = "revisions") -> str:
     from crucible.bench.readme import _provenance
 
     s = r["summary"]
-    rows = [f"| {k} | {v['base_median']:,.0f} | {v['head_median']:,.0f} | "
-            f"{common.fmt_rel(v['head_vs_base']['mean'], v['head_vs_base']['ci95_halfwidth'], 1)} | "
-            f"{v['head_vs_base']['difference']} |" for k, v in s["variants"].items()]
+    rows = [f"| {k} | {v['base_median']:,.0f} | {v['head_median']:,.0f} | {gap} | {diff} |"
+            for k, v, gap, diff in _rows(s)]
     return "\n".join([
         f"`crucible bench revisions --base {r['base']['rev']}` (`bench pipeline` on the CPU at "
         f"`{r['base']['commit'][:10]}` and at the head, {r['settings']['rounds']} interleaved rounds; the gap is "

@@ -278,7 +278,6 @@ def run_bench(workdir: str, settings: dict, result: dict) -> list[str]:
     return errors
 
 
-
 def main(args) -> int:
     common.exit_on_sigterm()
     quick = bool(getattr(args, "quick", False))
