@@ -97,6 +97,7 @@ def test_stale_and_unknown_workers_and_pulses():
     w = m.workers[ids[(0, 1)]]
     assert m.heartbeat(w, 7, "alive", now=1.0) is None and w.step == 7
     assert m.heartbeat(w, 0, "pulse", now=2.0) is None and w.step == 7 and w.last_seen == 2.0
+    assert w.last_heard == 1.0     # a pulse is liveness only: it reads no command (stop_workers waits for the other)
     assert m.overdue(now=3.5, timeout=2.0) == [m.workers[ids[(0, 0)]]]
     m.declare_dead(w, now=3.0)
     with pytest.raises(Refused) as e:

@@ -435,7 +435,7 @@ class CheckpointManager:
         t_end = time.monotonic() + 2 * self.job_cfg.fault.heartbeat_interval_s + 1.0
         while time.monotonic() < t_end:
             with self.cv:
-                waiting = [w for w in self.m.unfinished() if w.last_seen < t0]
+                waiting = [w for w in self.m.unfinished() if w.last_heard < t0]   # a pulse does not read commands
             if not waiting:
                 break
             time.sleep(0.05)

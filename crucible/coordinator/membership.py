@@ -87,6 +87,7 @@ class WorkerInfo:
     host: str
     state: str = "alive"          # alive | dead | joining | done
     last_seen: float = 0.0
+    last_heard: float = 0.0      # the worker's own heartbeat (not its pulse): the one that carries commands
     step: int = 0
     registered_at: float = 0.0
     numel: int = 0
@@ -200,6 +201,7 @@ class Membership:
         w.last_seen = now
         if state == "pulse":
             return None
+        w.last_heard = now
         w.step = int(step)
         if w.stage == 0 and w.state == "alive":
             rep = self.replicas[w.replica]

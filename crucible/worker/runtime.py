@@ -104,8 +104,7 @@ class Worker:
             self.links.on_routes(reply.routes)
             threading.Thread(target=self.ctl.watch_loop, args=(self.links.on_routes,), daemon=True,
                              name="routes").start()
-            # SIGTERM (our own node preempted, a pod evicted): stop at once, exit 143 = lost, not done.
-            signal.signal(signal.SIGTERM, lambda *_: self._stop(self.exit_code or exits.interrupted(signal.SIGTERM)))
+            signal.signal(signal.SIGTERM, self._on_sigterm)
             self.phases["wired"] = time.time()
             if reply.replacement:
                 self.progress.set(int(reply.replica_step))
@@ -287,6 +286,15 @@ class Worker:
             if command == "stop":   # also end calls that wait on the coordinator (an outer round whose peer stopped)
                 self.ctl.stop.set()
             self._stop(exits.EVICTED if command.startswith("evicted") else self.exit_code)
+
+    def _on_sigterm(self, *_) -> None:
+        """Our own node preempted, a pod evicted, the launcher stopping: stop
+        at once, exit 143 = lost, not done. As for the coordinator's "stop",
+        calls that wait on the coordinator end too (an outer round would
+        otherwise go on retrying a coordinator that is gone until its
+        deadline, past the launcher's grace: SIGKILLed, with no clean exit)."""
+        self.ctl.stop.set()
+        self._stop(self.exit_code or exits.interrupted(signal.SIGTERM))
 
     def _stop(self, code: int) -> None:
         self.exit_code = code
