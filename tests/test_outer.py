@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import time
 
 import grpc
 import pytest
@@ -14,6 +15,14 @@ from conftest import TINY
 from crucible import rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
+
+
+def _text(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _dumps(run_dir):
@@ -57,6 +66,31 @@ def test_worker_killed_inside_a_round_does_not_hang_the_others(start_job):
     rounds = [e for e in job.events("outer_round") if e["stage"] == 1]
     assert rounds and rounds[0]["contributors"] == [0]
     assert all(e["contributors"] == [0] for e in rounds)
+
+
+def test_a_worker_told_to_stop_inside_a_round_exits_at_once(start_job):
+    """SIGTERM (a preemption, the launcher stopping) reaches a worker that
+    waits in an outer round for a hung peer: it exits 143 well inside the
+    launcher's 5 s grace, not when the coordinator next answers (a call
+    waits up to 20 s for its round; this round waits for r1s1 for ever)."""
+    job = start_job(["--replicas", "2", "--stages", "2", "--steps", "100000", "--respawn-delay", "-1"],
+                    TINY + ["outer.H=3", "debug.stall_outer=r1s1:600"])
+    job.wait_for(lambda st: st["replicas"][0]["step"] >= 3, 90, "replica 0 reaching its first outer round")
+    pid = next(w["pid"] for w in job.status()["workers"] if w["replica"] == 0 and w["stage"] == 1)
+    log_path = os.path.join(job.run_dir, "logs", "r0s1.log")
+    t_end = time.monotonic() + 30
+    while "stalling" not in _text(os.path.join(job.run_dir, "logs", "r1s1.log")):
+        assert time.monotonic() < t_end, job.output()
+        time.sleep(0.1)
+    time.sleep(1.5)                         # r0s1, past step 3, is inside its call for round 0, waiting
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+    while "exiting with" not in _text(log_path):
+        assert time.monotonic() - t0 < 15, job.output()
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert "exiting with 143" in _text(log_path), job.output()
+    assert took < 4.0, f"{took:.1f}s from SIGTERM to exit\n{job.output()}"
 
 
 @pytest.mark.slow   # (a variant; the second step of .ci/run)

@@ -296,8 +296,9 @@ class ControlClient:
         while True:
             req.worker_id = self.worker_id
             try:
-                reply = self.stub.OuterExchange(req, metadata=self.md,
-                                                timeout=max(1.0, min(60.0, t_end - time.monotonic())))
+                call = self.stub.OuterExchange.future(req, metadata=self.md,
+                                                      timeout=max(1.0, min(60.0, t_end - time.monotonic())))
+                reply = self._result(call, round_)
                 self.last_ok = time.monotonic()
                 return reply
             except grpc.RpcError as e:
@@ -332,6 +333,18 @@ class ControlClient:
                     backoff.reset()
                     continue
                 backoff.wait()
+
+    def _result(self, call, round_: int):
+        """A call's reply; a stop (the job ends, our own SIGTERM) cancels it at
+        once, not when the coordinator next answers (a call waits up to 20 s
+        for its round, past a launcher's or scheduler's grace)."""
+        while True:
+            try:
+                return call.result(timeout=0.2)
+            except grpc.FutureTimeoutError:
+                if self.stop.is_set():
+                    call.cancel()
+                    raise Stopping(f"outer round {round_} left unfinished: the worker is stopping") from None
 
     def close(self, final_state: str = "") -> None:
         """Stop the threads; flush events; tell the coordinator we are done (if we are)."""
