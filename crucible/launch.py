@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -277,8 +278,11 @@ class Launcher:
             if self.stopping or self.failure:   # a final checkpoint before everything stops
                 preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint)
             self._stop_all()
-            if self.failure:
-                print(self._summary("failed (see above)"), flush=True)
+            if self.failure or self.stopping:   # (after the final checkpoint: its steps count)
+                ending = "failed (see above)" if self.failure else \
+                    f"interrupted by {signal.Signals(self.stopping).name}"
+                print(self._summary(ending), flush=True)
+                print(self._resume_hint(), flush=True)
 
     def _on_signal(self, signum, frame) -> None:
         self.stopping = signum
@@ -343,8 +347,7 @@ class Launcher:
         if tty:
             print()
         if self.stopping:
-            print(self._summary(f"interrupted by {signal.Signals(self.stopping).name}"), flush=True)
-            return exits.interrupted(self.stopping)
+            return exits.interrupted(self.stopping)      # the summary follows the final checkpoint
         print(self._summary("finished"), flush=True)
         return exits.OK
 
@@ -417,6 +420,26 @@ class Launcher:
         for name in list(self.workers):
             self._start_worker(*slot_of(name))
         self._log_event({"event": "job_restarted", "seconds": time.monotonic() - t0})
+
+    def _resume_hint(self) -> str:
+        """Where a stopped job can go on from, and the command that does it."""
+        if not self.cfg.checkpoint.enable_checkpointing:
+            return "crucible: no checkpoints (checkpoint.enable_checkpointing = false): nothing to resume"
+        from crucible.checkpoint.store import list_checkpoints
+
+        ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
+        if not ckpts:
+            return "crucible: no checkpoint was committed: a new launch starts from step 0"
+        argv = ["crucible", "launch", "--run-dir", self.run_dir, "--resume"]
+        if self.args.config:
+            argv += ["--config", self.args.config]
+        if self.args.respawn_delay != 1.0:
+            argv += ["--respawn-delay", f"{self.args.respawn_delay:g}"]
+        for flag in ("tls_dir", "tls_host", "tls_ca", "tls_cert", "tls_key"):
+            if getattr(self.args, flag, None):
+                argv += ["--" + flag.replace("_", "-"), getattr(self.args, flag)]
+        argv += self.overrides
+        return f"crucible: newest checkpoint: step {ckpts[-1].step}; go on from it with\n  {shlex.join(argv)}"
 
     def _summary(self, ending: str) -> str:
         """How the job ended, then final loss per replica, its time ledger, and the faults seen."""

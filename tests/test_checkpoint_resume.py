@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -217,9 +218,15 @@ def test_sigterm_takes_a_final_checkpoint_and_resume_continues_there(reference, 
     # The workers exited by themselves (0) after the commit, told by the coordinator.
     logs = open(job.log_path).read()
     assert "final checkpoint" in logs
+    # The launcher's last words: the summary (after the final checkpoint: its
+    # steps counted), then where to go on from and the command that does it.
+    hint = logs[logs.index(f"newest checkpoint: step {f}; go on from it with"):].splitlines()
+    assert logs.index("interrupted by SIGTERM") > logs.index("final checkpoint")
+    argv = shlex.split(hint[1])
+    assert argv[:5] == ["crucible", "launch", "--run-dir", run_dir, "--resume"], hint
     _check_cadence(run_dir, 0.5)
     n_before = len(_events(run_dir))
-    job = _start(run_dir, overrides=overrides, resume=True)
+    job = Job(run_dir, argv[4:], [])              # resumed by the command the launcher printed
     try:
         assert job.wait(300) == 0, job.output()
     finally:
