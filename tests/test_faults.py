@@ -12,12 +12,13 @@ import glob
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
 import torch
 
-from conftest import TINY, Job
+from conftest import ROOT, TINY, Job, child_env, crucible_cmd
 
 FULL = [0, 1, 2, 3]
 
@@ -142,3 +143,38 @@ def test_coordinator_killed_and_restarted(job):
                  "training after the coordinator restart")
     # No worker was replaced: they re-registered into their old slots.
     assert all(w["state"] == "alive" for w in st["workers"])
+
+
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
+def test_a_replacement_waits_for_a_frozen_holder_to_give_way(start_job, tmp_path):
+    """A worker started for a slot whose holder froze (SIGSTOP: silent, not yet
+    declared dead) asks again until the coordinator gives up on the holder
+    (fault.heartbeat_timeout_s) and joins as its replacement. It used to exit 1
+    at once (ALREADY_EXISTS), and a launcher that restarted it into the same
+    refusal took that for a crash loop and stopped the whole job."""
+    job = start_job(["--replicas", "2", "--stages", "3", "--steps", "1000000", "--respawn-delay", "-1"],
+                    TINY + ["fault.heartbeat_timeout_s=20", "fault.rpc_timeout_s=20"])
+    st = job.wait_for(lambda s: s if all(r["step"] >= 2 for r in s["replicas"]) else None, 120, "training")
+    frozen = worker(st, 0, 1)["pid"]
+    os.kill(frozen, signal.SIGSTOP)
+    env = child_env()
+    env["CRUCIBLE_TOKEN"] = job.token()
+    log_path = tmp_path / "replacement.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(crucible_cmd("worker", "--coordinator", job.address(), "--replica", "0",
+                                             "--stage", "1", "--bind", "127.0.0.1:0"),
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT,
+                                start_new_session=True)
+    try:
+        t_end = time.monotonic() + 90
+        while "registered as" not in (text := log_path.read_text(errors="replace")):
+            assert proc.poll() is None, f"the replacement exited {proc.returncode}:\n{text}"
+            assert time.monotonic() < t_end, text
+            time.sleep(0.2)
+        assert "asking again" in text, text       # it met the frozen holder
+        assert "(replacement)" in text, text
+        job.wait_for(lambda s: any(w["pid"] == proc.pid and w["state"] == "alive" for w in s["workers"])
+                     and s["replicas"][0]["route"] == [0, 1, 2], 60, "the replacement in replica 0's route")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

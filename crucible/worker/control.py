@@ -129,7 +129,27 @@ class ControlClient:
         req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage,
                                  address=address, pid=os.getpid(), host=socket.gethostname(), numel=numel)
         req.rejoin = rejoin
-        reply = self._retry(lambda: self.stub.Register(req, metadata=self.md, timeout=10), deadline_s)
+        held_until = None
+        while True:
+            try:
+                reply = self._retry(lambda: self.stub.Register(req, metadata=self.md, timeout=10), deadline_s)
+                break
+            except grpc.RpcError as e:
+                # The slot's holder may be gone without the coordinator knowing it
+                # yet (it exited on its own and a probe raced its exit; it froze):
+                # it gives way once silent for heartbeat_timeout. Ask until then;
+                # a holder still heard after that is a live one (a second worker
+                # started for the slot by mistake): that error is raised.
+                if e.code() != grpc.StatusCode.ALREADY_EXISTS or rejoin or self.stop.is_set():
+                    raise
+                now = time.monotonic()
+                if held_until is None:
+                    held_until = now + self.heartbeat_timeout + 1.0
+                    log.warning("%s; asking again for up to %.0fs (fault.heartbeat_timeout_s)", e.details(),
+                                held_until - now)
+                if now >= held_until:
+                    raise
+                self.stop.wait(0.25)
         self.worker_id, self.secret = reply.worker_id, reply.secret
         self.last_ok = time.monotonic()
         self.registered.set()
