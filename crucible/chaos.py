@@ -9,6 +9,7 @@ SPEC is a comma-separated list of items:
     any@every=30      every 30 s, a random live worker of any stage
     mtbf=60           random kills of any worker, exponential gaps with mean 60 s
     stop@t=40         SIGSTOP instead of SIGKILL (with a name: r1s1:stop@t=40, SIGCONT 5 s later)
+    term@every=30     SIGTERM instead of SIGKILL: a preemption notice (any:term@every=30, r0s1:term@t=40)
     count=20          at most 20 kills in all (default: unlimited)
     seed=7            the random choices' seed (default 0)
 
@@ -33,7 +34,7 @@ class Rule:
     at_time: float | None = None
     every: float | None = None
     mtbf: float | None = None
-    signal: str = "KILL"     # KILL | STOP
+    signal: str = "KILL"     # KILL | STOP | TERM
     next_time: float | None = None
     done: bool = False
 
@@ -59,14 +60,14 @@ class Chaos:
                 else:
                     out.rules.append(Rule("any", mtbf=float(val)))
                 continue
-            m = re.fullmatch(r"(\w+)(?::(stop))?@(step|t|every)=([0-9.]+)", raw)
+            m = re.fullmatch(r"(\w+)(?::(stop|term))?@(step|t|every)=([0-9.]+)", raw)
             if m and not (is_slot_name(m.group(1)) or m.group(1) in ("coordinator", "inner", "any")):
                 m = None
             if not m:
                 raise ValueError(f"bad chaos item {raw!r}: expected e.g. r1s2@step=50, inner@every=30, mtbf=60, "
-                                 "count=20, seed=7")
+                                 "r1s1:stop@t=40, any:term@every=30, count=20, seed=7")
             target, sig, kind, val = m.groups()
-            rule = Rule(target, signal="STOP" if sig else "KILL")
+            rule = Rule(target, signal=(sig or "kill").upper())
             if kind == "step":
                 if not is_slot_name(target):
                     raise ValueError(f"bad chaos item {raw!r}: @step needs a worker name like r1s2")

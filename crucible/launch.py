@@ -375,11 +375,9 @@ class Launcher:
         steps = {r["id"]: r["step"] for r in st["replicas"]} if st else {}
         live = [n for n, w in self.workers.items() if w.poll() is None and n not in self.stopped]
         for victim, sig in self.chaos.due(now - self.t_start, steps, live, self.cfg.job.stages):
+            self._signal(victim, getattr(signal, "SIG" + sig), sig)
             if sig == "STOP":
-                self._signal(victim, signal.SIGSTOP, "STOP")
                 self.stopped[victim] = now + 5.0
-            else:
-                self._signal(victim, signal.SIGKILL, "KILL")
 
     def _show_progress(self, tty: bool) -> None:
         from crucible.status import format_progress

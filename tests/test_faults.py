@@ -178,3 +178,36 @@ def test_a_replacement_waits_for_a_frozen_holder_to_give_way(start_job, tmp_path
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+@pytest.mark.slow   # (a variant; the second step of .ci/run)
+def test_preemption_notices_to_random_workers_replace_them_and_the_job_trains_on(start_job):
+    """--chaos any:term: SIGTERM to a random worker every 3 s, 8 times, with a
+    heartbeat timeout (10 s) far above a replacement's start-up: each one exits
+    143 (or dies of the signal before it has a handler) and comes back; none
+    exits with an error (a replacement refused its slot: ALREADY_EXISTS), the
+    launcher never stops the job, and both replicas train on a full route.
+    (When both copies of a stage are down at once the job rolls back to its
+    newest checkpoint: every worker exits 75 and is restarted. Whether a
+    replacement meets its holder still registered depends on timing here;
+    test_a_replacement_waits_for_a_frozen_holder_to_give_way makes it certain.)"""
+    job = start_job(["--replicas", "2", "--stages", "3", "--steps", "1000000", "--respawn-delay", "0.5",
+                     "--chaos", "any:term@every=3,count=8,seed=2"],
+                    TINY + ["fault.heartbeat_timeout_s=10", "fault.rpc_timeout_s=10",
+                            "checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=1"])
+    t_end = time.monotonic() + 150
+    while len(job.events("chaos")) < 8:
+        assert time.monotonic() < t_end, f"only {len(job.events('chaos'))} signals in time:\n{job.output()}"
+        assert job.proc.poll() is None, job.output()
+        time.sleep(0.5)
+    assert {e["signal"] for e in job.events("chaos")} == {"TERM"}
+    full = [0, 1, 2]
+    st = job.wait_for(lambda s: s if all(r["state"] == "training" and r["route"] == full for r in s["replicas"])
+                      and all(w["state"] == "alive" for w in s["workers"]) else None, 90,
+                      "every replica training on a full route after the signals")
+    before = [r["step"] for r in st["replicas"]]
+    job.wait_for(lambda s: all(r["step"] >= b + 3 for r, b in zip(s["replicas"], before)), 60,
+                 "both replicas committing steps")
+    with open(job.log_path, errors="replace") as f:
+        exits = [line for line in f if " exited with " in line or " killed by " in line]
+    assert exits and all(("exited with 143" in line or "killed by SIGTERM" in line) for line in exits), exits
