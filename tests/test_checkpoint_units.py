@@ -86,6 +86,26 @@ def test_a_killed_persister_fails_that_save_and_the_next_one_works(tmp_path):
         snap.close()
 
 
+def test_a_sigterm_to_the_whole_group_lets_the_persister_finish_its_write(tmp_path):
+    """SIGTERM (and SIGINT) reach every process of a group at once (timeout(1),
+    systemd): the persister ignores them, its worker decides when it stops, so
+    the shard being written is finished."""
+    started = []
+    snap = Snapshotter("process", on_persister_start=started.append)
+    state = _state()
+    try:
+        snap.persist(snap.snapshot(state), str(tmp_path / "a"), "r0s0.shard")
+        header = snap.snapshot(state)
+        t = threading.Timer(0.3, lambda: [os.kill(started[-1], s) for s in (signal.SIGTERM, signal.SIGINT)])
+        t.start()
+        info = snap.persist(header, str(tmp_path / "b"), "r0s0.shard", delay_s=1.0)
+        t.join()
+        read_shard(tmp_path / "b" / "r0s0.shard", info["checksum"])
+        assert len(started) == 1
+    finally:
+        snap.close()
+
+
 def test_the_persister_dies_with_its_parent(tmp_path):
     code = ("import os, sys, torch; from crucible.checkpoint.snapshot import Snapshotter\n"
             "s = Snapshotter('process'); s.persist(s.snapshot({'x': torch.ones(4)}), sys.argv[1], 'a.shard')\n"

@@ -18,7 +18,9 @@ Where the write runs:
   GIL and its CPU caches; the child can die (a SIGKILL, an I/O error) without
   taking the worker with it: the save fails, the coordinator aborts that
   checkpoint, and the next save starts a fresh child. The child dies with its
-  parent (``PR_SET_PDEATHSIG`` and EOF on its stdin), so it never outlives it.
+  parent (``PR_SET_PDEATHSIG`` and EOF on its stdin), so it never outlives it,
+  and ignores SIGTERM and SIGINT (a signal to the whole process group must not
+  cut the shard its worker is still finishing).
 * ``ThreadPersister``: the same write on a thread of the training process
   (other platforms, ``checkpoint.persister = thread``).
 
@@ -196,7 +198,8 @@ def child_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, required=True)
     args = ap.parse_args(argv)
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent decides when we stop
+    for sig in (signal.SIGINT, signal.SIGTERM):        # the parent decides when we stop (a SIGTERM
+        signal.signal(sig, signal.SIG_IGN)             # to the whole group: it finishes the save in flight)
     region = mmap.mmap(args.fd, args.size, prot=mmap.PROT_READ) if args.size else b""
     out = sys.stdout.buffer
     for line in sys.stdin.buffer:
