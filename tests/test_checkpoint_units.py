@@ -66,20 +66,28 @@ def test_snapshot_writes_exactly_what_write_shard_writes(tmp_path, kind):
         snap.close()
 
 
+def _persist_while_signalled(tmp_path, snap, started: list, sigs, delay_s: float):
+    """A first save (which starts the persister), then one to tmp_path/'b' whose
+    write `sigs` reach 0.3 s in (the write takes `delay_s` longer)."""
+    state = _state()
+    snap.persist(snap.snapshot(state), str(tmp_path / "a"), "r0s0.shard")
+    header = snap.snapshot(state)
+    t = threading.Timer(0.3, lambda: [os.kill(started[-1], s) for s in sigs])
+    t.start()
+    try:
+        return snap.persist(header, str(tmp_path / "b"), "r0s0.shard", delay_s=delay_s)
+    finally:
+        t.join()
+
+
 def test_a_killed_persister_fails_that_save_and_the_next_one_works(tmp_path):
     started = []
     snap = Snapshotter("process", on_persister_start=started.append)
-    state = _state()
     try:
-        snap.persist(snap.snapshot(state), str(tmp_path / "a"), "r0s0.shard")
-        header = snap.snapshot(state)
-        t = threading.Timer(0.3, lambda: os.kill(started[-1], signal.SIGKILL))
-        t.start()
         with pytest.raises(PersistError, match="died"):
-            snap.persist(header, str(tmp_path / "b"), "r0s0.shard", delay_s=3.0)
-        t.join()
+            _persist_while_signalled(tmp_path, snap, started, (signal.SIGKILL,), delay_s=3.0)
         assert not (tmp_path / "b" / "r0s0.shard").exists()
-        info = snap.persist(snap.snapshot(state), str(tmp_path / "c"), "r0s0.shard")
+        info = snap.persist(snap.snapshot(_state()), str(tmp_path / "c"), "r0s0.shard")
         assert len(started) == 2
         read_shard(tmp_path / "c" / "r0s0.shard", info["checksum"])
     finally:
@@ -92,14 +100,8 @@ def test_a_sigterm_to_the_whole_group_lets_the_persister_finish_its_write(tmp_pa
     the shard being written is finished."""
     started = []
     snap = Snapshotter("process", on_persister_start=started.append)
-    state = _state()
     try:
-        snap.persist(snap.snapshot(state), str(tmp_path / "a"), "r0s0.shard")
-        header = snap.snapshot(state)
-        t = threading.Timer(0.3, lambda: [os.kill(started[-1], s) for s in (signal.SIGTERM, signal.SIGINT)])
-        t.start()
-        info = snap.persist(header, str(tmp_path / "b"), "r0s0.shard", delay_s=1.0)
-        t.join()
+        info = _persist_while_signalled(tmp_path, snap, started, (signal.SIGTERM, signal.SIGINT), delay_s=1.0)
         read_shard(tmp_path / "b" / "r0s0.shard", info["checksum"])
         assert len(started) == 1
     finally:
