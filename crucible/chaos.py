@@ -8,8 +8,9 @@ SPEC is a comma-separated list of items:
     inner@every=30    every 30 s, SIGKILL a random live worker of an inner stage
     any@every=30      every 30 s, a random live worker of any stage
     mtbf=60           random kills of any worker, exponential gaps with mean 60 s
-    stop@t=40         SIGSTOP instead of SIGKILL (with a name: r1s1:stop@t=40, SIGCONT 5 s later)
-    term@every=30     SIGTERM instead of SIGKILL: a preemption notice (any:term@every=30, r0s1:term@t=40)
+    r1s1:stop@t=40    SIGSTOP instead of SIGKILL (SIGCONT 5 s later)
+    any:term@every=30 SIGTERM instead of SIGKILL: a preemption notice (r0s1:term@t=40; not the
+                      coordinator's: a SIGTERM to it ends the job, with a final checkpoint)
     count=20          at most 20 kills in all (default: unlimited)
     seed=7            the random choices' seed (default 0)
 
@@ -67,6 +68,9 @@ class Chaos:
                 raise ValueError(f"bad chaos item {raw!r}: expected e.g. r1s2@step=50, inner@every=30, mtbf=60, "
                                  "r1s1:stop@t=40, any:term@every=30, count=20, seed=7")
             target, sig, kind, val = m.groups()
+            if target == "coordinator" and sig == "term":
+                raise ValueError(f"bad chaos item {raw!r}: a SIGTERM to the coordinator ends the job (a final "
+                                 "checkpoint, then every worker stops), it is no fault; coordinator@t=20 kills it")
             rule = Rule(target, signal=(sig or "kill").upper())
             if kind == "step":
                 if not is_slot_name(target):
@@ -84,7 +88,7 @@ class Chaos:
         """(victim, signal) pairs to fire now. `live` = names of running workers."""
         fire = []
         for rule in self.rules:
-            if rule.done or (self.count is not None and self.kills >= self.count):
+            if rule.done or (self.count is not None and self.kills + len(fire) >= self.count):
                 continue
             if rule.at_step is not None:
                 r = slot_of(rule.target)[0]

@@ -123,6 +123,7 @@ class Launcher:
         extras.check_config(self.cfg)                          # ... or the missing optional package
         self.stopping = 0                 # the signal that asked us to stop
         self.failure = ""                 # why the job failed (the launcher stops it)
+        self.finished = False             # every replica trained train.steps steps
         self.last_status: dict | None = None
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}
@@ -278,7 +279,7 @@ class Launcher:
             if self.stopping or self.failure:   # a final checkpoint before everything stops
                 preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint)
             self._stop_all()
-            if self.failure or self.stopping:   # (after the final checkpoint: its steps count)
+            if (self.failure or self.stopping) and not self.finished:   # after the final checkpoint (its steps)
                 ending = "failed (see above)" if self.failure else \
                     f"interrupted by {signal.Signals(self.stopping).name}"
                 print(self._summary(ending), flush=True)
@@ -348,6 +349,7 @@ class Launcher:
             print()
         if self.stopping:
             return exits.interrupted(self.stopping)      # the summary follows the final checkpoint
+        self.finished = True
         print(self._summary("finished"), flush=True)
         return exits.OK
 
@@ -430,13 +432,14 @@ class Launcher:
             return "crucible: no checkpoint was committed: a new launch starts from step 0"
         argv = ["crucible", "launch", "--run-dir", self.run_dir, "--resume"]
         if self.args.config:
-            argv += ["--config", self.args.config]
+            argv += ["--config", os.path.abspath(self.args.config)]
         if self.args.respawn_delay != 1.0:
             argv += ["--respawn-delay", f"{self.args.respawn_delay:g}"]
         for flag in ("tls_dir", "tls_host", "tls_ca", "tls_cert", "tls_key"):
             if getattr(self.args, flag, None):
-                argv += ["--" + flag.replace("_", "-"), getattr(self.args, flag)]
-        argv += self.overrides
+                value = getattr(self.args, flag)
+                argv += ["--" + flag.replace("_", "-"), value if flag == "tls_host" else os.path.abspath(value)]
+        argv += self.overrides      # as given (a relative data.path is the user's to keep right)
         return f"crucible: newest checkpoint: step {ckpts[-1].step}; go on from it with\n  {shlex.join(argv)}"
 
     def _summary(self, ending: str) -> str:

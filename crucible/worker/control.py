@@ -131,6 +131,7 @@ class ControlClient:
         req.rejoin = rejoin
         held_until = None
         while True:
+            asked = time.monotonic()
             try:
                 reply = self._retry(lambda: self.stub.Register(req, metadata=self.md, timeout=10), deadline_s)
                 break
@@ -144,9 +145,12 @@ class ControlClient:
                     raise
                 now = time.monotonic()
                 if held_until is None:
-                    held_until = now + self.heartbeat_timeout + 1.0
                     log.warning("%s; asking again for up to %.0fs (fault.heartbeat_timeout_s)", e.details(),
-                                held_until - now)
+                                self.heartbeat_timeout + 1.0)
+                if held_until is None or now - asked > 1.0:
+                    # (first refusal, or the coordinator was unreachable in between:
+                    # a restarted one starts every holder's silence afresh)
+                    held_until = now + self.heartbeat_timeout + 1.0
                 if now >= held_until:
                     raise
                 self.stop.wait(0.25)

@@ -204,8 +204,10 @@ class Replacement:
         why = (f"stage {self.links.stage} has no live copy in any replica and no committed checkpoint holds it "
                f"at step {slot_step} or later")
         if not self.ckpt.committed_steps():
-            raise RuntimeError(f"{why}, and there is no checkpoint to go back to: its training is lost "
-                               f"(enable checkpointing to survive this)")
+            hint = ("none was committed yet: each save so far was cut short by a fault (coordinator log) or the "
+                    "job is younger than its first save" if self.ckpt.enabled else
+                    "enable checkpointing to survive this")
+            raise RuntimeError(f"{why}, and there is no checkpoint to go back to: its training is lost ({hint})")
         log.error("%s: %s: asking for a roll-back of the job to its latest checkpoint", self.name, why)
         self.ctl.report_now({"event": "stage_lost", "replica": self.links.replica, "stage": self.links.stage,
                              "slot_step": slot_step, "reason": why})

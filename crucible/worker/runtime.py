@@ -46,7 +46,7 @@ from crucible.model import build_stage, tokens_needed
 from crucible.slots import slot_name
 from crucible.worker import optim, pulse
 from crucible.worker.checkpointing import DataCursor, RngState, WorkerCheckpointer
-from crucible.worker.control import ControlClient
+from crucible.worker.control import ControlClient, Stopping
 from crucible.worker.dataplane import SERVICE, FrameDecoder, Inbox, StageService
 from crucible.worker.debug import DebugHooks
 from crucible.worker.driver import Driver
@@ -111,6 +111,9 @@ class Worker:
                 self.replacement.join(int(reply.slot_step), self.phases)
             self.health.set(True)
             (self.driver if self.first else self.reactor).run()
+            return self.exit_code
+        except Stopping as e:   # told to stop (our SIGTERM, the job ending) while a call waited on the coordinator
+            log.info("%s: %s", getattr(self, "name", "worker"), e)
             return self.exit_code
         except Exception as e:
             self.report_error(e)
