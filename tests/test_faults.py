@@ -155,7 +155,7 @@ def test_a_replacement_waits_for_a_frozen_holder_to_give_way(start_job, tmp_path
     at once (ALREADY_EXISTS), and a launcher that restarted it into the same
     refusal took that for a crash loop and stopped the whole job."""
     job = start_job(["--replicas", "2", "--stages", "3", "--steps", "1000000", "--respawn-delay", "-1"],
-                    TINY + ["fault.heartbeat_timeout_s=30", "fault.rpc_timeout_s=30"])
+                    TINY + ["fault.heartbeat_timeout_s=20", "fault.rpc_timeout_s=20"])
     st = job.wait_for(lambda s: s if all(r["step"] >= 2 for r in s["replicas"]) else None, 120, "training")
     frozen = worker(st, 0, 1)["pid"]
     os.kill(frozen, signal.SIGSTOP)
@@ -184,7 +184,7 @@ def test_a_replacement_waits_for_a_frozen_holder_to_give_way(start_job, tmp_path
 
 @pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_preemption_notices_replace_workers_and_the_job_trains_on(start_job):
-    """SIGTERM, a preemption notice, to five training workers one after another
+    """SIGTERM, a preemption notice, to three training workers one after another
     (the first by --chaos r0s1:term@step=30, the rest by the test once the job
     is whole again), with a heartbeat timeout (10 s) far above a replacement's
     start-up: each exits 143 and comes back; no worker exits with an error (a
@@ -202,7 +202,7 @@ def test_preemption_notices_replace_workers_and_the_job_trains_on(start_job):
     def replaced(st):     # whole again, with a new worker in the victim's slot
         return st if healthy(st) and worker(st, victim[0], victim[1])["pid"] != victim[2] else None
 
-    for r, s in [(1, 0), (0, 3), (1, 2), (0, 0)]:
+    for r, s in [(1, 0), (0, 3)]:           # a first stage (its replica pauses), a last one
         st = job.wait_for(replaced, 120, f"r{victim[0]}s{victim[1]} replaced and every replica training")
         victim = (r, s, worker(st, r, s)["pid"])
         os.kill(victim[2], signal.SIGTERM)
@@ -212,4 +212,4 @@ def test_preemption_notices_replace_workers_and_the_job_trains_on(start_job):
                  "both replicas committing steps")
     with open(job.log_path, errors="replace") as f:
         codes = [int(c) for c in re.findall(r" exited with (\d+)", f.read())]
-    assert codes.count(143) == 5 and set(codes) <= {143, exits.EVICTED}, job.output()
+    assert codes.count(143) == 3 and set(codes) <= {143, exits.EVICTED}, job.output()
