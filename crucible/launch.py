@@ -436,8 +436,8 @@ class Launcher:
         if self.args.respawn_delay != 1.0:
             argv += ["--respawn-delay", f"{self.args.respawn_delay:g}"]
         for flag in ("tls_dir", "tls_host", "tls_ca", "tls_cert", "tls_key"):
-            if getattr(self.args, flag, None):
-                value = getattr(self.args, flag)
+            value = getattr(self.args, flag, None)
+            if value:
                 argv += ["--" + flag.replace("_", "-"), value if flag == "tls_host" else os.path.abspath(value)]
         argv += self.overrides      # as given (a relative data.path is the user's to keep right)
         return f"crucible: newest checkpoint: step {ckpts[-1].step}; go on from it with\n  {shlex.join(argv)}"

@@ -59,6 +59,10 @@ class Stopping(Exception):
     """This worker was told to stop (the job ends) while it waited on the coordinator."""
 
 
+def _left_unfinished(round_: int) -> Stopping:
+    return Stopping(f"outer round {round_} left unfinished: the worker is stopping")
+
+
 class CoordinatorUnreachable(Exception):
     """The coordinator has not answered for fault.heartbeat_timeout_s: an outer
     round is skipped instead of waited for."""
@@ -141,15 +145,15 @@ class ControlClient:
                 # it gives way once silent for heartbeat_timeout. Ask until then;
                 # a holder still heard after that is a live one (a second worker
                 # started for the slot by mistake): that error is raised.
-                if e.code() != grpc.StatusCode.ALREADY_EXISTS or rejoin or self.stop.is_set():
+                if e.code() != grpc.StatusCode.ALREADY_EXISTS or rejoin:
                     raise
                 now = time.monotonic()
-                if held_until is None:
-                    log.warning("%s; asking again for up to %.0fs (fault.heartbeat_timeout_s)", e.details(),
-                                self.heartbeat_timeout + 1.0)
                 if held_until is None or now - asked > 1.0:
                     # (first refusal, or the coordinator was unreachable in between:
                     # a restarted one starts every holder's silence afresh)
+                    if held_until is None:
+                        log.warning("%s; asking again for up to %.0fs (fault.heartbeat_timeout_s)", e.details(),
+                                    self.heartbeat_timeout + 1.0)
                     held_until = now + self.heartbeat_timeout + 1.0
                 if now >= held_until:
                     raise
@@ -345,7 +349,7 @@ class ControlClient:
                 if code == grpc.StatusCode.OUT_OF_RANGE:
                     raise RoundGone(e.details()) from None
                 if self.stop.is_set():
-                    raise Stopping(f"outer round {round_} left unfinished: the worker is stopping") from None
+                    raise _left_unfinished(round_) from None
                 if code not in TRANSIENT or time.monotonic() > t_end:
                     raise
                 if code == grpc.StatusCode.NOT_FOUND:
@@ -368,7 +372,7 @@ class ControlClient:
             except grpc.FutureTimeoutError:
                 if self.stop.is_set():
                     call.cancel()
-                    raise Stopping(f"outer round {round_} left unfinished: the worker is stopping") from None
+                    raise _left_unfinished(round_) from None
 
     def close(self, final_state: str = "") -> None:
         """Stop the threads; flush events; tell the coordinator we are done (if we are)."""
