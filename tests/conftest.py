@@ -66,12 +66,14 @@ class Job:
         if not self.log.closed:
             self.log.flush()
         with open(self.log_path, "rb") as f:
-            out = f.read().decode(errors="replace")
+            out = _squeeze(f.read().decode(errors="replace"))
         logs = os.path.join(self.run_dir, "logs")
         if os.path.isdir(logs):
             for name in sorted(os.listdir(logs)):
                 with open(os.path.join(logs, name), "rb") as f:
-                    out += f"\n--- {name}\n" + f.read().decode(errors="replace")[-6000:]
+                    text = f.read().decode(errors="replace")
+                # its start (the start-up's times) and its end (the last events, a stack dump)
+                out += f"\n--- {name}\n" + (text if len(text) <= 7000 else f"{text[:1000]}\n[...]\n{text[-6000:]}")
         return out
 
     def token(self) -> str:
@@ -142,6 +144,33 @@ class Job:
             return True
         except ProcessLookupError:
             return False
+
+
+def worker(st, r: int, s: int) -> dict:
+    """Slot r/s's worker in a status."""
+    return next(w for w in st["workers"] if w["replica"] == r and w["stage"] == s)
+
+
+def whole(st, stages: int) -> bool:
+    """Every replica training on its full route of ``stages``, every worker alive."""
+    return bool(st) and all(r["state"] == "training" and r["route"] == list(range(stages)) for r in st["replicas"]) \
+        and all(w["state"] == "alive" for w in st["workers"])
+
+
+def _squeeze(text: str) -> str:
+    """Runs of one repeated line (the launcher's status while nothing moves) as one."""
+    out: list[str] = []
+    n = 0
+    for line in text.splitlines() + [None]:
+        if out and line == out[-1]:
+            n += 1
+            continue
+        if n:
+            out[-1] += f"   [x{n + 1}]"
+        n = 0
+        if line is not None:
+            out.append(line)
+    return "\n".join(out)
 
 
 @pytest.fixture

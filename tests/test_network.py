@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from conftest import whole
 from crucible.testing import netns
 
 ok, why = netns.available()
@@ -54,8 +55,7 @@ def job(tmp_path_factory):
 
 
 def healthy(st) -> bool:
-    return bool(st) and all(r["state"] == "training" and r["route"] == FULL for r in st["replicas"]) and \
-        all(w["state"] == "alive" for w in st["workers"])
+    return whole(st, len(FULL))
 
 
 def wait_healthy(job, timeout=180):

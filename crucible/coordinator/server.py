@@ -66,7 +66,7 @@ import time
 
 import grpc
 
-from crucible import PROTOCOL_VERSION, rpc
+from crucible import PROTOCOL_VERSION, exits, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
@@ -311,7 +311,10 @@ class Coordinator:
         with self.cv:
             w = self.member(req.worker_id)
             what = self.m.heartbeat(w, req.step, req.state, time.time())
-            if what is not None:
+            if req.state.startswith("leaving") and not self.stopping.is_set():
+                code = req.state.removeprefix("leaving").strip()
+                self._declare_dead(w, "it left (" + (exits.describe(int(code)) if code.isdigit() else "exiting") + ")")
+            elif what is not None:
                 self.metrics.write({"event": what, "worker": w.worker_id, "replica": w.replica, "stage": w.stage})
                 self._changed(f"{slot_name(w.replica, w.stage)} {what.removeprefix('worker_')}")
             command = "stop" if self.stopping.is_set() else ("restart" if self.restart_requested else "")

@@ -274,6 +274,8 @@ class ControlClient:
                 if on_reply is not None:
                     on_reply(reply)
             except grpc.RpcError as e:
+                if self.stop.is_set():
+                    return          # leaving (or left): the coordinator's answer is about that
                 if e.code() == grpc.StatusCode.NOT_FOUND and self.on_reregister is not None:
                     # A restarted coordinator that does not know us: take our slot again.
                     self.registered.clear()
@@ -374,15 +376,31 @@ class ControlClient:
                     call.cancel()
                     raise _left_unfinished(round_) from None
 
+    def leave(self, code: int) -> None:
+        """Tell the coordinator this worker is exiting with ``code`` (a SIGTERM, an
+        error): it routes around the slot and lets a replacement in at once, not
+        after a neighbour's probe or fault.heartbeat_timeout_s of silence (a
+        stage no neighbour streams to just then: a 1-stage replica, an outer
+        round, a paused replica). Best effort, at most 2 s; the heartbeat loop
+        stops first (it would take the coordinator's answer to a departed
+        worker for an eviction)."""
+        self.stop.set()
+        self._last_beat(f"leaving {int(code)}")
+
     def close(self, final_state: str = "") -> None:
         """Stop the threads; flush events; tell the coordinator we are done (if we are)."""
         self.stop.set()
         self.flush(timeout=5.0)
-        if final_state and self.worker_id:
-            self.state = final_state
-            try:
-                self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, epoch=self.epoch, step=self.step,
-                                                        state=final_state), metadata=self.md, timeout=2)
-            except grpc.RpcError:
-                pass
+        if final_state:
+            self._last_beat(final_state)
         self.channel.close()
+
+    def _last_beat(self, state: str) -> None:
+        if not self.worker_id:
+            return
+        self.state = state
+        try:    # (not under the loop's lock: a beat of its in flight to a silent coordinator would hold it for long)
+            self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, epoch=self.epoch, step=self.step,
+                                                    state=state), metadata=self.md, timeout=2)
+        except grpc.RpcError:
+            pass

@@ -153,12 +153,15 @@ class Worker:
         # silent peer's stream ends. (The server and the coordinator's channel, made
         # before the configuration was known, use the same defaults.)
         rpc.configure(cfg.net.keepalive_s, cfg.fault.heartbeat_timeout_s)
+        # (a start-up that hangs or crawls shows where: the log's times before registration)
+        log.info("%s: building its stage (imports took %.1f s)", self.name,
+                 self.phases["imported"] - self.phases["process_start"])
         self._build()
         self.phases["built"] = time.time()
         reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel)
         self.phases["registered"] = time.time()
-        log.info("%s registered as %s at %s%s", self.name, reply.worker_id, self.address,
-                 " (replacement)" if reply.replacement else "")
+        log.info("%s registered as %s at %s%s (built in %.1f s)", self.name, reply.worker_id, self.address,
+                 " (replacement)" if reply.replacement else "", self.phases["built"] - self.phases["job_info"])
         self._wire()
         self.pulse = pulse.start(self.coordinator, reply.worker_id, cfg.fault.heartbeat_interval_s,
                                  cfg.fault.heartbeat_timeout_s)
@@ -313,6 +316,9 @@ class Worker:
         if self.ckpt is not None:
             self.ckpt.close()    # finish (and report) the save in flight
         t1 = time.perf_counter()
+        if self.exit_code == exits.ERROR or self.exit_code >= 128:
+            # (before our streams close: a neighbour losing one would have us probed first)
+            self.ctl.leave(self.exit_code)
         if self.links is not None:
             self.links.close(wait=5.0 if self.exit_code == 0 else 0.0)
         done = self.cfg is not None and self.progress.step >= self.cfg.train.steps and self.exit_code == 0
