@@ -202,7 +202,8 @@ class Launcher:
         atomic_write(os.path.join(self.run_dir, "pids.json"), json.dumps(pids), fsync=False)
 
     def _stop_all(self, grace: float = 5.0) -> None:
-        children = [p for p in list(self.workers.values()) + [self.coord] if p is not None and p.popen is not None]
+        # (the coordinator first: it learns the job is ending before a worker says it is leaving)
+        children = [p for p in [self.coord] + list(self.workers.values()) if p is not None and p.popen is not None]
         for p in children:
             if p.poll() is None:
                 try:

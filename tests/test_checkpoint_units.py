@@ -251,6 +251,25 @@ def test_manager_refuses_bad_reports_and_aborts_on_a_failure_or_a_lost_worker(tm
     assert store.list_checkpoints(m.root) == []
 
 
+def test_a_worker_gone_after_its_shard_is_in_does_not_spoil_the_save(tmp_path):
+    """A worker that reported its shard and then exits (its own SIGTERM: it
+    says it is leaving right after) or dies: the save waits for the others and
+    commits; one gone before its shard is in aborts it."""
+    c = _coordinator(tmp_path)
+    m = c.ckpt
+    m.prepare(resume=False)
+    m._tick()
+    t = m.target()
+    assert _report(c, "r0s1-x", t).accepted
+    c.workers["r0s1-x"].state = "dead"
+    m._tick()
+    assert m.pending is not None and m.pending.step == t and m.aborted == 0
+    for wid in ("r0s0-x", "r1s0-x", "r1s1-x"):
+        assert _report(c, wid, t).accepted
+    m._tick()
+    assert m.latest_committed_step == t and m.aborted == 0
+
+
 def test_manager_resume_falls_back_over_a_damaged_checkpoint(tmp_path):
     c = _coordinator(tmp_path)
     steps = _commit_saves(c, 2)

@@ -63,6 +63,10 @@ def test_status_json_and_sigterm_leaves_no_orphan(start_job):
     assert _gone(pids) == [], "processes left after SIGTERM"
     steps = [e for e in job.events("step")]
     assert steps and steps[-1]["loss"] > 0
+    # Its workers, SIGTERMed as the job ends, were no faults (each says it is leaving:
+    # the coordinator, told first, takes that as part of the ending)
+    assert job.events("fault") == [], job.output()
+    assert "worker faults" not in job.output()
 
 
 def test_sigkill_of_the_launcher_takes_its_children(start_job):

@@ -605,10 +605,12 @@ class CheckpointManager:
 
     def _lost(self, p: Save, steps: dict[int, int], mono: float) -> str | None:
         for wid, slot in p.required.items():
+            if store.shard_name(*slot) in p.reports:
+                continue    # its shard is in: what becomes of its worker now (it left, died) cannot spoil it
             w, h = self.m.worker(wid), self.m.holder(slot)
             if w is None or h is not w or w.state not in ("alive", "done"):
                 return f"r{slot[0]}s{slot[1]} lost ({w.state if w else 'gone'}) before its shard was in"
-            if w.state == "done" and store.shard_name(*slot) not in p.reports:
+            if w.state == "done":
                 return f"r{slot[0]}s{slot[1]} finished without a shard"   # (it reports before it says done)
         if mono - p.started_mono > self.save_timeout_s:
             return f"not complete after {self.save_timeout_s:.0f}s"

@@ -114,6 +114,7 @@ class Coordinator:
         self.started = time.time()
         self.stopping = threading.Event()
         self.leaving = False    # stopping under a scheduler: the workers go on with the next coordinator
+        self.signalled = False  # SIGTERM/SIGINT: the job is ending (a worker's own SIGTERM then is no fault)
         self.finished = threading.Event()
         self.server = None
         self.port = 0
@@ -311,14 +312,20 @@ class Coordinator:
         with self.cv:
             w = self.member(req.worker_id)
             what = self.m.heartbeat(w, req.step, req.state, time.time())
-            if req.state.startswith("leaving") and not self.stopping.is_set():
+            if req.state.startswith("leaving") and not self._ending():
                 code = req.state.removeprefix("leaving").strip()
-                self._declare_dead(w, "it left (" + (exits.describe(int(code)) if code.isdigit() else "exiting") + ")")
+                known = code.isascii() and code.isdigit() and len(code) <= 3
+                self._declare_dead(w, f"it left ({exits.describe(int(code)) if known else 'exiting'})")
             elif what is not None:
                 self.metrics.write({"event": what, "worker": w.worker_id, "replica": w.replica, "stage": w.stage})
                 self._changed(f"{slot_name(w.replica, w.stage)} {what.removeprefix('worker_')}")
             command = "stop" if self.stopping.is_set() else ("restart" if self.restart_requested else "")
             return pb.HeartbeatReply(epoch=self.epoch, command=command, ckpt_step=self.ckpt.target())
+
+    def _ending(self) -> bool:
+        """The job as a whole is stopping or restarting: workers exiting now are
+        part of that, not faults (a group-wide SIGTERM reaches them too)."""
+        return self.stopping.is_set() or self.restart_requested or self.signalled
 
     def WatchRoutes(self, req: pb.WatchRequest, context):
         with self.cv:
@@ -610,7 +617,7 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
     stop = threading.Event()
     got: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _f: (got.append(s), stop.set()))
+        signal.signal(sig, lambda s, _f: (got.append(s), setattr(coord, "signalled", True), stop.set()))
     while not stop.is_set() and not coord.finished.is_set():
         stop.wait(0.2)
     if coord.finished.is_set():

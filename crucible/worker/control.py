@@ -269,6 +269,8 @@ class ControlClient:
             t0 = time.monotonic()
             try:
                 reply = self._heartbeat(timeout=self.heartbeat_timeout)
+                if self.stop.is_set():
+                    return      # exiting already: no command changes how (a restart would turn 143 into 75)
                 if reply.command:
                     on_command(reply.command)
                 if on_reply is not None:
@@ -383,8 +385,10 @@ class ControlClient:
         stage no neighbour streams to just then: a 1-stage replica, an outer
         round, a paused replica). Best effort, at most 2 s; the heartbeat loop
         stops first (it would take the coordinator's answer to a departed
-        worker for an eviction)."""
+        worker for an eviction); the events queued go first (from then on the
+        coordinator refuses them)."""
         self.stop.set()
+        self.flush(timeout=2.0)
         self._last_beat(f"leaving {int(code)}")
 
     def close(self, final_state: str = "") -> None:
