@@ -32,7 +32,8 @@ is in, ``store.commit`` writes the manifest (each replica's state, step and
 outer round, topology and routes, vacant slots, config hash, per-shard
 checksum and size, and the save's timings), fsyncs, renames the directory to
 ``step_T`` atomically and fsyncs the parent: the commit point. A save whose
-worker dies, whose shard fails, or that does not finish is aborted; its
+worker dies before its shard is in, whose shard fails, or that does not
+finish is aborted (a worker gone after its shard is in does not count); its
 leftovers are removed after the next commit (or at the next start). Then the
 retention policy deletes committed checkpoints older than the newest one
 that it does not preserve.
