@@ -88,22 +88,26 @@ def test_resume_gives_a_vacant_slot_the_global_weights_of_another_replica(tmp_pa
     assert reports[0]["source"] == "checkpoint step_40/r1s1.shard"
 
 
-def _stage_dumps(run_dir: str, stage: int) -> dict:
-    """debug.dump_outer files of `stage`: {(slot, round or "join"): dump}."""
+def _dump_files(run_dir: str, stage: int) -> dict:
+    """debug.dump_outer files of `stage`: {(slot, round or "join"): path}."""
     out = {}
     for path in glob.glob(os.path.join(run_dir, "debug", f"outer_r*s{stage}_round*.pt")):
         slot, _, rnd = os.path.basename(path)[len("outer_"):-3].partition("_round")
-        out[(slot, rnd if rnd == "join" else int(rnd))] = torch.load(path)
+        out[(slot, rnd if rnd == "join" else int(rnd))] = path
     return out
+
+
+def _stage_dumps(run_dir: str, stage: int) -> dict:
+    """debug.dump_outer files of `stage`, loaded: {(slot, round or "join"): dump}."""
+    return {key: torch.load(path) for key, path in _dump_files(run_dir, stage).items()}
 
 
 def _rounds_of_both(run_dir: str, stage: int, past: int) -> list[int]:
     """The outer rounds after `past` that both replicas' `stage` dumped (by file name)."""
     slots: dict[int, set[str]] = {}
-    for path in glob.glob(os.path.join(run_dir, "debug", f"outer_r*s{stage}_round*.pt")):
-        slot, _, rnd = os.path.basename(path)[len("outer_"):-3].partition("_round")
-        if rnd != "join" and int(rnd) > past:
-            slots.setdefault(int(rnd), set()).add(slot)
+    for slot, rnd in _dump_files(run_dir, stage):
+        if rnd != "join" and rnd > past:
+            slots.setdefault(rnd, set()).add(slot)
     return sorted(n for n, s in slots.items() if len(s) == 2)
 
 
