@@ -55,5 +55,14 @@ def test_continuous_checkpointing_runs(result):
         st = r["step_s"]
         assert positive(st["p50"]) and st["p50"] <= st["p95"] <= st["p99"] <= st["max"]
         assert positive(r["median_stall_s"]) and r["median_stall_s"] < 0.5, r["median_stall_s"]
-    # saving as often as it can (0 s) leaves the median step within 25% of no checkpointing
-    assert runs["continuous_0s"]["slowdown_vs_off"] < 0.25, runs["continuous_0s"]["slowdown_vs_off"]
+    # Saving as often as it can (0 s) costs the job little. The quick run is one
+    # 120-step run per setting, so its step-time comparison is noise: six runs
+    # in a row here gave slowdown_vs_off -0.30 .. +0.21 for continuous_0s and
+    # -0.31 .. +0.06 for the default interval (two saves a run), and one CI run
+    # 0.34. So the cost is asserted by what the job itself measured (the stall
+    # ledger: 0.3-0.7% of the wall time in those runs), and the step-time
+    # comparison only against a gross regression (a doubled median step). The
+    # figure with its noise comes from the full bench (repeats, interleaved).
+    share = runs["continuous_0s"]["checkpoint_stall_share"]
+    assert share is not None and 0.0 < share < 0.05, share
+    assert runs["continuous_0s"]["slowdown_vs_off"] < 1.0, runs["continuous_0s"]["slowdown_vs_off"]
