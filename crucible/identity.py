@@ -17,7 +17,9 @@ it activations. So each registration gets a secret of its own:
   predecessor's secret), and refuses a HELLO without it with
   PERMISSION_DENIED. The receiver never learns the sender's secret.
 * ``WatchRoutes`` (which carries a worker's expected tag) needs the worker's
-  own secret: knowing a worker id (printed by ``status``) is not enough.
+  own secret: knowing a worker id (printed by ``status``) is not enough. So
+  does every ``Heartbeat`` (a leave gives the slot up, "done" ends the
+  worker, a pulse keeps it alive: none may be forged with the token alone).
 
 A stale worker (declared dead, its slot taken by a replacement) has the old
 registration's secret: its HELLOs fail even at the current epoch. No torch,

@@ -137,6 +137,24 @@ def test_impostor_and_stale_streams_are_refused(job):
     assert_still_training(job)
 
 
+def test_a_beat_without_the_workers_secret_is_refused(job):
+    """The job's token alone does not speak for a worker: a forged leave (its
+    slot given up), "done" or pulse for a live worker's id gets
+    PERMISSION_DENIED, and the job goes on as if nothing was said."""
+    md = rpc.metadata(job.token())
+    wid = next(w["worker_id"] for w in job.status()["workers"] if w["stage"] == 1)
+    with rpc.make_channel(job.address()) as ch:
+        stub = pbg.CoordinatorStub(ch)
+        for state in ("leaving 143", "done", "pulse"):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Heartbeat(pb.HeartbeatRequest(worker_id=wid, state=state, secret=bytes(32)), metadata=md,
+                               timeout=10)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value
+            assert "without that registration's secret" in e.value.details()
+    assert_still_training(job)
+    assert not job.events("fault"), job.events("fault")
+
+
 def test_protocol_version_mismatch(job):
     with rpc.make_channel(job.address()) as ch:
         stub = pbg.CoordinatorStub(ch)

@@ -4,7 +4,9 @@ Coordinator object without its gRPC server)."""
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import grpc
 import pytest
@@ -214,6 +216,65 @@ def _coordinator(tmp_path, mode="diloco"):
     return c, ids
 
 
+def _secret(c, worker_id: str) -> bytes:
+    return bytes.fromhex(c.m.workers[worker_id].secret)
+
+
+def test_a_beat_speaks_for_a_registration_only_with_its_secret(tmp_path):
+    """The job's token says only "a member of this job": a beat without the
+    registration's secret (or with another's) is refused, whatever it says,
+    and changes nothing: no forged leave gives a slot up, no forged pulse keeps
+    a worker alive, no forged "done" ends it."""
+    c, ids = _coordinator(tmp_path)
+    w = c.m.workers[ids[(0, 1)]]
+    seen, step = w.last_seen, w.step
+    for secret in (b"", _secret(c, ids[(1, 1)]), bytes(32)):
+        for state in ("leaving 143", "pulse", "done", "alive"):
+            with pytest.raises(rpc.RpcFault) as e:
+                c.Heartbeat(pb.HeartbeatRequest(worker_id=w.worker_id, step=9, state=state, secret=secret), None)
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED, (state, e.value)
+            assert "without that registration's secret" in str(e.value)
+    assert w.state != "dead" and w.last_seen == seen and w.step == step
+    # Its own secret: a leave is taken, and says how it exited.
+    c.Heartbeat(pb.HeartbeatRequest(worker_id=w.worker_id, step=9, state="leaving 143",
+                                    secret=_secret(c, w.worker_id)), None)
+    assert w.state == "dead" and w.step == 9
+    c.stop()        # (writes out the metrics log)
+    faults = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"fault"' in line]
+    assert [(f["worker"], f["reason"]) for f in faults] == [(w.worker_id, "it left (exited with 143)")], faults
+
+
+def test_the_pulse_beats_with_its_registrations_secret(tmp_path, monkeypatch):
+    """The pulse process (crucible.worker.pulse) beats for its worker with the
+    secret it got in its environment: the coordinator takes it as liveness; with
+    a wrong secret, it is refused and the worker goes silent."""
+    from crucible.worker import pulse
+
+    c, ids = _coordinator(tmp_path)
+    c.start("127.0.0.1:0")
+    monkeypatch.setenv("CRUCIBLE_TOKEN", "t")
+    good, bad = c.m.workers[ids[(0, 1)]], c.m.workers[ids[(1, 1)]]
+    before = {w.worker_id: (w.last_seen, w.last_heard) for w in (good, bad)}
+    procs = []
+    try:
+        # Both start at once; bad's pulse carries good's secret.
+        for w in (good, bad):
+            procs.append(pulse.start(f"127.0.0.1:{c.port}", w.worker_id, _secret(c, good.worker_id),
+                                     interval=0.2, timeout=5.0))
+        t_end = time.monotonic() + 20
+        while good.last_seen == before[good.worker_id][0] and time.monotonic() < t_end:
+            time.sleep(0.1)
+        assert good.last_seen > before[good.worker_id][0], "no pulse taken in 20 s"
+        time.sleep(1.0)         # five intervals more: bad's beats, refused
+        assert bad.last_seen == before[bad.worker_id][0]
+        assert all(p.poll() is None for p in procs)     # (a refused beat does not end a pulse)
+        assert (good.last_heard, bad.last_heard) == (before[good.worker_id][1], before[bad.worker_id][1])
+    finally:
+        for p in procs:
+            pulse.stop(p)
+        c.stop(grace=0.1)
+
+
 def _dense(values) -> bytes:
     import struct
 
@@ -306,7 +367,8 @@ def test_a_coordinator_that_leaves_tells_no_worker_to_stop(tmp_path, leave):
     c, ids = _coordinator(tmp_path)
 
     def heartbeat():
-        return c.Heartbeat(pb.HeartbeatRequest(worker_id=ids[(1, 0)], epoch=c.epoch, step=3, state="training"), None)
+        return c.Heartbeat(pb.HeartbeatRequest(worker_id=ids[(1, 0)], epoch=c.epoch, step=3, state="training",
+                                               secret=_secret(c, ids[(1, 0)])), None)
 
     assert heartbeat().command == ""
     c.stop(leave=leave)

@@ -61,11 +61,19 @@ import collections
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from crucible import identity
+from crucible import exits, identity
 from crucible.slots import slot_name
 
 KEEP_DEAD = 4        # dead worker records kept per slot (to tell a stale worker it is stale)
 STATES = ("waiting", "training", "paused", "resuming", "done")
+
+
+def left_status(state: str) -> str:
+    """How a ``leaving <exit status>`` beat's worker exits, in words ("exited
+    with 143"); "exiting" for a status that is not one (a bad or odd string)."""
+    code = state.removeprefix("leaving").strip()
+    known = code.isascii() and code.isdigit() and len(code) <= 3
+    return exits.describe(int(code)) if known else "exiting"
 
 
 class Refused(Exception):
@@ -197,7 +205,9 @@ class Membership:
 
     def heartbeat(self, w: WorkerInfo, step: int, state: str, now: float) -> str | None:
         """A heartbeat of a member; returns an event name when it changed something.
-        A ``pulse`` (``crucible.worker.pulse``) is liveness only."""
+        A ``pulse`` (``crucible.worker.pulse``) is liveness only; ``leaving <exit
+        status>`` is a worker's last beat (it is exiting): ``"left"`` (no event of
+        its own: the caller declares it dead unless the whole job is ending)."""
         w.last_seen = now
         if state == "pulse":
             return None
@@ -206,6 +216,8 @@ class Membership:
         if w.stage == 0 and w.state == "alive":
             rep = self.replicas[w.replica]
             rep.step = max(rep.step, int(step))
+        if state.startswith("leaving"):
+            return "left"
         if state == "done" and w.state != "done":
             w.state = "done"
             return "worker_done"

@@ -13,7 +13,8 @@ Protocol (what a worker can rely on)
   pushed at once to every ``WatchRoutes`` stream.
 * **Heartbeat** from each worker. An unknown worker id gets NOT_FOUND (it
   registers again); a worker already declared dead gets FAILED_PRECONDITION
-  (it is stale: it must come back as a replacement). A worker not heard from
+  (it is stale: it must come back as a replacement); one without the
+  registration's secret gets PERMISSION_DENIED. A worker not heard from
   for ``fault.heartbeat_timeout_s`` is declared dead. A coordinator that was
   itself stalled (its monitor ran late) credits everyone with the stall
   before it judges anyone.
@@ -66,7 +67,7 @@ import time
 
 import grpc
 
-from crucible import PROTOCOL_VERSION, exits, rpc
+from crucible import PROTOCOL_VERSION, identity, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
@@ -74,7 +75,7 @@ from crucible.health import Health
 from crucible.coordinator import exporters
 from crucible.coordinator.checkpoints import CheckpointManager
 from crucible.coordinator.links import LinkRates
-from crucible.coordinator.membership import Membership, Refused, WorkerInfo
+from crucible.coordinator.membership import Membership, Refused, WorkerInfo, left_status
 from crucible.coordinator.outer import OuterRelay
 from crucible.coordinator.persist import LatestFile, MetricsLog, last_sequence_numbers
 from crucible.coordinator.suspicion import SuspicionBook
@@ -311,16 +312,24 @@ class Coordinator:
             raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "this coordinator is leaving; the next one takes over")
         with self.cv:
             w = self.member(req.worker_id)
+            self._own(w, req.secret, "Heartbeat")
             what = self.m.heartbeat(w, req.step, req.state, time.time())
-            if req.state.startswith("leaving") and not self._ending():
-                code = req.state.removeprefix("leaving").strip()
-                known = code.isascii() and code.isdigit() and len(code) <= 3
-                self._declare_dead(w, f"it left ({exits.describe(int(code)) if known else 'exiting'})")
+            if what == "left":
+                if not self._ending():
+                    self._declare_dead(w, f"it left ({left_status(req.state)})")
             elif what is not None:
                 self.metrics.write({"event": what, "worker": w.worker_id, "replica": w.replica, "stage": w.stage})
                 self._changed(f"{slot_name(w.replica, w.stage)} {what.removeprefix('worker_')}")
             command = "stop" if self.stopping.is_set() else ("restart" if self.restart_requested else "")
             return pb.HeartbeatReply(epoch=self.epoch, command=command, ckpt_step=self.ckpt.target())
+
+    @staticmethod
+    def _own(w: WorkerInfo, secret: bytes, call: str) -> None:
+        """A call that speaks for a registration carries its secret (the token
+        alone says only "a member of this job"); PERMISSION_DENIED otherwise."""
+        if w.secret and not identity.same(secret, bytes.fromhex(w.secret)):
+            raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
+                               f"{call} for {w.worker_id} without that registration's secret")
 
     def _ending(self) -> bool:
         """The job as a whole is stopping or restarting: workers exiting now are
@@ -330,9 +339,7 @@ class Coordinator:
     def WatchRoutes(self, req: pb.WatchRequest, context):
         with self.cv:
             w = self.member(req.worker_id)
-            if w.secret and req.secret.hex() != w.secret:
-                raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
-                                   f"WatchRoutes for {req.worker_id} without that registration's secret")
+            self._own(w, req.secret, "WatchRoutes")
         sent = -1
         while context.is_active() and not self.stopping.is_set():
             with self.cv:

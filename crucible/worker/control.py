@@ -93,6 +93,7 @@ class ControlClient:
         self.registered = threading.Event()   # cleared while a re-registration is due
         self.heartbeat_timeout = 2.0
         self.secret = b""                     # this registration's secret (crucible.identity)
+        self._left = False                    # the leave is sent (crucible.worker.control.leave)
         self.last_ok = time.monotonic()       # when the coordinator last answered a call
         self._hb_lock = threading.Lock()
         self.source = uuid.uuid4().hex[:12]
@@ -258,8 +259,8 @@ class ControlClient:
     def _heartbeat(self, timeout: float) -> pb.HeartbeatReply:
         with self._hb_lock:
             reply = self.stub.Heartbeat(
-                pb.HeartbeatRequest(worker_id=self.worker_id, epoch=self.epoch, step=self.step, state=self.state),
-                metadata=self.md, timeout=timeout)
+                pb.HeartbeatRequest(worker_id=self.worker_id, epoch=self.epoch, step=self.step, state=self.state,
+                                    secret=self.secret), metadata=self.md, timeout=timeout)
             self.last_ok = time.monotonic()
             return reply
 
@@ -267,28 +268,33 @@ class ControlClient:
                        on_reply: Callable[[pb.HeartbeatReply], None] | None = None) -> None:
         while not self.stop.is_set():
             t0 = time.monotonic()
+            reply, err = None, None
             try:
                 reply = self._heartbeat(timeout=self.heartbeat_timeout)
-                if self.stop.is_set():
-                    return      # exiting already: no command changes how (a restart would turn 143 into 75)
+            except grpc.RpcError as e:
+                err = e
+            if self.stop.is_set():
+                # Exiting already (leaving, or left): no answer changes how (a
+                # restart would turn 143 into 75; a refusal is about the leave).
+                return
+            if reply is not None:
                 if reply.command:
                     on_command(reply.command)
                 if on_reply is not None:
                     on_reply(reply)
-            except grpc.RpcError as e:
-                if self.stop.is_set():
-                    return          # leaving (or left): the coordinator's answer is about that
-                if e.code() == grpc.StatusCode.NOT_FOUND and self.on_reregister is not None:
-                    # A restarted coordinator that does not know us: take our slot again.
-                    self.registered.clear()
-                    try:
-                        self.on_reregister()
-                    except grpc.RpcError as e2:
-                        log.warning("re-registration failed: %s %s", e2.code().name, e2.details())
-                elif e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    on_command("evicted:" + (e.details() or ""))
-                else:
-                    log.debug("heartbeat failed: %s", e.code().name)
+            elif err.code() == grpc.StatusCode.NOT_FOUND and self.on_reregister is not None:
+                # A restarted coordinator that does not know us: take our slot again.
+                self.registered.clear()
+                try:
+                    self.on_reregister()
+                except grpc.RpcError as e2:
+                    log.warning("re-registration failed: %s %s", e2.code().name, e2.details())
+            elif err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                on_command("evicted:" + (err.details() or ""))
+            elif err.code() in TRANSIENT:
+                log.debug("heartbeat failed: %s", err.code().name)
+            else:
+                log.warning("heartbeat refused: %s %s", err.code().name, err.details())
             self.stop.wait(max(0.0, interval - (time.monotonic() - t0)))
 
     def watch_loop(self, on_update: Callable[[pb.RouteUpdate], None]) -> None:
@@ -389,12 +395,17 @@ class ControlClient:
         coordinator refuses them)."""
         self.stop.set()
         self.flush(timeout=2.0)
+        self._left = True
         self._last_beat(f"leaving {int(code)}")
 
     def close(self, final_state: str = "") -> None:
-        """Stop the threads; flush events; tell the coordinator we are done (if we are)."""
+        """Stop the threads; flush events (not after a leave: the coordinator
+        refuses them from then on, and a coordinator out of reach would hold
+        the exit past a launcher's grace); tell the coordinator we are done
+        (if we are)."""
         self.stop.set()
-        self.flush(timeout=5.0)
+        if not self._left:
+            self.flush(timeout=5.0)
         if final_state:
             self._last_beat(final_state)
         self.channel.close()
@@ -405,6 +416,6 @@ class ControlClient:
         self.state = state
         try:    # (not under the loop's lock: a beat of its in flight to a silent coordinator would hold it for long)
             self.stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id, epoch=self.epoch, step=self.step,
-                                                    state=state), metadata=self.md, timeout=2)
+                                                    state=state, secret=self.secret), metadata=self.md, timeout=2)
         except grpc.RpcError:
             pass

@@ -20,8 +20,14 @@ worker is stopped (SIGSTOP: the coordinator then declares it dead within
 (it also asks the kernel to kill it with its parent: ``PR_SET_PDEATHSIG``).
 Where ``/proc`` does not exist the worker starts no pulse.
 
+Like every beat, it carries the registration's secret (the coordinator
+refuses a beat without it: the token alone must not keep a dead worker
+alive). The secret reaches it in its environment, not on its command line
+(which anyone on the host can read).
+
     python -m crucible.worker.pulse --coordinator HOST:PORT --worker-id ID --parent PID
-        --interval S --timeout S          (the token comes from $CRUCIBLE_TOKEN)
+        --interval S --timeout S          (the token comes from $CRUCIBLE_TOKEN,
+                                           the secret from $CRUCIBLE_PULSE_SECRET, hex)
 """
 
 from __future__ import annotations
@@ -35,13 +41,18 @@ import time
 
 from crucible import procs
 
-def start(coordinator: str, worker_id: str, interval: float, timeout: float) -> subprocess.Popen | None:
-    """Start the pulse of this process (the worker); None where there is no /proc."""
+SECRET_ENV = "CRUCIBLE_PULSE_SECRET"
+
+
+def start(coordinator: str, worker_id: str, secret: bytes, interval: float,
+          timeout: float) -> subprocess.Popen | None:
+    """Start the pulse of this process (the worker, registered as ``worker_id``
+    with ``secret``); None where there is no /proc."""
     if not procs.has_proc():
         return None
     argv = [sys.executable, "-m", "crucible.worker.pulse", "--coordinator", coordinator, "--worker-id", worker_id,
             "--parent", str(os.getpid()), "--interval", str(interval), "--timeout", str(timeout)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{SECRET_ENV: secret.hex()})
     env.pop("CRUCIBLE_ERROR_FILE", None)
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, close_fds=True)
 
@@ -75,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
     md = rpc.metadata(rpc.read_token())
     stub = pbg.CoordinatorStub(rpc.make_channel(args.coordinator))
-    beat = pb.HeartbeatRequest(worker_id=args.worker_id, state="pulse")
+    beat = pb.HeartbeatRequest(worker_id=args.worker_id, state="pulse",
+                               secret=bytes.fromhex(os.environ.pop(SECRET_ENV, "")))
     while True:
         t0 = time.monotonic()
         state = procs.state(args.parent)

@@ -163,7 +163,7 @@ class Worker:
         log.info("%s registered as %s at %s%s (built in %.1f s)", self.name, reply.worker_id, self.address,
                  " (replacement)" if reply.replacement else "", self.phases["built"] - self.phases["job_info"])
         self._wire()
-        self.pulse = pulse.start(self.coordinator, reply.worker_id, cfg.fault.heartbeat_interval_s,
+        self.pulse = pulse.start(self.coordinator, reply.worker_id, reply.secret, cfg.fault.heartbeat_interval_s,
                                  cfg.fault.heartbeat_timeout_s)
         self.ctl.start_reporting()
         self._report_device()
@@ -278,8 +278,8 @@ class Worker:
         reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel, deadline_s=30.0,
                                   rejoin=True)
         pulse.stop(self.pulse)
-        self.pulse = pulse.start(self.coordinator, reply.worker_id, self.cfg.fault.heartbeat_interval_s,
-                                 self.cfg.fault.heartbeat_timeout_s)
+        self.pulse = pulse.start(self.coordinator, reply.worker_id, reply.secret,
+                                 self.cfg.fault.heartbeat_interval_s, self.cfg.fault.heartbeat_timeout_s)
 
     # ---- stopping ------------------------------------------------------------------
 
