@@ -37,6 +37,67 @@ def test_a_worker_that_exits_tells_the_coordinator_first(start_job):
                  "replica 1 training on, replica 0 paused")
 
 
+def _start_worker(job, log_path, replica: int, stage: int) -> subprocess.Popen:
+    env = child_env()
+    env["CRUCIBLE_TOKEN"] = job.token()
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(crucible_cmd("worker", "--coordinator", job.address(), "--replica", str(replica),
+                                             "--stage", str(stage), "--bind", "127.0.0.1:0"),
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT,
+                                start_new_session=True)
+
+
+def _wait_log(proc: subprocess.Popen, log_path, needle: str, timeout: float) -> str:
+    t_end = time.monotonic() + timeout
+    while needle not in (text := log_path.read_text(errors="replace")):
+        assert proc.poll() is None, f"the worker exited {proc.returncode} before {needle!r}:\n{text}"
+        assert time.monotonic() < t_end, f"no {needle!r} in {timeout:.0f}s:\n{text}"
+        time.sleep(0.02)
+    return text
+
+
+def test_a_sigterm_while_joining_is_a_clean_stop(start_job, tmp_path):
+    """A SIGTERM (the launcher stopping, a pod evicted) that reaches a worker
+    before it trains stops it like one that reaches it training: exit 143 at
+    once, and, once it holds a slot, a leave. First while it waits for a
+    frozen holder to give way (it used to die of the signal itself, or, had it
+    been caught, ask on until the heartbeat timeout and exit with an error);
+    then a replacement the moment its registration is logged (the handler
+    came only after the checkpoint load: a signal in between was a silent
+    death, the slot held until fault.heartbeat_timeout_s, here 30 s; this
+    second half landed in that gap in one run of two here)."""
+    job = start_job(["--replicas", "2", "--stages", "2", "--steps", "1000000", "--respawn-delay", "-1"],
+                    TINY + ["fault.heartbeat_timeout_s=30", "fault.rpc_timeout_s=30"])
+    st = job.wait_for(lambda s: s if all(r["step"] >= 2 for r in s["replicas"]) else None, 120, "training")
+    holder = worker(st, 0, 1)["pid"]
+    os.kill(holder, signal.SIGSTOP)
+    procs = []
+    try:
+        log1 = tmp_path / "waiting.log"
+        procs.append(waiting := _start_worker(job, log1, 0, 1))
+        _wait_log(waiting, log1, "asking again", 90)
+        os.kill(waiting.pid, signal.SIGTERM)
+        assert waiting.wait(timeout=10) == exits.interrupted(signal.SIGTERM), log1.read_text()
+        assert "stopped while the slot's holder was still heard" in log1.read_text()
+
+        os.kill(holder, signal.SIGKILL)      # r0s0's stream to it breaks: declared dead after a probe
+        job.wait_for(lambda s: worker(s, 0, 1)["state"] == "dead", 60, "the holder declared dead")
+        log2 = tmp_path / "replacement.log"
+        procs.append(joining := _start_worker(job, log2, 0, 1))
+        text = _wait_log(joining, log2, "registered as", 90)
+        os.kill(joining.pid, signal.SIGTERM)
+        assert joining.wait(timeout=10) == exits.interrupted(signal.SIGTERM), log2.read_text()
+        wid = re.search(r"registered as (\S+)", text).group(1)
+        gone = job.wait_for(lambda s: [e for e in job.events("fault") if e.get("worker") == wid] or None, 10,
+                            "the coordinator giving up the replacement")
+        assert [e["reason"] for e in gone] == ["it left (exited with 143)"], gone
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+
+
 @pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_a_replacement_waits_for_a_frozen_holder_to_give_way(start_job, tmp_path):
     """A worker started for a slot whose holder froze (SIGSTOP: silent, not yet

@@ -158,7 +158,8 @@ class ControlClient:
                     held_until = now + self.heartbeat_timeout + 1.0
                 if now >= held_until:
                     raise
-                self.stop.wait(0.25)
+                if self.stop.wait(0.25):
+                    raise Stopping("stopped while the slot's holder was still heard") from None
         self.worker_id, self.secret = reply.worker_id, reply.secret
         self.last_ok = time.monotonic()
         self.registered.set()

@@ -98,13 +98,18 @@ class Worker:
         self.ctl = ControlClient(self.coordinator, self.token)
         self.ctl.on_reregister = self._reregister
         self.progress = Progress(on_change=lambda s: setattr(self.ctl, "step", s))
+        # From here on a SIGTERM is a stop, not a death: one that comes while the
+        # stage is built, the slot registered or the checkpoint loaded ends the
+        # worker at its next check, with a leave once it is registered (the
+        # coordinator routes around it at once, not after a heartbeat timeout).
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             reply = self._join()
             self.ckpt.restore(reply.resume_dir, int(reply.replica_step))
+            self._check_stop()
             self.links.on_routes(reply.routes)
             threading.Thread(target=self.ctl.watch_loop, args=(self.links.on_routes,), daemon=True,
                              name="routes").start()
-            signal.signal(signal.SIGTERM, self._on_sigterm)
             self.phases["wired"] = time.time()
             if reply.replacement:
                 self.progress.set(int(reply.replica_step))
@@ -158,6 +163,8 @@ class Worker:
                  self.phases["imported"] - self.phases["process_start"])
         self._build()
         self.phases["built"] = time.time()
+        if self.stop_requested.is_set():
+            raise Stopping("stopped before it registered")
         reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel)
         self.phases["registered"] = time.time()
         log.info("%s registered as %s at %s%s (built in %.1f s)", self.name, reply.worker_id, self.address,
