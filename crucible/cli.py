@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from crucible import procs
+
 
 def _common_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file with the job's configuration")
@@ -31,8 +33,8 @@ def _add_launch(sub) -> None:
     p = sub.add_parser("launch", help="run a coordinator and R x S workers on this machine")
     _common_job_args(p)
     p.add_argument("--run-dir", help="run directory (default runs/run-<time>)")
-    p.add_argument("--respawn-delay", type=float, default=1.0,
-                   help="seconds before a dead worker is started again; negative = never")
+    p.add_argument("--respawn-delay", type=float, default=procs.RESPAWN_DELAY_S,
+                   help="seconds before a dead worker is started again (default %(default)g); negative = never")
     p.add_argument("--chaos", help="fault-injection spec (see README)")
     p.add_argument("--device", help="where the workers compute: cpu, cuda (GPUs round-robin) or cuda:N "
                                     "(job.device; README, 'GPUs')")

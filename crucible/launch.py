@@ -434,7 +434,7 @@ class Launcher:
         argv = ["crucible", "launch", "--run-dir", self.run_dir, "--resume"]
         if self.args.config:
             argv += ["--config", os.path.abspath(self.args.config)]
-        if self.args.respawn_delay != 1.0:
+        if self.args.respawn_delay != procs.RESPAWN_DELAY_S:
             argv += ["--respawn-delay", f"{self.args.respawn_delay:g}"]
         for flag in ("tls_dir", "tls_host", "tls_ca", "tls_cert", "tls_key"):
             value = getattr(self.args, flag, None)

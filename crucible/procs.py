@@ -10,6 +10,7 @@ import sys
 
 PR_SET_PDEATHSIG = 1
 PARENT_ENV = "CRUCIBLE_PDEATHSIG"     # set by `crucible launch`: its pid
+RESPAWN_DELAY_S = 1.0                 # `crucible launch --respawn-delay` when not given
 
 
 def die_with_parent(parent: int | None = None) -> None:
