@@ -73,6 +73,8 @@ KINDS: dict[str, str] = {
     "ckpt_commit": "a save committed: step, final, end, stall_s, stall_median_s, persist_s, persist_median_s, "
                    "bytes, shards, vacant, duration_s, commit_s, replica_steps",
     "ckpt_abort": "a save abandoned: step, reason, final, shards_in",
+    "ckpt_vacant": "a save goes on without a slot whose worker was lost before its shard was in (its replica "
+                   "skips the stage): step, slot, reason",
     "ckpt_late": "a replica learnt a save's target too late: step, replica, stage, error, current",
     "ckpt_shard_failed": "a worker's shard of a save failed: step, replica, stage, error, current",
     "ckpt_delete": "retention deleted a checkpoint: step",

@@ -139,19 +139,19 @@ class _Metrics:
         self.events.append(dict(ev))
 
 
-def _coordinator(tmp_path, **overrides):
-    """The checkpoint manager against a real Membership of a 2 x 2 job at step 10."""
+def _coordinator(tmp_path, stages: int = 2, **overrides):
+    """The checkpoint manager against a real Membership of a 2 x ``stages`` job at step 10."""
     from crucible.coordinator.checkpoints import CheckpointManager
     from crucible.coordinator.membership import Membership, WorkerInfo
 
-    cfg = Config.load(None, {"job.replicas": 2, "job.stages": 2, "train.steps": 1000,
+    cfg = Config.load(None, {"job.replicas": 2, "job.stages": stages, "train.steps": 1000,
                              "checkpoint.minimum_interval_s": 0, "checkpoint.max_num_checkpoints_to_keep": 2,
                              **overrides})
-    m = Membership(2, 2)
+    m = Membership(2, stages, cfg.fault.on_stage_failure)
     for r in range(2):
-        for s in range(2):
+        for s in range(stages):
             wid = f"r{r}s{s}-x"
-            m.workers[wid] = WorkerInfo(wid, r, s, f"127.0.0.1:{1000 + 2 * r + s}", 1, "h", step=10)
+            m.workers[wid] = WorkerInfo(wid, r, s, f"127.0.0.1:{1000 + stages * r + s}", 1, "h", step=10)
             m.slots[(r, s)] = wid
     m.recompute_routes()
     for rep in m.replicas:
@@ -268,6 +268,57 @@ def test_a_worker_gone_after_its_shard_is_in_does_not_spoil_the_save(tmp_path):
         assert _report(c, wid, t).accepted
     m._tick()
     assert m.latest_committed_step == t and m.aborted == 0
+
+
+def _lose(c, wid: str) -> None:
+    """What the coordinator does when a worker is declared dead: the routes follow."""
+    with c.cv:
+        c.m.declare_dead(c.workers[wid], time.time())
+        c.m.recompute_routes()
+
+
+def test_an_inner_stage_lost_before_its_shard_leaves_its_slot_vacant_in_the_save(tmp_path):
+    """Under on_stage_failure = skip, a replica whose inner stage dies before its
+    shard is in trains on and reaches T: the save commits with that slot vacant
+    (and a replacement's shard where one reached T). A first or last stage lost
+    pauses the replica: the save is aborted, as under the wait policy."""
+    c = _coordinator(tmp_path, stages=3)
+    m = c.ckpt
+    m.prepare(resume=False)
+    m._tick()
+    t = m.target()
+    _lose(c, "r0s1-x")
+    m._tick()
+    assert m.pending is not None and m.pending.step == t and m.aborted == 0
+    assert [e["slot"] for e in c.metrics.events if e["event"] == "ckpt_vacant"] == ["r0s1"]
+    for wid in sorted(c.workers):
+        if wid != "r0s1-x":
+            assert _report(c, wid, t).accepted
+    m._tick()
+    assert m.latest_committed_step == t and m.aborted == 0
+    manifest = store.read_manifest(store.step_dir(m.root, t))
+    assert manifest["vacant"] == ["r0s1"] and manifest["replicas"]["0"]["step"] == t
+    assert c.metrics.events[-1]["event"] == "ckpt_commit" and c.metrics.events[-1]["vacant"] == ["r0s1"]
+    for rep in c.replicas:
+        rep.step = t + 1
+    m._tick()
+    t2 = m.target()
+    assert t2 > t
+    _lose(c, "r1s2-x")                      # a last stage: replica 1 pauses
+    m._tick()
+    assert m.pending is None and m.aborted == 1 and "r1s2 lost" in c.metrics.events[-1]["reason"]
+
+
+@pytest.mark.parametrize("policy", ["wait", "restart"])
+def test_an_inner_stage_lost_aborts_the_save_unless_its_replica_skips_it(tmp_path, policy):
+    c = _coordinator(tmp_path, stages=3, **{"fault.on_stage_failure": policy})
+    m = c.ckpt
+    m.prepare(resume=False)
+    m._tick()
+    assert m.target() > 0
+    _lose(c, "r0s1-x")
+    m._tick()
+    assert m.pending is None and "r0s1 lost" in c.metrics.events[-1]["reason"]
 
 
 def test_manager_resume_falls_back_over_a_damaged_checkpoint(tmp_path):

@@ -17,7 +17,7 @@ import signal
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, worker
 from crucible.checkpoint import store
 from crucible.checkpoint.shard import write_shard
 
@@ -86,6 +86,38 @@ def test_resume_gives_a_vacant_slot_the_global_weights_of_another_replica(tmp_pa
     assert torch.equal(w.outer.theta_global, theta) and w.step == 40
     assert torch.equal(torch.cat([p.detach().reshape(-1) for p in fresh.parameters()]), theta)
     assert reports[0]["source"] == "checkpoint step_40/r1s1.shard"
+
+
+def test_a_save_goes_on_without_an_inner_stage_lost_before_its_shard(start_job):
+    """An inner worker SIGKILLed while a save is pending, steps before its
+    target: its replica skips the stage and reaches the target all the same, so
+    the save commits with that slot vacant (it used to be aborted, and every
+    save named while workers kept dying was lost). A resume from it gives the
+    slot the stage's global weights from the other replica's shard."""
+    overrides = TINY + ["checkpoint.enable_checkpointing=true", "checkpoint.enable_continuous_checkpointing=false",
+                        "checkpoint.checkpoint_period=100"]
+    job = start_job(["--replicas", "2", "--stages", "3", "--steps", "1000000", "--respawn-delay", "-1"], overrides)
+    st = job.wait_for(lambda st: job.events("ckpt_start") and st, 120, "the first save named")
+    assert job.events("ckpt_start")[0]["step"] == 100
+    victim = worker(st, 0, 1)
+    assert max(r["step"] for r in st["replicas"]) < 90, st["replicas"]    # the target is well ahead
+    os.kill(victim["pid"], signal.SIGKILL)
+    job.wait_for(lambda st: job.events("ckpt_commit") or job.events("ckpt_abort"), 120, "the save's end")
+    assert not job.events("ckpt_abort"), job.events("ckpt_abort")
+    commit = job.events("ckpt_commit")[0]
+    assert commit["step"] == 100 and commit["vacant"] == ["r0s1"] and commit["shards"] == 5, commit
+    assert [e["slot"] for e in job.events("ckpt_vacant")] == ["r0s1"]
+    manifest = store.read_manifest(store.step_dir(os.path.join(job.run_dir, "checkpoints"), 100))
+    assert manifest["replicas"]["0"] == {**manifest["replicas"]["0"], "state": "training", "step": 100}
+    job.kill()
+
+    resumed = start_job(["--replicas", "2", "--stages", "3", "--steps", "104", "--respawn-delay", "-1", "--resume"],
+                        overrides, name="run")
+    assert resumed.wait(120) == 0, resumed.output()
+    restores = {(e["replica"], e["stage"]): e for e in resumed.events("ckpt_restore") if e["step"] == 100}
+    assert len(restores) == 6, restores
+    assert restores[(0, 1)]["source"] == "checkpoint step_100/r1s1.shard", restores[(0, 1)]
+    assert all("source" not in e for slot, e in restores.items() if slot != (0, 1))
 
 
 def _dump_files(run_dir: str, stage: int) -> dict:

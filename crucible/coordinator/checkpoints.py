@@ -33,7 +33,11 @@ outer round, topology and routes, vacant slots, config hash, per-shard
 checksum and size, and the save's timings), fsyncs, renames the directory to
 ``step_T`` atomically and fsyncs the parent: the commit point. A save whose
 worker dies before its shard is in, whose shard fails, or that does not
-finish is aborted (a worker gone after its shard is in does not count); its
+finish is aborted (a worker gone after its shard is in does not count),
+except where the dead worker held an inner stage that its replica now skips
+(``on_stage_failure = skip``): that replica still reaches T, so the save goes
+on with the slot vacant (``ckpt_vacant``; a replacement that reaches T in
+time adds its shard). Its
 leftovers are removed after the next commit (or at the next start). Then the
 retention policy deletes committed checkpoints older than the newest one
 that it does not preserve.
@@ -100,6 +104,7 @@ from crucible.checkpoint.policies import (AnySavePolicy, DecisionContext, EndOfJ
                                           save_policy_from_config, select_for_deletion)
 from crucible.config import CheckpointConfig, Config
 from crucible.coordinator.membership import Membership, Refused
+from crucible.slots import slot_name
 
 log = logging.getLogger("crucible.checkpoints")
 
@@ -605,12 +610,23 @@ class CheckpointManager:
         return [store.shard_name(r, s) for r, s in p.required.values()]
 
     def _lost(self, p: Save, steps: dict[int, int], mono: float) -> str | None:
-        for wid, slot in p.required.items():
+        for wid, slot in list(p.required.items()):
             if store.shard_name(*slot) in p.reports:
                 continue    # its shard is in: what becomes of its worker now (it left, died) cannot spoil it
             w, h = self.m.worker(wid), self.m.holder(slot)
             if w is None or h is not w or w.state not in ("alive", "done"):
-                return f"r{slot[0]}s{slot[1]} lost ({w.state if w else 'gone'}) before its shard was in"
+                why = f"{slot_name(*slot)} lost ({w.state if w else 'gone'}) before its shard was in"
+                if not self._trains_on_without(slot):
+                    return why
+                # Its replica skips the stage and reaches T all the same: the slot
+                # is vacant in this save, as if it had been off the route when the
+                # save was named (a replacement that reaches T in time adds its shard).
+                del p.required[wid]
+                p.vacant.append(slot_name(*slot))
+                self.metrics.write({"event": "ckpt_vacant", "step": p.step, "slot": slot_name(*slot),
+                                    "reason": why})
+                log.info("checkpoint of step %d goes on with %s vacant: %s", p.step, slot_name(*slot), why)
+                continue
             if w.state == "done":
                 return f"r{slot[0]}s{slot[1]} finished without a shard"   # (it reports before it says done)
         if mono - p.started_mono > self.save_timeout_s:
@@ -622,6 +638,13 @@ class CheckpointManager:
             missing = sorted(set(self._expected_names(p)) - set(p.reports))
             return f"shards {missing} missing {self.stuck_timeout_s:.0f}s after every replica passed step {p.step}"
         return None
+
+    def _trains_on_without(self, slot: tuple[int, int]) -> bool:
+        """Under the lock: the replica of ``slot`` is still training after losing
+        its worker (an inner stage, skipped under ``on_stage_failure = skip``),
+        so its other stages still snapshot at the save's step."""
+        return (self.job_cfg.fault.on_stage_failure == "skip" and 0 < slot[1] < self.job_cfg.job.stages - 1
+                and self.m.replica_states().get(slot[0]) == "training")
 
     def _abort(self, p: Save, reason: str) -> None:
         """Under the lock."""
