@@ -84,6 +84,12 @@ class Job:
         with open(os.path.join(self.run_dir, "coordinator.addr")) as f:
             return f.read().strip()
 
+    def secret(self, worker_id: str) -> bytes:
+        """A registration's secret, from the coordinator's state file (what only
+        the coordinator and that worker know: a test speaks for the worker)."""
+        with open(os.path.join(self.run_dir, "coordinator.state.json")) as f:
+            return bytes.fromhex(json.load(f)["workers"][worker_id]["secret"])
+
     def status(self) -> dict | None:
         from crucible.status import StatusClient
 

@@ -6,6 +6,8 @@ One job (1 replica x 2 stages) serves every test in this module.
 from __future__ import annotations
 
 import subprocess
+import threading
+import time
 
 import grpc
 import pytest
@@ -50,7 +52,8 @@ def _raw(channel, method, kind="unary_unary"):
 
 
 COORD_METHODS = [("Register", "unary_unary"), ("Heartbeat", "unary_unary"), ("WatchRoutes", "unary_stream"),
-                 ("Report", "unary_unary"), ("Status", "unary_unary")]
+                 ("Report", "unary_unary"), ("Status", "unary_unary"), ("OuterExchange", "unary_unary"),
+                 ("ReportShard", "unary_unary")]
 STAGE_METHODS = [("Pipe", "stream_stream"), ("Probe", "unary_unary")]
 
 
@@ -137,22 +140,74 @@ def test_impostor_and_stale_streams_are_refused(job):
     assert_still_training(job)
 
 
-def test_a_beat_without_the_workers_secret_is_refused(job):
-    """The job's token alone does not speak for a worker: a forged leave (its
-    slot given up), "done" or pulse for a live worker's id gets
-    PERMISSION_DENIED, and the job goes on as if nothing was said."""
+def test_streams_that_never_say_hello_cannot_hold_the_worker(job):
+    """Twenty Pipe streams opened with the token that never send a frame: past
+    MAX_UNANNOUNCED at once they are refused (RESOURCE_EXHAUSTED), so they
+    cannot take every server thread: the worker answers probes all along (a
+    failed probe would have it evicted). Those let in are ended
+    (DEADLINE_EXCEEDED) once HELLO_WAIT_S is over."""
+    from crucible.worker.dataplane import HELLO_WAIT_S, MAX_UNANNOUNCED
+
+    hold = threading.Event()
+
+    def silent():
+        hold.wait(90)
+        yield from ()
+
     md = rpc.metadata(job.token())
-    wid = next(w["worker_id"] for w in job.status()["workers"] if w["stage"] == 1)
+    codes = []
+    try:
+        with rpc.make_channel(_worker_addr(job, 1)) as ch:
+            stub = pbg.StageStub(ch)
+            t0 = time.monotonic()
+            calls = [stub.Pipe(silent(), metadata=md, timeout=60) for _ in range(20)]
+            for _ in range(3):
+                assert stub.Probe(pb.ProbeRequest(), metadata=md, timeout=2).stage == 1
+                time.sleep(0.5)
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as e:
+                    list(call)
+                codes.append(e.value.code())
+            elapsed = time.monotonic() - t0
+    finally:
+        hold.set()
+    exhausted, expired = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED), codes.count(grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert exhausted + expired == 20 and exhausted >= 20 - MAX_UNANNOUNCED and expired >= 1, codes
+    assert elapsed < HELLO_WAIT_S + 15, elapsed
+    assert_still_training(job)
+    assert not job.events("fault"), job.events("fault")
+
+
+def test_a_call_without_the_workers_secret_is_refused(job):
+    """The job's token alone does not speak for a worker: a forged leave (its
+    slot given up), "done" or pulse, a forged report (the replica done, the
+    job rolled back), a junk outer contribution or a failed-shard report for
+    a live worker's id gets PERMISSION_DENIED, and the job goes on as if
+    nothing was said."""
+    md = rpc.metadata(job.token())
+    st = job.status()
+    wid = next(w["worker_id"] for w in st["workers"] if w["stage"] == 1)
+    head = next(w["worker_id"] for w in st["workers"] if w["stage"] == 0)
+    forged = ['{"event": "replica_done"}', '{"event": "stage_lost", "reason": "forged"}']
     with rpc.make_channel(job.address()) as ch:
         stub = pbg.CoordinatorStub(ch)
-        for state in ("leaving 143", "done", "pulse"):
+        calls = [lambda state=state: stub.Heartbeat(pb.HeartbeatRequest(worker_id=wid, state=state,
+                                                                        secret=bytes(32)), metadata=md, timeout=10)
+                 for state in ("leaving 143", "done", "pulse")]
+        calls += [lambda: stub.Report(pb.ReportRequest(worker_id=head, events_json=forged, secret=bytes(32)),
+                                      metadata=md, timeout=10),
+                  lambda: stub.OuterExchange(pb.OuterRequest(worker_id=wid, stage=1, round=1, payload=b"junk",
+                                                             mode="sparseloco", numel=4), metadata=md, timeout=10),
+                  lambda: stub.ReportShard(pb.ShardReport(worker_id=wid, ckpt_step=1, name="r0s1.shard",
+                                                          error="forged"), metadata=md, timeout=10)]
+        for call in calls:
             with pytest.raises(grpc.RpcError) as e:
-                stub.Heartbeat(pb.HeartbeatRequest(worker_id=wid, state=state, secret=bytes(32)), metadata=md,
-                               timeout=10)
+                call()
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value
             assert "without that registration's secret" in e.value.details()
     assert_still_training(job)
     assert not job.events("fault"), job.events("fault")
+    assert not job.events("job_rollback") and job.status()["replicas"][0]["state"] == "training"
 
 
 def test_protocol_version_mismatch(job):
@@ -187,9 +242,11 @@ def test_unknown_worker_and_taken_slot(job):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # A real worker's report with a malformed event is refused as a whole.
         wid = next(w["worker_id"] for w in job.status()["workers"] if w["stage"] == 1)
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Report(pb.ReportRequest(worker_id=wid, events_json=["not json"]), metadata=md, timeout=10)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for events in (["not json"], ['{"event": "step", "step": "3"}']):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Report(pb.ReportRequest(worker_id=wid, secret=job.secret(wid), events_json=events),
+                            metadata=md, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert_still_training(job)
 
 

@@ -244,6 +244,85 @@ def test_a_beat_speaks_for_a_registration_only_with_its_secret(tmp_path):
     assert [(f["worker"], f["reason"]) for f in faults] == [(w.worker_id, "it left (exited with 143)")], faults
 
 
+def test_every_call_that_speaks_for_a_worker_needs_its_secret(tmp_path):
+    """Reports, outer contributions and shard reports in a live worker's name,
+    over the real server with the job's token but without that registration's
+    secret (or with another's), are PERMISSION_DENIED and change nothing: no
+    forged replica_done ends a replica, no forged stage_lost rolls the job
+    back, no forged suspicion starts a probe, no junk contribution leaves a
+    replica out of a round. With its own secret each call gets through."""
+    from crucible._pb import crucible_pb2_grpc as pbg
+
+    c, ids = _coordinator(tmp_path)
+    c.start("127.0.0.1:0")
+    wid = ids[(1, 0)]
+    forged = [json.dumps(e) for e in ({"event": "replica_done"}, {"event": "stage_lost", "reason": "forged"},
+                                      {"event": "suspect", "replica": 0, "stage": 1},
+                                      {"event": "step", "step": 10 ** 12})]
+    try:
+        md = rpc.metadata("t")
+        with rpc.make_channel(f"127.0.0.1:{c.port}") as ch:
+            stub = pbg.CoordinatorStub(ch)
+
+            def calls(secret: bytes) -> dict:
+                return {
+                    "Report": lambda: stub.Report(pb.ReportRequest(worker_id=wid, secret=secret, events_json=forged),
+                                                  metadata=md, timeout=10),
+                    "OuterExchange": lambda: stub.OuterExchange(pb.OuterRequest(
+                        worker_id=wid, secret=secret, stage=0, round=0, payload=b"junk", mode="diloco", numel=4),
+                        metadata=md, timeout=10),
+                    "ReportShard": lambda: stub.ReportShard(pb.ShardReport(
+                        worker_id=wid, secret=secret, ckpt_step=5, name="r1s0.shard", error="forged"),
+                        metadata=md, timeout=10),
+                }
+
+            for secret in (b"", _secret(c, ids[(0, 0)]), bytes(32)):
+                for name, call in calls(secret).items():
+                    with pytest.raises(grpc.RpcError) as e:
+                        call()
+                    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, (name, e.value.details())
+                    assert f"{name} for {wid} without that registration's secret" in e.value.details()
+            with c.cv:
+                assert [r.state for r in c.m.replicas] == ["training", "training"] and not c.restart_requested
+                assert c.m.replicas[1].step < 10 ** 6 and not c._probing and not c.outer.rounds
+            # Its own secret: through to the handlers (which judge the contents).
+            own = calls(_secret(c, wid))
+            assert own["ReportShard"]().accepted is False             # no save pending: refused, not denied
+            with pytest.raises(grpc.RpcError) as e:
+                own["OuterExchange"]()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert stub.Report(pb.ReportRequest(worker_id=wid, secret=_secret(c, wid),
+                                                events_json=[json.dumps({"event": "note"})]),
+                               metadata=md, timeout=10).accepted == 1
+    finally:
+        c.stop()
+
+
+def test_a_report_with_a_malformed_field_is_refused_whole(tmp_path):
+    """A field the coordinator acts on with the wrong type is INVALID_ARGUMENT
+    for the whole batch, before any of it is taken: a retry of the batch, put
+    right, is written whole (not skipped as already seen)."""
+    c, ids = _coordinator(tmp_path)
+    wid, secret = ids[(0, 0)], _secret(c, ids[(0, 0)])
+    marker = json.dumps({"event": "marker"})
+    try:
+        for bad in ({"event": "step"}, {"event": "step", "step": None}, {"event": "step", "step": float("inf")},
+                    {"event": "step", "step": True}, {"event": "step", "step": -1},
+                    {"event": "step", "step": 3, "tokens": [1]}, {"event": "step", "step": 3, "epoch": "x"},
+                    {"event": "eval", "loss": "low"}):
+            with pytest.raises(ValueError, match="event 1"):
+                c.Report(pb.ReportRequest(worker_id=wid, secret=secret, events_json=[marker, json.dumps(bad)],
+                                          source="src", seq=0), None)
+        good = json.dumps({"event": "step", "step": 3, "tokens": 8, "epoch": 2 ** 40, "loss": float("nan")})
+        assert c.Report(pb.ReportRequest(worker_id=wid, secret=secret, events_json=[marker, good], source="src",
+                                         seq=0), None).accepted == 2
+        assert c.m.replicas[0].step == 4
+    finally:
+        c.stop()
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"src":"src"' in line]
+    assert [e["event"] for e in lines] == ["marker", "step"]
+
+
 def test_the_pulse_beats_with_its_registrations_secret(tmp_path, monkeypatch):
     """The pulse process (crucible.worker.pulse) beats for its worker with the
     secret it got in its environment: the coordinator takes it as liveness; with
@@ -342,12 +421,13 @@ def test_reports_are_written_once(tmp_path):
     c, ids = _coordinator(tmp_path)
     try:
         batch = [json.dumps({"event": "step", "step": i}) for i in range(3)]
-        req = pb.ReportRequest(worker_id=ids[(0, 0)], events_json=batch, source="abc", seq=10)
+        req = pb.ReportRequest(worker_id=ids[(0, 0)], events_json=batch, source="abc", seq=10,
+                               secret=_secret(c, ids[(0, 0)]))
         c.Report(req, None)
         c.Report(req, None)                                   # a retry: nothing new
         more = pb.ReportRequest(worker_id=ids[(0, 0)], events_json=batch[1:] + [json.dumps({"event": "step",
                                                                                              "step": 3})],
-                                source="abc", seq=11)
+                                source="abc", seq=11, secret=_secret(c, ids[(0, 0)]))
         c.Report(more, None)                                  # overlaps: only seq 13 is new
     finally:
         c.stop()

@@ -124,11 +124,12 @@ def test_malformed_contribution_right_after_a_coordinator_restart(start_job):
         for payload in (wrong, b"garbage"):
             with pytest.raises(grpc.RpcError) as e:
                 stub.OuterExchange(pb.OuterRequest(worker_id=wid, stage=0, round=target, payload=payload,
-                                                   mode="sparseloco", numel=1000), metadata=md, timeout=10)
+                                                   mode="sparseloco", numel=1000, secret=job.secret(wid)),
+                                   metadata=md, timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
         with pytest.raises(grpc.RpcError) as e:  # a worker may only contribute to its own stage
-            stub.OuterExchange(pb.OuterRequest(worker_id=wid, stage=1, round=0, payload=b"x", mode="sparseloco"),
-                               metadata=md, timeout=10)
+            stub.OuterExchange(pb.OuterRequest(worker_id=wid, stage=1, round=0, payload=b"x", mode="sparseloco",
+                                               secret=job.secret(wid)), metadata=md, timeout=10)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert job.wait(180) == 0, job.output()
     rounds = {(e["stage"], e["round"]): e["contributors"] for e in job.events("outer_round")}

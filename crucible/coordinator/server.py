@@ -195,8 +195,10 @@ class Coordinator:
             "WatchRoutes": rpc.unary_stream("WatchRoutes", pb.WatchRequest, pb.RouteUpdate, self.WatchRoutes),
             "Report": rpc.unary("Report", pb.ReportRequest, pb.ReportReply, self.Report),
             "Status": rpc.unary("Status", pb.StatusRequest, pb.StatusReply, self.Status),
-            "OuterExchange": rpc.unary("OuterExchange", pb.OuterRequest, pb.OuterReply, self.outer.exchange),
-            "ReportShard": rpc.unary("ReportShard", pb.ShardReport, pb.ShardAck, self.ckpt.report_shard),
+            "OuterExchange": rpc.unary("OuterExchange", pb.OuterRequest, pb.OuterReply,
+                                       self._signed("OuterExchange", lambda req, ctx: self.outer.exchange(req, ctx))),
+            "ReportShard": rpc.unary("ReportShard", pb.ShardReport, pb.ShardAck,
+                                     self._signed("ReportShard", lambda req, ctx: self.ckpt.report_shard(req, ctx))),
         }
         self.health = Health(SERVICE)
         self.server, self.port = rpc.make_server(SERVICE, handlers, self.token, bind, max_workers=3 * n + 8,
@@ -331,6 +333,18 @@ class Coordinator:
             raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
                                f"{call} for {w.worker_id} without that registration's secret")
 
+    def _signed(self, call: str, handler):
+        """``handler`` behind the registration's secret: a request naming a
+        known worker without it is PERMISSION_DENIED before the handler sees it
+        (the handler answers for ids it does not know, and for dead workers)."""
+        def handle(req, context):
+            with self.cv:
+                w = self.m.worker(req.worker_id)
+                if w is not None:
+                    self._own(w, req.secret, call)
+            return handler(req, context)
+        return handle
+
     def _ending(self) -> bool:
         """The job as a whole is stopping or restarting: workers exiting now are
         part of that, not faults (a group-wide SIGTERM reaches them too)."""
@@ -357,6 +371,7 @@ class Coordinator:
         if req.worker_id:
             with self.cv:
                 w = self.member(req.worker_id)
+                self._own(w, req.secret, "Report")
         events = []
         for i, raw in enumerate(req.events_json):
             if len(raw) > MAX_EVENT_BYTES:
@@ -367,6 +382,7 @@ class Coordinator:
                 raise ValueError(f"event {i} is not JSON: {e}") from None
             if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
                 raise ValueError(f"event {i} must be a JSON object with a string 'event' field")
+            _check_fields(ev, i)
             if w is None and (ev["event"] != "worker_error" or (ev.get("replica"), ev.get("stage"))
                               not in self.m.slots):
                 raise rpc.RpcFault(grpc.StatusCode.NOT_FOUND, "only a worker_error of an existing slot may be "
@@ -605,6 +621,28 @@ class Coordinator:
                 "checkpoint": self.ckpt.status(),
                 "isolated": self.m.isolated,
             }
+
+
+def _check_fields(ev: dict, i: int) -> None:
+    """The fields of a reported event that the coordinator acts on have the
+    right types (checked before any of the batch is taken: a bad one refuses
+    the whole report with INVALID_ARGUMENT, nothing half-applied)."""
+    def whole(key: str, bits: int, required: bool = False) -> None:
+        v = ev.get(key)
+        if v is None and not required:
+            return
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2 ** bits:
+            raise ValueError(f"event {i} ({ev['event']}): {key!r} must be a whole number in [0, 2**{bits}), "
+                             f"not {v!r}"[:300])
+
+    if ev["event"] == "step":
+        whole("step", 53, required=True)
+        whole("tokens", 53)
+        whole("epoch", 64)        # a route epoch (uint64)
+    if ev["event"] in ("step", "eval"):
+        loss = ev.get("loss")
+        if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool)):
+            raise ValueError(f"event {i} ({ev['event']}): 'loss' must be a number, not {loss!r}"[:300])
 
 
 def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False, fresh: bool = False,

@@ -188,7 +188,7 @@ class ControlClient:
         Whether it was accepted; False when not delivered."""
         delay, t_end = 0.1, time.monotonic() + deadline_s
         while True:
-            req.worker_id = self.worker_id
+            req.worker_id, req.secret = self.worker_id, self.secret
             try:
                 return self.stub.ReportShard(req, metadata=self.md, timeout=10).accepted
             except grpc.RpcError as e:
@@ -227,8 +227,9 @@ class ControlClient:
         if not batch:
             return False
         try:
-            self.stub.Report(pb.ReportRequest(worker_id=self.worker_id, events_json=[x for _, x in batch],
-                                              source=self.source, seq=batch[0][0]),
+            self.stub.Report(pb.ReportRequest(worker_id=self.worker_id, secret=self.secret,
+                                              events_json=[x for _, x in batch], source=self.source,
+                                              seq=batch[0][0]),
                              metadata=self.md, timeout=timeout)
             self.last_ok = time.monotonic()
         except grpc.RpcError as e:
@@ -333,7 +334,7 @@ class ControlClient:
         t_end = time.monotonic() + timeout
         heard = 0.0
         while True:
-            req.worker_id = self.worker_id
+            req.worker_id, req.secret = self.worker_id, self.secret
             try:
                 call = self.stub.OuterExchange.future(req, metadata=self.md,
                                                       timeout=max(1.0, min(60.0, t_end - time.monotonic())))

@@ -47,6 +47,8 @@ SERVICE = "crucible.v1.Stage"
 K = pb.Frame
 SEND_QUEUE = 64          # frames queued for one stream before the producer waits
 PIPE_READY_WAIT_S = 5.0   # how long a Pipe waits for a worker that is just registering
+HELLO_WAIT_S = 10.0       # how long a Pipe may stay open without its first frame (at least net's RPC timeout)
+MAX_UNANNOUNCED = 4       # Pipe streams open at once without their first frame (a predecessor sends it at once)
 
 
 @dataclass
@@ -226,6 +228,8 @@ class StageService:
         self.weights: Callable[[int], Any] | None = None
         self.step: Callable[[], int] = lambda: 0
         self.rpc_timeout = 10.0
+        self._lock = threading.Lock()
+        self._unannounced = 0      # Pipe streams open without their HELLO yet
 
     def ready(self, links, decoder: FrameDecoder, weights: Callable[[int], Any], step: Callable[[], int],
               rpc_timeout: float) -> None:
@@ -252,6 +256,12 @@ class StageService:
         yield from self.weights(req.stage)
 
     def Pipe(self, frames, context):
+        with self._lock:
+            if self._unannounced >= MAX_UNANNOUNCED:
+                # (each open stream holds one of the server's threads, which Probe needs too)
+                raise rpc.RpcFault(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"{self._unannounced} streams are already waiting for their HELLO")
+            self._unannounced += 1
         out: queue.Queue = queue.Queue(maxsize=SEND_QUEUE)
         stream = UpstreamStream(out)
         peer = context.peer()
@@ -279,7 +289,8 @@ class StageService:
                 links = self.links
             if links is None:
                 raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "worker is still building its stage")
-            hello = next(frames, None)
+            hello = self._first_frame(frames, stream)
+            self._announced(stream)
             if hello is None:
                 return
             if hello.kind != K.HELLO:
@@ -301,9 +312,39 @@ class StageService:
             log.exception("upstream stream from %s failed", peer)
             stream.finish((grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
+            self._announced(stream)
             if links is not None and links.detach_upstream(stream):
                 links.inbox.put(Event("notice", note="up_closed", epoch=stream.epoch, peer=stream.src_stage))
             stream.finish(None)
+
+    def _announced(self, stream: "UpstreamStream") -> None:
+        """The stream is past its first frame (or over): it no longer counts
+        against MAX_UNANNOUNCED. Once per stream."""
+        with self._lock:
+            if not stream.announced:
+                stream.announced = True
+                self._unannounced -= 1
+
+    def _first_frame(self, frames, stream: "UpstreamStream"):
+        """The stream's first frame, or None. A predecessor sends its HELLO as it
+        opens the stream; one that sends nothing within the bound is ended
+        (DEADLINE_EXCEEDED), so idle streams cannot hold the server's threads
+        (and starve the coordinator's probes of this worker)."""
+        wait = max(HELLO_WAIT_S, self.rpc_timeout)
+        got = threading.Event()
+
+        def expire() -> None:
+            if not got.is_set():
+                stream.finish((grpc.StatusCode.DEADLINE_EXCEEDED, f"no HELLO within {wait:g} s of the stream's start"))
+
+        timer = threading.Timer(wait, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            return next(frames, None)
+        finally:
+            got.set()
+            timer.cancel()
 
     def _pump(self, frames, stream: "UpstreamStream") -> None:
         """The frames after HELLO, into the inbox (while the stream is current)."""
@@ -354,6 +395,7 @@ class UpstreamStream:
         self.epoch = 0
         self.src_stage = -1
         self.closed = False
+        self.announced = False     # past its first frame (StageService._announced)
 
     def send(self, frame) -> None:
         frame.sent_at = time.monotonic()
