@@ -124,6 +124,7 @@ class Launcher:
         self.stopping = 0                 # the signal that asked us to stop
         self.failure = ""                 # why the job failed (the launcher stops it)
         self.finished = False             # every replica trained train.steps steps
+        self.came_up = False              # a coordinator came up (else there is no summary or resume hint)
         self.last_status: dict | None = None
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}
@@ -226,7 +227,7 @@ class Launcher:
         from crucible.preflight import CheckFailed, check_run_dir
 
         try:
-            check_run_dir(self.run_dir, self.args.resume)
+            check_run_dir(self.run_dir, self.args.resume, self.cfg)
         except CheckFailed as e:
             print(f"crucible: {e}", file=sys.stderr, flush=True)
             return exits.ERROR
@@ -267,7 +268,11 @@ class Launcher:
         R, S = self.cfg.job.replicas, self.cfg.job.stages
         print(f"crucible: run directory {self.run_dir}", flush=True)
         try:
+            t0 = time.time()
             self.addr = self._start_coordinator("resume" if self.args.resume else "fresh")
+            self.came_up = True
+            if self.args.resume:
+                self._say_where_it_resumes(since=t0)
             for r in range(R):
                 for s in range(S):
                     self._start_worker(r, s)
@@ -280,11 +285,32 @@ class Launcher:
             if self.stopping or self.failure:   # a final checkpoint before everything stops
                 preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint)
             self._stop_all()
-            if (self.failure or self.stopping) and not self.finished:   # after the final checkpoint (its steps)
+            if (self.failure or self.stopping) and not self.finished and self.came_up:   # after the final checkpoint
                 ending = "failed (see above)" if self.failure else \
                     f"interrupted by {signal.Signals(self.stopping).name}"
                 print(self._summary(ending), flush=True)
                 print(self._resume_hint(), flush=True)
+
+    def _say_where_it_resumes(self, since: float, wait_s: float = 3.0) -> None:
+        """The coordinator's choice of checkpoint, on the terminal: the step it
+        resumes from and each newer one it passed over (damaged, incomplete),
+        or that there was none (a new run starts from step 0)."""
+        t_end = time.monotonic() + wait_s
+        while True:
+            events = [e for e in metrics.read_events(metrics.path_of(self.run_dir))
+                      if e.get("time", 0) >= since]
+            resumed = [e for e in events if e.get("event") == "ckpt_resume"]
+            if resumed or time.monotonic() > t_end:
+                break
+            time.sleep(0.1)
+        for e in events:
+            if e.get("event") in ("ckpt_damaged", "ckpt_incomplete"):
+                why = "; ".join(e.get("problems", [])) or f"no shard of stage(s) {e.get('stages_missing')}"
+                print(f"crucible: checkpoint step {e['step']} passed over: {why}"[:400], flush=True)
+        if resumed and resumed[-1].get("step") is not None:
+            print(f"crucible: resuming from checkpoint step {resumed[-1]['step']}", flush=True)
+        elif resumed:
+            print(f"crucible: --resume: no checkpoint in {self.run_dir}: starting from step 0", flush=True)
 
     def _on_signal(self, signum, frame) -> None:
         self.stopping = signum

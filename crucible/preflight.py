@@ -38,17 +38,30 @@ class CheckFailed(Exception):
     """A pre-flight check failed; the message is the one line to show."""
 
 
-def check_run_dir(run_dir: str | None, resume: bool) -> None:
+def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None) -> None:
     """A fresh launch into a run directory holding committed checkpoints would
-    train from step 0 over them (and retention would delete them): refused."""
-    if not run_dir or resume:
+    train from step 0 over them (and retention would delete them): refused.
+    A resume whose newest checkpoint is of another topology or model (its
+    shards would not load): refused, naming what differs."""
+    if not run_dir:
         return
-    from crucible.checkpoint.store import list_checkpoints
+    from crucible.checkpoint import store
 
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return
-    done = list_checkpoints(root)
+    done = store.list_checkpoints(root)
+    if resume:
+        for info in reversed(done):     # (the newest whose manifest reads; the coordinator verifies the shards)
+            try:
+                manifest = store.read_manifest(info.path)
+            except (store.CheckpointCorrupt, OSError, ValueError):
+                continue
+            why = store.resume_mismatch(manifest, cfg.to_dict()) if cfg is not None else None
+            if why:
+                raise CheckFailed(f"--resume: checkpoint {info.path}: {why}")
+            return
+        return
     if done:
         raise CheckFailed(f"run directory {run_dir} already holds checkpoints (newest: step {done[-1].step}): "
                           f"add --resume to continue from it, or choose another --run-dir")
@@ -182,7 +195,7 @@ def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: s
         device = str(devices.resolve(device or cfg.job.device, 0, 0, cfg.job.stages))
     except devices.DeviceError as e:
         raise CheckFailed(str(e)) from None
-    check_run_dir(run_dir, resume)
+    check_run_dir(run_dir, resume, cfg)
     corpus, data_line = check_data(cfg)
     model_line = check_model(cfg, corpus, device)
     return [data_line, model_line, f"checked in {time.perf_counter() - t0:.1f}s"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -170,6 +171,51 @@ def test_sigkill_then_resume_is_bitwise_exact(reference, sigkilled_and_resumed):
     _same_final_state(run_dir, reference["dumps"])
 
 
+def _flip_byte(path: str) -> None:
+    with open(path, "r+b") as f:       # flip one byte in the middle of the data
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def _resume_refused(run_dir: str, extra: list[str]) -> str:
+    """`launch --resume` into `run_dir` with `extra` arguments: it must stop
+    within seconds with status 1 and one line on stderr (returned), starting
+    nothing it would have to stop (no summary, no resume hint)."""
+    t0 = time.monotonic()
+    out = subprocess.run(crucible_cmd("launch", "--run-dir", run_dir, "--resume", "--no-check", *ARGS, *CKPT,
+                                      *extra), capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=90)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert time.monotonic() - t0 < 30
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, out.stderr
+    assert "go on from it" not in out.stdout and "Traceback" not in out.stderr, out.stdout
+    return lines[0]
+
+
+def test_a_resume_that_cannot_fit_stops_with_one_line_and_moves_nothing(reference, tmp_path):
+    """--resume into a run whose checkpoints are of another topology or model,
+    or are all damaged: one line naming the cause, not a coordinator that
+    exits with 1 (the cause in its log), workers that crash on shards of the
+    wrong shape, or a job that trains from step 0; the checkpoints stay."""
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(reference["run_dir"], run_dir)
+    root = os.path.join(run_dir, "checkpoints")
+    before = [c.path for c in store.list_checkpoints(root)]
+    assert before
+    line = _resume_refused(run_dir, ["--replicas", "1"])
+    assert "is of a 2x2 job and this one is 1x2" in line and "--replicas 2 --stages 2" in line, line
+    line = _resume_refused(run_dir, ["model.d_model=64", "model.n_head=4"])
+    assert "model.d_model=32 (this job: 64)" in line and "model.n_head=2 (this job: 4)" in line, line
+    for ckpt in before:
+        _flip_byte(os.path.join(ckpt, "r0s1.shard"))
+    line = _resume_refused(run_dir, [])
+    assert f"none of the {len(before)} checkpoint(s)" in line and "damaged" in line and "r0s1.shard" in line, line
+    assert [c.path for c in store.list_checkpoints(root)] == before
+    assert not _events(run_dir, "ckpt_set_aside")
+
+
 @pytest.mark.slow   # (a variant; the second step of .ci/run)
 def test_corrupted_shard_is_caught_and_resume_falls_back(reference, sigkilled_and_resumed):
     run_dir = sigkilled_and_resumed["run_dir"]
@@ -177,12 +223,7 @@ def test_corrupted_shard_is_caught_and_resume_falls_back(reference, sigkilled_an
     done = store.list_checkpoints(root)
     assert len(done) >= 2
     newest, previous = done[-1], done[-2]
-    shard = os.path.join(newest.path, "r1s0.shard")
-    with open(shard, "r+b") as f:       # flip one byte in the middle of the data
-        f.seek(os.path.getsize(shard) // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x5A]))
+    _flip_byte(os.path.join(newest.path, "r1s0.shard"))
     out = subprocess.run(crucible_cmd("ckpt", "verify", run_dir), capture_output=True, text=True,
                          env=child_env(), cwd=ROOT, timeout=60)
     assert out.returncode == 1, out.stdout + out.stderr
@@ -196,6 +237,11 @@ def test_corrupted_shard_is_caught_and_resume_falls_back(reference, sigkilled_an
     damaged = _events(run_dir, "ckpt_damaged")
     assert [e["step"] for e in damaged] == [newest.step]
     assert _events(run_dir, "ckpt_resume")[-1]["step"] == previous.step
+    # said on the terminal, and the damaged one kept aside under its own name
+    assert f"checkpoint step {newest.step} passed over: r1s0.shard" in job.output()
+    assert f"resuming from checkpoint step {previous.step}" in job.output()
+    aside = [e["path"] for e in _events(run_dir, "ckpt_set_aside")]
+    assert [os.path.basename(p).rsplit("-", 1)[0] for p in aside] == [f"damaged-{os.path.basename(newest.path)}"]
     _same_final_state(run_dir, reference["dumps"])
 
 

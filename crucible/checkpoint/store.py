@@ -412,6 +412,24 @@ def set_aside(ckpt_path: str | os.PathLike, label: str) -> str:
     return str(aside)
 
 
+def resume_mismatch(manifest: Mapping[str, Any], cfg: Mapping[str, Any]) -> str | None:
+    """Why a job of configuration ``cfg`` (``Config.to_dict()``) cannot resume
+    from a checkpoint with ``manifest``: another topology, or another model
+    (its shards would not load). None when it can."""
+    topo = manifest.get("topology") or {}
+    r, s = topo.get("replicas"), topo.get("stages")
+    if (r, s) != (cfg["job"]["replicas"], cfg["job"]["stages"]):
+        return (f"it is of a {r}x{s} job and this one is {cfg['job']['replicas']}x{cfg['job']['stages']}: "
+                f"resume with --replicas {r} --stages {s}, or use another run directory")
+    old = (manifest.get("config") or {}).get("model")
+    if isinstance(old, Mapping):
+        diff = [f"model.{k}={old[k]!r} (this job: {v!r})" for k, v in sorted(cfg["model"].items())
+                if k != "preset" and k in old and old[k] != v]
+        if diff:
+            return f"it was written with {', '.join(diff)}: its shards do not fit this model"
+    return None
+
+
 def delete(ckpt_path: str | os.PathLike) -> None:
     """Delete a committed checkpoint crash-safely: rename it out of the
     ``step_*`` namespace first (atomic, fsynced), then remove its files."""

@@ -115,6 +115,12 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _REPORT_KEYS = ("replica", "stage", "step", "outer_round", "stall_s", "persist_s")
 
 
+class CannotResume(RuntimeError):
+    """``--resume`` asked for and no checkpoint of this run fits: the coordinator
+    stops with this line rather than train from step 0 or on shards that do not
+    load."""
+
+
 @dataclasses.dataclass
 class Save:
     step: int
@@ -234,8 +240,15 @@ class CheckpointManager:
             self.latest_committed_step = done[-1].step
         if not resume:
             return
-        chosen = self._choose_resume(done)
-        self._set_aside_after(chosen, done)
+        chosen, unusable = self._choose_resume(done)
+        if chosen is None and done:
+            # Starting from step 0 is not what --resume asked for: nothing is moved.
+            step = max(unusable)
+            why = unusable[step]
+            raise CannotResume(f"--resume: none of the {len(done)} checkpoint(s) in {self.root} can be resumed "
+                               f"from (newest, step {step}: {why}); nothing was moved: move them out of "
+                               f"checkpoints/ to start from step 0")
+        self._set_aside_after(chosen, done, unusable)
         if chosen is None:
             self.latest_committed_step = None
             log.warning("--resume: no committed checkpoint in %s; starting from scratch", self.root)
@@ -251,11 +264,14 @@ class CheckpointManager:
                                 "checkpointing is on", "checkpoint_period": self.cfg.checkpoint_period})
         log.info("%s", self.periodic.describe())
 
-    def _choose_resume(self, done: list) -> store.CkptInfo | None:
-        """The newest checkpoint that verifies and holds every stage."""
+    def _choose_resume(self, done: list) -> tuple[store.CkptInfo | None, dict[int, str]]:
+        """The newest checkpoint that verifies and holds every stage, and why
+        each newer one was passed over (step -> reason)."""
+        unusable: dict[int, str] = {}
         for info in reversed(done):
             problems = store.verify(info.path)
             if problems:
+                unusable[info.step] = "damaged: " + "; ".join(problems)
                 log.error("checkpoint step %d is damaged, falling back to the previous one: %s", info.step,
                           "; ".join(problems))
                 self.metrics.write({"event": "ckpt_damaged", "step": info.step, "path": info.path,
@@ -268,27 +284,28 @@ class CheckpointManager:
                 log.warning("checkpoint step %d holds no shard of stage(s) %s: falling back to an older one",
                             info.step, missing)
                 self.metrics.write({"event": "ckpt_incomplete", "step": info.step, "stages_missing": missing})
+                unusable[info.step] = f"holds no shard of stage(s) {missing}"
                 continue
-            return info
-        return None
+            why = store.resume_mismatch(store.read_manifest(info.path), self.job_cfg.to_dict())
+            if why:
+                raise CannotResume(f"--resume: checkpoint {info.path}: {why}")
+            return info, unusable
+        return None, unusable
 
-    def _set_aside_after(self, chosen: store.CkptInfo | None, done: list) -> None:
+    def _set_aside_after(self, chosen: store.CkptInfo | None, done: list, unusable: dict[int, str]) -> None:
         """Checkpoints after the one resumed: their timeline is abandoned. Moved
-        out of the way (kept for a post-mortem), so that a new save of the same
-        step can commit."""
+        out of the way (kept for a post-mortem: ``damaged-step_N-<time>`` where
+        it did not verify, else ``abandoned-…``), so that a new save of the
+        same step can commit."""
         for info in done:
             if chosen is None or info.step > chosen.step:
-                aside = store.set_aside(info.path, "abandoned")
+                damaged = unusable.get(info.step, "").startswith("damaged")
+                aside = store.set_aside(info.path, "damaged" if damaged else "abandoned")
                 self.metrics.write({"event": "ckpt_set_aside", "step": info.step, "path": aside})
                 log.warning("checkpoint step %d (after the one resumed) moved to %s", info.step, aside)
 
     def _resume_from(self, chosen: store.CkptInfo) -> None:
         m = store.read_manifest(chosen.path)
-        topo = m.get("topology") or {}
-        R, S = self.job_cfg.job.replicas, self.job_cfg.job.stages
-        if (topo.get("replicas"), topo.get("stages")) != (R, S):
-            raise SystemExit(f"checkpoint {chosen.path} is of a {topo.get('replicas')}x{topo.get('stages')} job; "
-                             f"this job is {R}x{S}")
         if m.get("config_hash") != self.job_cfg.digest():
             log.warning("resuming from %s written with another configuration (hash %s, now %s)", chosen.path,
                         m.get("config_hash"), self.job_cfg.digest())

@@ -139,7 +139,7 @@ class Coordinator:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SystemExit(f"another coordinator holds {self.run_dir}/coordinator.lock") from None
+            raise RuntimeError(f"another coordinator holds {self.run_dir}/coordinator.lock") from None
         return f
 
     def _bump_incarnation(self) -> int:
