@@ -412,6 +412,9 @@ def set_aside(ckpt_path: str | os.PathLike, label: str) -> str:
     return str(aside)
 
 
+_MODEL_SHAPE = ("n_layer", "n_head", "d_model", "vocab_size", "subspace_rank")   # keys that shape the parameters
+
+
 def resume_mismatch(manifest: Mapping[str, Any], cfg: Mapping[str, Any]) -> str | None:
     """Why a job of configuration ``cfg`` (``Config.to_dict()``) cannot resume
     from a checkpoint with ``manifest``: another topology, or another model
@@ -423,8 +426,8 @@ def resume_mismatch(manifest: Mapping[str, Any], cfg: Mapping[str, Any]) -> str 
                 f"resume with --replicas {r} --stages {s}, or use another run directory")
     old = (manifest.get("config") or {}).get("model")
     if isinstance(old, Mapping):
-        diff = [f"model.{k}={old[k]!r} (this job: {v!r})" for k, v in sorted(cfg["model"].items())
-                if k != "preset" and k in old and old[k] != v]
+        diff = [f"model.{k}={old[k]!r} (this job: {cfg['model'][k]!r})" for k in _MODEL_SHAPE
+                if k in old and k in cfg["model"] and old[k] != cfg["model"][k]]
         if diff:
             return f"it was written with {', '.join(diff)}: its shards do not fit this model"
     return None
