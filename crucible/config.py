@@ -21,8 +21,9 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from crucible.compress.specs import parse_spec
 
-ACTIVATION_CODECS = ("none", "bf16", "int8", "int4", "subspace")
+
 PRECISIONS = ("fp32", "tf32", "bf16")
 # model.preset -> (n_layer, n_head, d_model); parameters with the byte vocabulary
 # and train.seq_len 512: small 1.6M, gpt-50m 57M, gpt-200m 202M.
@@ -31,6 +32,8 @@ MODEL_PRESETS = {
     "gpt-50m": {"n_layer": 8, "n_head": 12, "d_model": 768},
     "gpt-200m": {"n_layer": 16, "n_head": 16, "d_model": 1024},
 }
+# train.seed's largest value (see _check_train; its message says 10**16).
+SEED_MAX = 10**16
 
 
 class ConfigError(ValueError):
@@ -328,12 +331,20 @@ class Config:
         need(0 <= m.subspace_rank <= m.d_model, "model.subspace_rank", "must be in 0..d_model")
         need(m.subspace_token_shift >= 0, "model.subspace_token_shift", "must be >= 0")
         need(0.0 < self.data.eval_fraction < 0.5, "data.eval_fraction", "must be in (0, 0.5)")
+        need(0 < self.data.max_bytes, "data.max_bytes", "must be >= 1")
         for key in ("compress.forward", "compress.backward"):
-            name = str(self.get(key)).split(":")[0].strip().lower()
-            need(name in ACTIVATION_CODECS, key, f"codec must be one of {', '.join(ACTIVATION_CODECS)}")
+            # The workers' own parser (crucible.compress.specs, no torch): what
+            # they would refuse after starting is refused here, naming the key.
+            try:
+                name, params = parse_spec(self.get(key))
+            except ValueError as e:
+                raise ConfigError(f"bad value for '{key}': {e} (got {self.get(key)!r})") from None
             need(name != "subspace" or m.subspace_rank > 0, key,
                  "the subspace codec needs model.subspace_rank > 0 (a model that keeps its residual "
                  "stream in the subspace)")
+            need(params.get("rank", m.subspace_rank) == m.subspace_rank, key,
+                 f"the subspace codec's rank must be model.subspace_rank ({m.subspace_rank}), the subspace "
+                 "the model keeps its residual stream in; leave rank out to take it from there")
 
     def _check_train(self) -> None:
         need, t = self._need, self.train
@@ -345,8 +356,17 @@ class Config:
         need(t.lr > 0, "train.lr", "must be > 0")
         need(0 <= t.min_lr <= t.lr, "train.min_lr", "must be in [0, train.lr]")
         need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        # What torch.optim.AdamW itself refuses (in the workers, after they start).
+        need(0 <= t.beta1 < 1, "train.beta1", "must be in [0, 1)")
+        need(0 <= t.beta2 < 1, "train.beta2", "must be in [0, 1)")
+        need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
         need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0")
         need(t.eval_every >= 0, "train.eval_every", "must be >= 0")
+        # Stage 0 builds the held-out batches at start even with eval_every = 0.
+        need(t.eval_batches >= 1, "train.eval_batches", "must be >= 1")
+        # numpy's data-order generator takes no negative seed; each worker seeds
+        # torch with seed * 1000 + replica * 100 + stage, which must stay below 2**64.
+        need(0 <= t.seed <= SEED_MAX, "train.seed", "must be in 0..10**16")
         need(t.eval_split in ("all", "validation", "test"), "train.eval_split", "must be all, validation or test")
         need(t.schedule in ("1f1b", "gpipe"), "train.schedule", "must be 1f1b or gpipe")
         need(t.precision in PRECISIONS, "train.precision", f"must be one of {', '.join(PRECISIONS)}")
@@ -355,6 +375,10 @@ class Config:
         need, o = self._need, self.outer
         need(o.mode in ("sparseloco", "diloco", "none"), "outer.mode", "must be sparseloco, diloco or none")
         need(o.H >= 1, "outer.H", "must be >= 1")
+        need(o.lr > 0, "outer.lr", "must be > 0")
+        # e <- beta * e + delta: 0 keeps no residual, 1 keeps all of it (plain error feedback).
+        need(0 <= o.beta <= 1, "outer.beta", "must be in [0, 1]")
+        need(0 <= o.momentum < 1, "outer.momentum", "must be in [0, 1)")
         need(1 <= o.chunk <= 4096, "outer.chunk", "must be in 1..4096 (12-bit indices)")
         need(1 <= o.k <= o.chunk, "outer.k", "must be in 1..outer.chunk")
         need(o.value_bits in (2, 8, 32), "outer.value_bits", "must be 2, 8 or 32")
@@ -369,6 +393,7 @@ class Config:
         need(c.persister in ("process", "thread"), "checkpoint.persister", "must be process or thread")
         need(c.preemption_timeout_s > 0, "checkpoint.preemption_timeout_s", "must be > 0")
         need(self.debug.persist_delay_s >= 0, "debug.persist_delay_s", "must be >= 0")
+        need(_stall_ok(self.debug.stall_outer), "debug.stall_outer", "must look like r1s1:30 (a worker, seconds >= 0)")
         if c.preserve:
             from crucible.checkpoint.policies import parse_preserve_spec
 
@@ -435,6 +460,17 @@ class Config:
 def _device_ok(spec: str) -> bool:
     name, sep, index = spec.partition(":")
     return spec == "cpu" or (name == "cuda" and (not sep or index.isdigit()))
+
+
+def _stall_ok(spec: str) -> bool:
+    # crucible.worker.debug: the named worker sleeps float(seconds) in each outer round.
+    if not spec:
+        return True
+    who, _, secs = spec.partition(":")
+    try:
+        return bool(who) and 0 <= float(secs or 0) < float("inf")
+    except ValueError:
+        return False
 
 
 def _sections() -> list[str]:

@@ -54,3 +54,91 @@ def test_every_key_is_settable():
     cfg = Config()
     for key in all_keys():
         cfg.set(key, cfg.get(key))
+
+
+# ---- values the workers would refuse (or misuse) after starting: refused at load, naming the key
+
+@pytest.mark.parametrize("override,needle", [
+    # what torch.optim.AdamW refuses in every worker
+    ("train.beta1=2", "bad value for 'train.beta1': must be in [0, 1)"),
+    ("train.beta1=-0.1", "bad value for 'train.beta1'"),
+    ("train.beta2=-1", "bad value for 'train.beta2': must be in [0, 1)"),
+    ("train.beta2=1", "bad value for 'train.beta2'"),
+    ("train.weight_decay=-1", "bad value for 'train.weight_decay': must be >= 0"),
+    # stage 0 builds the held-out batches at start (np.linspace / np.stack refuse 0 and below)
+    ("train.eval_batches=-1", "bad value for 'train.eval_batches': must be >= 1"),
+    ("train.eval_batches=0", "bad value for 'train.eval_batches'"),
+    # numpy's PCG64 refuses a negative seed; torch.manual_seed(seed * 1000 + ...) one past 2**64
+    ("train.seed=-1", "bad value for 'train.seed': must be in 0..10**16"),
+    ("train.seed=20000000000000000", "bad value for 'train.seed'"),
+    ("data.max_bytes=0", "bad value for 'data.max_bytes': must be >= 1"),
+    # the outer step: accepted silently and wrong before
+    ("outer.lr=-1", "bad value for 'outer.lr': must be > 0"),
+    ("outer.lr=0", "bad value for 'outer.lr'"),
+    ("outer.beta=5", "bad value for 'outer.beta': must be in [0, 1]"),
+    ("outer.beta=-0.5", "bad value for 'outer.beta'"),
+    ("outer.momentum=-3", "bad value for 'outer.momentum': must be in [0, 1)"),
+    ("outer.momentum=1", "bad value for 'outer.momentum'"),
+    ("debug.stall_outer=r1s1:soon", "bad value for 'debug.stall_outer'"),
+    ("debug.stall_outer=r1s1:-5", "bad value for 'debug.stall_outer'"),
+])
+def test_out_of_range_values_are_named(override, needle):
+    with pytest.raises(ConfigError) as e:
+        Config.load(None, [override])
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,key,needle", [
+    (["compress.forward=int8:abc"], "compress.forward", "unknown parameter 'abc' for codec 'int8'"),
+    (["compress.backward=int8:abc"], "compress.backward", "unknown parameter 'abc' for codec 'int8'"),
+    (["compress.forward=int4:group=33"], "compress.forward", "int4 group must be an even int"),
+    (["compress.backward=int4:zstd=maybe"], "compress.backward", "is not 0/1/true/false"),
+    (["compress.forward=bf16:level=99"], "compress.forward", "zstd level 99"),
+    (["compress.backward=int4:group=32,group=64"], "compress.backward", "given twice"),
+    (["compress.forward=none:level=1"], "compress.forward", "unknown parameter 'level' for codec 'none'"),
+    (["model.subspace_rank=8", "compress.forward=subspace:dtype=fp8"], "compress.forward", "valid values: bf16"),
+    # the model keeps its residual stream in a rank-8 subspace: a rank-4 codec would drop half of it
+    (["model.subspace_rank=8", "compress.backward=subspace:rank=4"], "compress.backward",
+     "rank must be model.subspace_rank (8)"),
+])
+def test_codec_specs_are_parsed_at_load(overrides, key, needle):
+    with pytest.raises(ConfigError) as e:
+        Config.load(None, overrides)
+    assert f"bad value for '{key}'" in str(e.value) and needle in str(e.value)
+
+
+def test_edges_of_the_ranges_still_load():
+    cfg = Config.load(None, ["train.beta1=0", "train.beta2=0.999", "train.weight_decay=0", "train.eval_batches=1",
+                             "train.seed=0", "outer.beta=0", "outer.beta=1", "outer.momentum=0", "outer.lr=2",
+                             "model.subspace_rank=8", "compress.forward=subspace:rank=8,dtype=fp32",
+                             "compress.backward=int4:group=64,zstd=1,level=3", "debug.stall_outer=r1s1:30"])
+    assert cfg.outer.beta == 1.0 and cfg.compress.forward == "subspace:rank=8,dtype=fp32"
+
+
+def test_codec_check_keeps_torch_out():
+    # The launcher and the coordinator load the config; they must not import torch to parse a codec spec.
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    code = ("import sys\nfrom crucible.config import Config, ConfigError\n"
+            "Config.load(None, ['compress.forward=int4:group=64,zstd=1', 'compress.backward=int8:level=3'])\n"
+            "try:\n    Config.load(None, ['compress.forward=int8:abc'])\nexcept ConfigError as e:\n    print(e)\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "bad value for 'compress.forward'" in out.stdout
+
+
+def test_check_names_a_bad_beta_in_one_line():
+    import subprocess
+
+    from conftest import ROOT, child_env, crucible_cmd
+
+    out = subprocess.run(crucible_cmd("check", "train.beta1=2"), cwd=ROOT, env=child_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.beta1" in lines[0] and "[0, 1)" in lines[0], out.stderr

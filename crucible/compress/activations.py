@@ -157,6 +157,7 @@ import torch
 import torch.nn.functional as F
 import zstandard
 
+from crucible.compress.specs import CODECS, COEF_DTYPES, check_int4_group, parse_spec  # noqa: F401
 from crucible.subspace import shared_projection, projection, validate_rank as _validate_rank  # noqa: F401
 
 __all__ = [
@@ -187,7 +188,7 @@ FIXED_HEADER_NBYTES = _FIXED.size + _CRC.size  # 36
 
 _CODEC_IDS = {"none": 0, "bf16": 1, "int8": 2, "int4": 3, "subspace": 4}
 _CODEC_NAMES = {v: k for k, v in _CODEC_IDS.items()}
-CODECS = tuple(_CODEC_IDS)
+assert tuple(_CODEC_IDS) == CODECS
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
@@ -199,8 +200,7 @@ _COEF = {
     "fp32": (2, torch.float32, 4, 2.0**-24),
 }
 _COEF_BY_CODE = {v[0]: k for k, v in _COEF.items()}
-
-_ZSTD_LEVELS = range(-7, 23)
+assert tuple(_COEF) == COEF_DTYPES
 _U64 = (1 << 64) - 1
 
 
@@ -600,8 +600,7 @@ class Int4Codec(_ZstdCodec):
 
     def __init__(self, d_model: int, group: int = 32, zstd: bool = False, level: int = 1):
         super().__init__(d_model, level)
-        if not (isinstance(group, int) and 2 <= group <= 1 << 16 and group % 2 == 0):
-            raise ValueError(f"int4 group must be an even int in 2..65536, got {group!r}")
+        check_int4_group(group)
         self.group = group
         self.zstd = bool(zstd)
         self.groups = -(-d_model // group)
@@ -719,62 +718,6 @@ class SubspaceCodec(Codec):
 
 
 # ------------------------------------------------------------------ make_codec
-
-_BOOL = {"1": True, "true": True, "yes": True, "on": True,
-         "0": False, "false": False, "no": False, "off": False}
-
-_PARAMS = {
-    "none": {},
-    "bf16": {"level": "int"},
-    "int8": {"level": "int"},
-    "int4": {"group": "int", "zstd": "bool", "level": "int"},
-    "subspace": {"rank": "int", "dtype": "coef"},
-}
-
-
-def _parse_value(codec: str, key: str, kind: str, raw: str):
-    if kind == "int":
-        try:
-            v = int(raw, 10)
-        except ValueError:
-            raise ValueError(f"codec {codec!r}: parameter {key}={raw!r} is not an integer") from None
-        if key == "level" and v not in _ZSTD_LEVELS:
-            raise ValueError(f"codec {codec!r}: zstd level {v} outside {_ZSTD_LEVELS.start}..{_ZSTD_LEVELS.stop - 1}")
-        return v
-    if kind == "bool":
-        if raw.lower() not in _BOOL:
-            raise ValueError(f"codec {codec!r}: parameter {key}={raw!r} is not 0/1/true/false")
-        return _BOOL[raw.lower()]
-    if raw.lower() not in _COEF:
-        raise ValueError(f"codec {codec!r}: {key}={raw!r}, valid values: {', '.join(_COEF)}")
-    return raw.lower()
-
-
-def parse_spec(spec: str) -> tuple[str, dict]:
-    """``"int4:group=64,zstd=1"`` -> ``("int4", {"group": 64, "zstd": True})``."""
-    if not isinstance(spec, str):
-        raise ValueError(f"codec spec must be a string, got {type(spec).__name__}")
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip().lower()
-    if name not in _PARAMS:
-        raise ValueError(f"unknown activation codec {name!r}; valid codecs: {', '.join(CODECS)}")
-    allowed = _PARAMS[name]
-    params: dict = {}
-    for item in (s.strip() for s in rest.split(",")):
-        if not item:
-            continue
-        key, eq, raw = item.partition("=")
-        key, raw = key.strip().lower(), raw.strip()
-        if key not in allowed:
-            valid = ", ".join(allowed) if allowed else "none"
-            raise ValueError(f"unknown parameter {key!r} for codec {name!r}; valid parameters: {valid}")
-        if not eq or not raw:
-            raise ValueError(f"codec {name!r}: parameter {key!r} needs a value ({key}=...)")
-        if key in params:
-            raise ValueError(f"codec {name!r}: parameter {key!r} given twice")
-        params[key] = _parse_value(name, key, allowed[key], raw)
-    return name, params
-
 
 def make_codec(spec: str, d_model: int, seed: int = 0) -> Codec:
     """Build the codec named by `spec` for boundaries of width `d_model`.
