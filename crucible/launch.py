@@ -196,10 +196,16 @@ class Launcher:
         self._write_pids()
 
     def _write_pids(self) -> None:
+        """pids.json ({name: pid}) and, first, pids.start.json ({name: [pid,
+        start time in clock ticks]}): what lets `crucible kill` tell a recorded
+        process from a later one that was given its pid (crucible.kill)."""
         pids = {n: p.pid for n, p in self.workers.items()}
         if self.coord is not None:
             pids["coordinator"] = self.coord.pid
         pids["launcher"] = os.getpid()
+        starts = {n: [pid, procs.start_ticks(pid)] for n, pid in pids.items() if pid}
+        atomic_write(os.path.join(self.run_dir, procs.PID_STARTS_FILE),
+                     json.dumps({n: v for n, v in starts.items() if v[1] is not None}), fsync=False)
         atomic_write(os.path.join(self.run_dir, "pids.json"), json.dumps(pids), fsync=False)
 
     def _stop_all(self, grace: float = 5.0) -> None:

@@ -11,6 +11,7 @@ import sys
 PR_SET_PDEATHSIG = 1
 PARENT_ENV = "CRUCIBLE_PDEATHSIG"     # set by `crucible launch`: its pid
 RESPAWN_DELAY_S = 1.0                 # `crucible launch --respawn-delay` when not given
+PID_STARTS_FILE = "pids.start.json"   # next to a run's pids.json: {name: [pid, start_ticks]}
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -45,13 +46,45 @@ def state(pid: int) -> str | None:
         return None
 
 
+def start_ticks(pid: int) -> int | None:
+    """The kernel's start time of `pid` in clock ticks after boot (field 22 of
+    ``/proc/PID/stat``): with the pid, what names one process (a pid is
+    reused, the pair is not). None if gone, or without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cmdline(pid: int) -> str | None:
+    """`pid`'s command line, its arguments joined by spaces; None if gone or
+    unknown. From /proc, else (macOS, BSD) from ``ps``."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except FileNotFoundError:
+        if has_proc():
+            return None
+    except OSError:
+        return None
+    import subprocess
+
+    try:
+        out = subprocess.run(["ps", "-o", "command=", "-p", str(pid)], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
 def started_at(pid: int | None = None) -> float | None:
     """When `pid` (default: this process) started, as a Unix time (the
     kernel's start time in clock ticks after boot, plus the boot time); None
     without /proc."""
+    ticks = start_ticks(pid or os.getpid())
+    if ticks is None:
+        return None
     try:
-        with open(f"/proc/{pid or os.getpid()}/stat") as f:
-            ticks = int(f.read().rpartition(")")[2].split()[19])
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
         return boot + ticks / os.sysconf("SC_CLK_TCK")

@@ -110,3 +110,85 @@ def test_no_respawn_launch_exits_when_every_worker_is_dead(start_job):
     assert job.proc.wait(timeout=30) == 1, job.output()
     assert "no respawn" in job.output()
     assert _gone([p for n, p in _pids(job).items() if n != "launcher"]) == []
+
+
+def _kill(run_dir, name):
+    return subprocess.run(crucible_cmd("kill", "--run-dir", str(run_dir), name), capture_output=True, text=True,
+                          env=child_env(), cwd=ROOT, timeout=30)
+
+
+def _write(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def test_kill_leaves_alone_a_process_that_was_given_a_recorded_pid(tmp_path):
+    """pids.json outlives its processes: a recorded pid may now be another
+    process's. Neither by its start time nor (an older pids.json without one)
+    by its command line is it the job's, so it is not signalled."""
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        _write(tmp_path / "pids.json", {"r0s0": other.pid, "coordinator": other.pid, "launcher": other.pid})
+        with open(f"/proc/{other.pid}/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        for start in (None, ticks - 1):   # no start time recorded (an older launcher); another one
+            if start is not None:
+                _write(tmp_path / "pids.start.json", {"r0s0": [other.pid, start], "coordinator": [other.pid, start]})
+            for name in ("r0s0", "coordinator"):
+                out = _kill(tmp_path, name)
+                assert out.returncode == 1 and out.stdout == "", (out.stdout, out.stderr)
+                assert out.stderr.strip().splitlines() == [
+                    f"crucible kill: {name} (pid {other.pid}) is not running (the pid now belongs to another "
+                    f"process); nothing signalled"], out.stderr
+                assert other.poll() is None, "the unrelated process was signalled"
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_kill_signals_the_process_the_launcher_recorded(tmp_path):
+    """The launcher's pids.json (+ the start times next to it) still lets
+    `crucible kill` SIGKILL the process; pids.json keeps plain {name: pid}."""
+    import sys
+
+    from crucible import procs
+    from crucible.launch import Launcher, Proc
+
+    launcher = Launcher.__new__(Launcher)
+    launcher.run_dir, launcher.coord, launcher.workers = str(tmp_path), None, {}
+    # (its command line is no Crucible one: the recorded start time is what says it is the job's)
+    w = launcher.workers["r0s1"] = Proc("r0s1", [], str(tmp_path / "r0s1.log"), {})
+    w.popen = subprocess.Popen(["sleep", "60"])
+    # An older launcher's pids.json has no start times: then a Crucible command line of that slot will do.
+    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "crucible", "worker",
+                            "--replica", "1", "--stage", "0"])
+    try:
+        launcher._write_pids()
+        with open(tmp_path / "pids.json") as f:
+            pids = json.load(f)
+        assert pids == {"r0s1": w.popen.pid, "launcher": os.getpid()}
+        out = _kill(tmp_path, "r0s1")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == f"killed r0s1 (pid {w.popen.pid}) with SIGKILL"
+        assert w.popen.wait(timeout=10) == -signal.SIGKILL
+        assert _kill(tmp_path, "r0s1").stderr.strip() == f"crucible kill: r0s1 (pid {w.popen.pid}) is not running"
+
+        (tmp_path / procs.PID_STARTS_FILE).unlink()
+        _write(tmp_path / "pids.json", {"r1s0": old.pid, "r1s1": old.pid})
+        assert "belongs to another process" in _kill(tmp_path, "r1s1").stderr   # the wrong slot
+        assert old.poll() is None
+        out = _kill(tmp_path, "r1s0")
+        assert out.returncode == 0 and "killed r1s0" in out.stdout, out.stderr
+        assert old.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for p in (w.popen, old):
+            p.kill()
+            p.wait()
+
+
+def test_kill_with_a_malformed_pids_json_says_so_in_one_line(tmp_path):
+    for content in ("[1, 2]", '{"r0s0": "x"}', '{"r0s0": [1, 2]}', '{"r0s0": true}', "not json"):
+        (tmp_path / "pids.json").write_text(content)
+        out = _kill(tmp_path, "r0s0")
+        assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, (content, out.stderr)
+        assert "Traceback" not in out.stderr and "pids.json" in out.stderr, (content, out.stderr)
