@@ -31,7 +31,9 @@ certificate (or the server's) is not of the job's CA.
 
 from __future__ import annotations
 
+import base64
 import os
+import re
 import socket
 import ssl
 from dataclasses import dataclass
@@ -81,8 +83,57 @@ def resolve(tls_dir: str = "", host: str = "", ca: str = "", cert: str = "", key
                            f"{', '.join(have) or 'none'}); pass --tls-host NAME or set {ENV_HOST}")
     else:
         return None
-    files.read()        # every file readable, now rather than at the first connection
+    check(files)        # every file readable and usable, now rather than at the first connection
     return files
+
+
+_PEM = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n(.*?)-----END \1-----", re.S)
+
+
+def _pem_blocks(data: bytes, path: str, what: str, noun: str, want) -> list[bytes]:
+    """The PEM blocks of `data` whose type `want` accepts (base64 that decodes), else TlsError."""
+    found = [(kind.decode(), body) for kind, body in _PEM.findall(data)]
+    if not found:
+        raise TlsError(f"TLS {what} {path}: not PEM (no -----BEGIN ...----- block)")
+    ok = [body for kind, body in found if want(kind)]
+    if not ok:
+        raise TlsError(f"TLS {what} {path}: not a {noun} (its PEM blocks: {', '.join(k for k, _ in found)})")
+    for body in ok:
+        lines = [x for x in body.split(b"\n") if x.strip() and b":" not in x]   # (RFC 1421 headers)
+        try:
+            base64.b64decode(b"".join(x.strip() for x in lines), validate=True)
+        except ValueError:
+            raise TlsError(f"TLS {what} {path}: its PEM block is not valid base64") from None
+    return ok
+
+
+def check(files: Files) -> None:
+    """Each file readable and of its kind, the key that of the certificate:
+    TlsError naming the file otherwise (a gRPC server given garbage fails later
+    with only 'Failed to bind to address'). PEM structure here, the rest by
+    the standard library's OpenSSL (gRPC's BoringSSL reads the same PEM)."""
+    ca, cert, key = files.read()
+    _pem_blocks(ca, files.ca, "CA certificate", "certificate", lambda k: k == "CERTIFICATE")
+    _pem_blocks(cert, files.cert, "certificate", "certificate", lambda k: k == "CERTIFICATE")
+    _pem_blocks(key, files.key, "key", "private key", lambda k: k.endswith("PRIVATE KEY"))
+    for what, path, data in (("CA certificate", files.ca, ca), ("certificate", files.cert, cert)):
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=data.decode("latin-1"))
+        except ssl.SSLError as e:
+            raise TlsError(f"TLS {what} {path}: not a readable X.509 certificate"
+                           f"{f' ({e.reason})' if e.reason else ''}") from None
+
+    def no_password():
+        raise TlsError(f"TLS key {files.key} is encrypted: give it without a passphrase")
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(files.cert, files.key, password=no_password)
+    except ssl.SSLError as e:
+        if "KEY_VALUES_MISMATCH" in str(e):
+            raise TlsError(f"TLS key {files.key} does not match the certificate {files.cert}") from None
+        raise TlsError(f"TLS key {files.key}: not a readable private key ({e.reason or e})") from None
+    except OSError as e:
+        raise TlsError(f"TLS key {files.key}: {e.strerror or e}") from None
 
 
 def from_env() -> Files | None:

@@ -191,3 +191,47 @@ def test_a_stream_claiming_another_workers_slot_is_refused(tls_job):
         tls_job.wait_for(lambda s: s["replicas"][0]["step"] > before["replicas"][0]["step"] + 3, 60, "more steps")
     assert not tls_job.events("fault"), tls_job.events("fault")
     assert all(w["state"] == "alive" for w in status(tls_job)["workers"])
+
+
+def test_garbage_tls_files_stop_launch_before_it_starts_anything(tmp_path):
+    """Files that are not PEM: one line naming the file, before a process is
+    started or the run directory written (was: 'coordinator exited with 1:
+    RuntimeError: Failed to bind to address 127.0.0.1:0')."""
+    d = tmp_path / "tls"
+    d.mkdir()
+    for name in ("ca.pem", "h.pem", "h.key"):
+        (d / name).write_text("garbage\n")
+    run_dir = tmp_path / "run"
+    p = run(["launch", "--tls-dir", str(d), "--tls-host", "h", "--run-dir", str(run_dir), "--no-check",
+             "--replicas", "1", "--stages", "2", "--steps", "5", *TINY], timeout=60)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert p.stderr.strip().splitlines() == [f"crucible: TLS CA certificate {d / 'ca.pem'}: not PEM (no "
+                                             f"-----BEGIN ...----- block)"], p.stderr
+    assert not run_dir.exists()
+
+
+def test_unusable_tls_files_are_named(tmp_path):
+    from crucible.certs import make
+
+    make(str(tmp_path / "a"), ["h"])
+    make(str(tmp_path / "b"), ["h"])
+    ca, cert, key = (str(tmp_path / "a" / n) for n in ("ca.pem", "h.pem", "h.key"))
+    assert tls.resolve(ca=ca, cert=cert, key=key) is not None
+    not_x509 = tmp_path / "not-x509.pem"
+    not_x509.write_text("-----BEGIN CERTIFICATE-----\nZ2FyYmFnZQ==\n-----END CERTIFICATE-----\n")
+    not_b64 = tmp_path / "not-b64.pem"
+    not_b64.write_text("-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n")
+    not_key = tmp_path / "not-key.key"
+    not_key.write_text("-----BEGIN PRIVATE KEY-----\nZ2FyYmFnZQ==\n-----END PRIVATE KEY-----\n")
+    other_key = str(tmp_path / "b" / "h.key")
+    for files, want in [
+        ((ca, key, key), f"TLS certificate {key}: not a certificate (its PEM blocks: PRIVATE KEY)"),
+        ((ca, cert, cert), f"TLS key {cert}: not a private key (its PEM blocks: CERTIFICATE)"),
+        ((str(not_b64), cert, key), f"TLS CA certificate {not_b64}: its PEM block is not valid base64"),
+        ((ca, str(not_x509), key), f"TLS certificate {not_x509}: not a readable X.509 certificate"),
+        ((ca, cert, str(not_key)), f"TLS key {not_key}: not a readable private key"),
+        ((ca, cert, other_key), f"TLS key {other_key} does not match the certificate {cert}"),
+    ]:
+        with pytest.raises(tls.TlsError) as e:
+            tls.resolve(ca=files[0], cert=files[1], key=files[2])
+        assert str(e.value).startswith(want), (want, str(e.value))
