@@ -14,6 +14,11 @@ SPEC is a comma-separated list of items:
     count=20          at most 20 kills in all (default: unlimited)
     seed=7            the random choices' seed (default 0)
 
+A bad item is refused by `parse` (ValueError naming it), and `crucible launch`
+refuses it before anything starts: numbers that are not finite and >= 0 (a gap
+of 0), @every on a named worker, a worker outside the job, `inner` in a job
+with fewer than 3 stages.
+
 Every kill is logged to the run's metrics as {"event": "chaos", ...} by the
 launcher, with the victim's pid and the time of the signal, so that recovery
 times can be measured from the metrics alone.
@@ -48,20 +53,23 @@ class Chaos:
     kills: int = 0
 
     @classmethod
-    def parse(cls, spec: str) -> "Chaos":
+    def parse(cls, spec: str, replicas: int | None = None, stages: int | None = None) -> "Chaos":
+        """The rules of SPEC; ValueError names the first bad item. With the job's
+        `replicas` and `stages`, a worker outside the job (r9s9 in a 1x2 job),
+        or `inner` where there is no inner stage, is refused too."""
         out = cls()
         for raw in filter(None, (p.strip() for p in spec.split(","))):
-            m = re.fullmatch(r"(count|seed|mtbf)=([0-9.]+)", raw)
+            m = re.fullmatch(r"(count|seed|mtbf)=(\S*)", raw)
             if m:
                 key, val = m.groups()
                 if key == "count":
-                    out.count = int(float(val))
+                    out.count = _number(raw, val, integer=True)
                 elif key == "seed":
-                    out.seed = int(float(val))
+                    out.seed = _number(raw, val, integer=True)
                 else:
-                    out.rules.append(Rule("any", mtbf=float(val)))
+                    out.rules.append(Rule("any", mtbf=_number(raw, val, positive=True)))
                 continue
-            m = re.fullmatch(r"(\w+)(?::(stop|term))?@(step|t|every)=([0-9.]+)", raw)
+            m = re.fullmatch(r"(\w+)(?::(stop|term))?@(step|t|every)=(\S*)", raw)
             if m and not (is_slot_name(m.group(1)) or m.group(1) in ("coordinator", "inner", "any")):
                 m = None
             if not m:
@@ -71,15 +79,19 @@ class Chaos:
             if target == "coordinator" and sig == "term":
                 raise ValueError(f"bad chaos item {raw!r}: a SIGTERM to the coordinator ends the job (a final "
                                  "checkpoint, then every worker stops), it is no fault; coordinator@t=20 kills it")
+            _check_target(raw, target, replicas, stages)
             rule = Rule(target, signal=(sig or "kill").upper())
             if kind == "step":
                 if not is_slot_name(target):
                     raise ValueError(f"bad chaos item {raw!r}: @step needs a worker name like r1s2")
-                rule.at_step = int(float(val))
+                rule.at_step = _number(raw, val, integer=True)
             elif kind == "t":
-                rule.at_time = float(val)
+                rule.at_time = _number(raw, val)
             else:
-                rule.every = float(val)
+                if target not in ("inner", "any"):
+                    raise ValueError(f"bad chaos item {raw!r}: @every picks a random worker: inner@every=30 "
+                                     "or any@every=30 (one worker once: @t or @step)")
+                rule.every = _number(raw, val, positive=True)
             out.rules.append(rule)
         out.rng = random.Random(out.seed)
         return out
@@ -111,3 +123,27 @@ class Chaos:
                         fire.append((self.rng.choice(sorted(pool)), rule.signal))
         self.kills += len(fire)
         return fire
+
+
+def _number(raw: str, val: str, integer: bool = False, positive: bool = False) -> float | int:
+    """The number of a chaos item: finite and >= 0 (> 0 with `positive`), whole with
+    `integer`; ValueError names the item."""
+    pattern = r"[0-9]+" if integer else r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+"
+    if not re.fullmatch(pattern, val):
+        raise ValueError(f"bad chaos item {raw!r}: {val!r} is not a {'whole ' if integer else ''}number >= 0")
+    num = int(val) if integer else float(val)
+    if positive and num <= 0:
+        raise ValueError(f"bad chaos item {raw!r}: must be > 0 (a gap of {val} s would fire without end)")
+    return num
+
+
+def _check_target(raw: str, target: str, replicas: int | None, stages: int | None) -> None:
+    """A worker named by a chaos item exists in the job; `inner` needs an inner stage."""
+    if is_slot_name(target):
+        r, s = slot_of(target)
+        if (replicas is not None and r >= replicas) or (stages is not None and s >= stages):
+            raise ValueError(f"bad chaos item {raw!r}: no worker {target} in this {replicas}x{stages} job "
+                             f"(r0s0 .. r{replicas - 1}s{stages - 1})")
+    elif target == "inner" and stages is not None and stages < 3:
+        raise ValueError(f"bad chaos item {raw!r}: a job of {stages} stage(s) has no inner stage "
+                         "(one between the first and the last): use any@...")

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return _run(args)
-    except (ConfigError, TlsError) as e:
+    except (ConfigError, TlsError, exits.UsageError) as e:
         print(f"crucible: {e}", file=sys.stderr)
         return exits.USAGE
     except KeyboardInterrupt:

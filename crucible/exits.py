@@ -32,6 +32,11 @@ RESTART = 75
 ERROR_FILE_ENV = "CRUCIBLE_ERROR_FILE"
 
 
+class UsageError(Exception):
+    """A bad flag or argument, found before anything starts: the message is the
+    one line to show (naming the flag), and the exit status is USAGE."""
+
+
 def interrupted(signum: int) -> int:
     return 128 + int(signum)
 

@@ -121,6 +121,14 @@ class Launcher:
                 self.overrides.append(f"{key}={val}")
         self.cfg = Config.load(args.config, self.overrides)   # fail early, naming the bad key
         extras.check_config(self.cfg)                          # ... or the missing optional package
+        self.chaos = None
+        if args.chaos:                                         # ... or the bad --chaos item, before anything starts
+            from crucible.chaos import Chaos
+
+            try:
+                self.chaos = Chaos.parse(args.chaos, self.cfg.job.replicas, self.cfg.job.stages)
+            except ValueError as e:
+                raise exits.UsageError(f"--chaos: {e}") from None
         self.stopping = 0                 # the signal that asked us to stop
         self.failure = ""                 # why the job failed (the launcher stops it)
         self.finished = False             # every replica trained train.steps steps
@@ -344,11 +352,9 @@ class Launcher:
             p.restart_at = p.died_at + delay
 
     def _supervise(self) -> int:
-        from crucible.chaos import Chaos
         from crucible.status import StatusClient
 
         client = StatusClient(self.addr, self.token)
-        self.chaos = Chaos.parse(self.args.chaos) if self.args.chaos else None
         self.t_start, self.stopped = time.monotonic(), {}
         last_print, last_status = 0.0, 0.0
         tty = sys.stdout.isatty()

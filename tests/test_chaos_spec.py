@@ -31,3 +31,25 @@ def test_due_fires_each_rule_when_it_is_due_and_stops_at_count():
     assert ("r1s0", "KILL") in fired and ("r0s1", "TERM") in fired
     assert len(fired) == 2 and c.kills == 3          # count=3: the third rule due now waits, and never fires
     assert c.due(10.0, {0: 9, 1: 9}, live, 3) == []
+
+
+@pytest.mark.parametrize("bad, why", [("garbage", "expected e.g."), ("mtbf=1.2.3", "'1.2.3' is not a number"),
+                                      ("mtbf=0", "must be > 0"), ("any@every=0", "must be > 0"),
+                                      ("inner:term@every=0.0", "must be > 0"), ("count=2.5", "not a whole number"),
+                                      ("r1s1@step=1e3", "not a whole number"), ("r0s1@every=3", "@every picks"),
+                                      ("any@t=nan", "not a number")])
+def test_a_bad_number_or_rule_is_named(bad, why):
+    """Numbers are refused at parse time, never later (mtbf=0 used to divide by
+    zero mid-run; every=0 raised TypeError in due(); 1.2.3 a float() error)."""
+    with pytest.raises(ValueError, match=f"bad chaos item {bad!r}.*{why}"):
+        Chaos.parse(f"seed=1,{bad}")
+
+
+@pytest.mark.parametrize("bad, why", [("r9s9@t=5", "no worker r9s9 in this 1x2 job"),
+                                      ("r1s0@step=3", "no worker r1s0 in this 1x2 job"),
+                                      ("r0s2:stop@t=1", "no worker r0s2 in this 1x2 job"),
+                                      ("inner@every=3", "a job of 2 stage(s) has no inner stage")])
+def test_a_worker_outside_the_job_is_named(bad, why):
+    with pytest.raises(ValueError, match=f"bad chaos item {bad!r}: {why}".replace("(", r"\(").replace(")", r"\)")):
+        Chaos.parse(f"count=2,{bad}", replicas=1, stages=2)
+    Chaos.parse(bad, replicas=10, stages=10)     # the same items fit a bigger job

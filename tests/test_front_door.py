@@ -216,3 +216,35 @@ def test_status_shows_a_slots_last_error(trained, start_job):
                                         if w["stage"] == 1 and w.get("last_error")), None), 60,
                        "r0s1's last error in status")
     assert "RuntimeError: stage 1 cannot be built on this host" in err["error"]
+
+
+# ---- usage errors: one line naming the flag or value, exit status 2, nothing started --------------------------
+
+JOB = ["--replicas", "1", "--stages", "2", "--steps", "20", *SMALL]
+
+
+def _usage_error(*args: str, env: dict | None = None, cwd: str = ROOT) -> str:
+    """`crucible ARGS` that must be refused as a usage error: exit 2 within
+    seconds, one line, no traceback; returns that line."""
+    t0 = time.monotonic()
+    done = subprocess.run(crucible_cmd(*args), cwd=cwd, env=env or child_env(), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=60)
+    secs, out = time.monotonic() - t0, done.stdout + done.stderr
+    assert done.returncode == 2, f"exit {done.returncode}:\n{out}"
+    assert "Traceback" not in out, out
+    lines = [x for x in out.splitlines() if x.strip()]
+    assert len(lines) == 1, out
+    assert secs < 20, f"took {secs:.1f}s:\n{out}"
+    return lines[0]
+
+
+@pytest.mark.parametrize("spec, why", [("garbage", "bad chaos item 'garbage'"),
+                                       ("mtbf=1.2.3", "bad chaos item 'mtbf=1.2.3'"),
+                                       ("mtbf=0", "bad chaos item 'mtbf=0': must be > 0"),
+                                       ("any@every=0", "bad chaos item 'any@every=0': must be > 0"),
+                                       ("count=3,r9s9@t=5", "bad chaos item 'r9s9@t=5': no worker r9s9 in this 1x2 job")])
+def test_a_bad_chaos_spec_is_refused_before_anything_starts(spec, why, tmp_path):
+    run = tmp_path / "run"
+    line = _usage_error("launch", "--run-dir", str(run), "--chaos", spec, *JOB)
+    assert line.startswith("crucible: --chaos: ") and why in line, line
+    assert not run.exists(), "the launch wrote its run directory before refusing --chaos"
