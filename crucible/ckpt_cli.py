@@ -27,11 +27,17 @@ from crucible.checkpoint import shard, store
 _STEP = re.compile(r"^step_(\d+)$")
 
 
+class _Usage(Exception):
+    """D is not a directory: one line, exit status 2."""
+
+
 def _resolve(d: str) -> tuple[Path, Path | None]:
     """(checkpoint root, one checkpoint or None)."""
     p = Path(d)
     if not p.exists():
-        raise SystemExit(f"crucible ckpt: {d}: no such directory")
+        raise _Usage(f"{d}: no such directory")
+    if not p.is_dir():
+        raise _Usage(f"{d}: not a directory (give a run directory, its checkpoints/ or one step_<N>)")
     if (p / store.MANIFEST).exists() or _STEP.match(p.name):
         return p.parent, p
     if (p / "checkpoints").is_dir():
@@ -223,7 +229,11 @@ def cmd_inspect(args) -> int:
 
 
 def main(args) -> int:
-    return {"list": cmd_list, "verify": cmd_verify, "inspect": cmd_inspect}[args.action](args)
+    try:
+        return {"list": cmd_list, "verify": cmd_verify, "inspect": cmd_inspect}[args.action](args)
+    except _Usage as e:
+        print(f"crucible ckpt: {e}", file=sys.stderr)
+        return 2
 
 
 def interval_main(args) -> int:

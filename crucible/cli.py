@@ -339,6 +339,13 @@ _ELSEWHERE = {"certs": "crucible.certs:main", "ckpt": "crucible.ckpt_cli:main",
 
 
 def _run(args) -> int:
+    from crucible import exits
+    from crucible.files import dir_problem
+
+    if args.cmd in ("launch", "check", "coordinator", "status", "kill", "interval") and args.run_dir:
+        problem = dir_problem(args.run_dir)
+        if problem:
+            raise exits.UsageError(f"--run-dir {args.run_dir}: {problem}")
     here = {"launch": _launch, "check": _check, "coordinator": _coordinator, "worker": _worker, "bench": _bench,
             "status": _status}
     if args.cmd in here:

@@ -83,6 +83,8 @@ def resolve_checkpoint(path: str) -> Path:
     p = Path(path)
     if not p.exists():
         raise ExportError(f"{path}: no such file or directory")
+    if not p.is_dir():
+        raise ExportError(f"{path}: not a directory")
     if (p / store.MANIFEST).is_file():
         return p
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
@@ -194,6 +196,11 @@ def export(ckpt: str, out_dir: str, replica: int | None = None, use_global: bool
     need("safetensors", "crucible export")
     from safetensors.torch import save_file
 
+    from crucible.files import dir_problem
+
+    problem = dir_problem(out_dir)
+    if problem:
+        raise ExportError(f"--out {out_dir}: {problem}")
     stages, cfg, source = checkpoint_state(ckpt, replica, use_global)
     tensors, layout = assemble(stages, cfg)
     os.makedirs(out_dir, exist_ok=True)

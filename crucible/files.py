@@ -28,3 +28,17 @@ def atomic_write(path: str, data: str | bytes, fsync: bool = True, mode: int | N
         except OSError:
             pass
         raise
+
+
+def dir_problem(path: str) -> str | None:
+    """Why ``path`` is not a directory and cannot become one (a file is there,
+    or at a folder above it), or None: a directory, or a path that
+    ``os.makedirs`` can create."""
+    p = os.path.abspath(path)
+    if os.path.exists(p):
+        return None if os.path.isdir(p) else "not a directory"
+    while p != os.path.dirname(p):
+        p = os.path.dirname(p)
+        if os.path.exists(p):
+            return None if os.path.isdir(p) else f"{p} is not a directory"
+    return None

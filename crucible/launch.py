@@ -36,7 +36,7 @@ import time
 
 from crucible import exits, extras, metrics, procs, rpc
 from crucible.config import Config
-from crucible.files import atomic_write
+from crucible.files import atomic_write, dir_problem
 from crucible.slots import slot_name, slot_of
 
 CRASH_LOOP_WINDOW_S = 120.0   # the same error twice within this: the job stops
@@ -114,6 +114,9 @@ class Launcher:
     def __init__(self, args, overrides: list[str]):
         self.args = args
         self.run_dir = os.path.abspath(args.run_dir or default_run_dir())
+        problem = dir_problem(self.run_dir)
+        if problem:
+            raise exits.UsageError(f"--run-dir {args.run_dir or self.run_dir}: {problem}")
         self.overrides = list(overrides)
         for key, val in (("job.replicas", args.replicas), ("job.stages", args.stages), ("train.steps", args.steps),
                          ("job.device", getattr(args, "device", None))):

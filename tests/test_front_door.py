@@ -248,3 +248,28 @@ def test_a_bad_chaos_spec_is_refused_before_anything_starts(spec, why, tmp_path)
     line = _usage_error("launch", "--run-dir", str(run), "--chaos", spec, *JOB)
     assert line.startswith("crucible: --chaos: ") and why in line, line
     assert not run.exists(), "the launch wrote its run directory before refusing --chaos"
+
+
+def test_a_file_where_a_directory_belongs(tmp_path):
+    """A run directory, checkpoint or export path that is a file (or lies under
+    one) is named in one line, exit 2: not a NotADirectoryError traceback, and
+    not a `check` that passes."""
+    f = tmp_path / "f"
+    f.write_text("")
+    cases = [("launch", "--run-dir", str(f), *JOB), ("launch", "--run-dir", str(f / "sub"), *JOB),
+             ("check", "--run-dir", str(f), *JOB), ("coordinator", "--run-dir", str(f)),
+             ("ckpt", "list", str(f)), ("ckpt", "verify", str(f)), ("ckpt", "inspect", str(f)),
+             ("export", "--out", str(tmp_path / "x"), str(f)), ("sample", str(f))]
+    for args in cases:
+        line = _usage_error(*args)
+        assert str(f) in line and "not a directory" in line, (args, line)
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_into_a_file_is_refused(trained, tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"precious")
+    for out in (f, f / "sub"):
+        line = _usage_error("export", "--out", str(out), str(trained / "run"))
+        assert line.startswith(f"crucible export: --out {out}: ") and "not a directory" in line, line
+    assert f.read_bytes() == b"precious"
