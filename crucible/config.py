@@ -240,6 +240,9 @@ class Config:
                     tree = tomllib.load(f)
             except (OSError, tomllib.TOMLDecodeError) as e:
                 raise ConfigError(f"cannot read config file {path}: {e}") from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"cannot read config file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} "
+                                  f"at offset {e.start}); TOML files are UTF-8") from None
             cfg.apply_tree(tree)
         if overrides:
             items = list(overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides])
@@ -331,7 +334,7 @@ class Config:
         need(0 <= m.subspace_rank <= m.d_model, "model.subspace_rank", "must be in 0..d_model")
         need(m.subspace_token_shift >= 0, "model.subspace_token_shift", "must be >= 0")
         need(0.0 < self.data.eval_fraction < 0.5, "data.eval_fraction", "must be in (0, 0.5)")
-        need(0 < self.data.max_bytes, "data.max_bytes", "must be >= 1")
+        need(self.data.max_bytes >= 1, "data.max_bytes", "must be >= 1 (bytes of text to read)")
         for key in ("compress.forward", "compress.backward"):
             # The workers' own parser (crucible.compress.specs, no torch): what
             # they would refuse after starting is refused here, naming the key.

@@ -30,6 +30,8 @@ def test_toml_and_overrides(tmp_path):
     ("model.n_head=3", "bad value for 'model.n_head'"),
     ("net.overlap_copies=yes", "bad value for 'net.overlap_copies'"),
     ("noequals", "must look like section.key=value"),
+    ("data.max_bytes=-5", "bad value for 'data.max_bytes': must be >= 1"),
+    ("data.max_bytes=0", "bad value for 'data.max_bytes': must be >= 1"),
 ])
 def test_bad_keys_and_values_are_named(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -47,6 +49,9 @@ def test_toml_errors_name_the_key(tmp_path):
         Config.load(str(p))
     p.write_text("[train\n")
     with pytest.raises(ConfigError, match="cannot read config file"):
+        Config.load(str(p))
+    p.write_bytes(b"\xff\xfe[train]\n")          # not UTF-8 (a UTF-16 byte-order mark)
+    with pytest.raises(ConfigError, match=f"cannot read config file {p}: not UTF-8 text \\(byte 0xff at offset 0\\)"):
         Config.load(str(p))
 
 

@@ -273,3 +273,18 @@ def test_export_into_a_file_is_refused(trained, tmp_path):
         line = _usage_error("export", "--out", str(out), str(trained / "run"))
         assert line.startswith(f"crucible export: --out {out}: ") and "not a directory" in line, line
     assert f.read_bytes() == b"precious"
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
+    bad = tmp_path / "h.toml"
+    bad.write_bytes(b"\xff\xfe[train]\n")
+    for cmd in ("check", "launch"):
+        line = _usage_error(cmd, "--config", str(bad), "--run-dir", str(tmp_path / "run"))
+        assert line == f"crucible: cannot read config file {bad}: not UTF-8 text (byte 0xff at offset 0); " \
+                       "TOML files are UTF-8", line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_data_max_bytes_is_named(tmp_path):
+    line = _usage_error("check", *JOB, "data.max_bytes=-5")
+    assert line == "crucible: bad value for 'data.max_bytes': must be >= 1 (bytes of text to read) (got -5)", line
