@@ -9,6 +9,7 @@ import signal
 import sys
 
 from crucible import procs
+from crucible.exits import UsageError
 
 
 def _common_job_args(p: argparse.ArgumentParser) -> None:
@@ -197,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return _run(args)
-    except (ConfigError, TlsError, exits.UsageError) as e:
+    except (ConfigError, TlsError, UsageError) as e:
+        exits.write_error(str(e))          # under `launch`: the cause it shows, and its crash-loop rule's
         print(f"crucible: {e}", file=sys.stderr)
         return exits.USAGE
     except KeyboardInterrupt:
@@ -338,14 +340,33 @@ _ELSEWHERE = {"certs": "crucible.certs:main", "ckpt": "crucible.ckpt_cli:main",
               "sample": "crucible.export:main"}
 
 
-def _run(args) -> int:
-    from crucible import exits
+def check_hostport(flag: str, value: str, dial: bool = False) -> None:
+    """``host:port`` (``[v6]:port`` for an IPv6 address), the port a number in
+    0..65535 (1..65535 for an address to `dial`); UsageError names the flag."""
+    from crucible.config import hostport_problem
+
+    problem = hostport_problem(value, dial)
+    if problem:
+        raise UsageError(f"{flag} {value!r}: {problem}")
+
+
+def _check_args(args) -> None:
+    """What can be refused before anything starts: addresses that are not
+    host:port, a run directory that is a file."""
     from crucible.files import dir_problem
 
+    for flag, dial in (("coordinator", True), ("bind", False), ("advertise", True)):
+        value = getattr(args, flag, None)
+        if value is not None and (value or flag != "advertise"):     # --advertise "" = the bound address
+            check_hostport(f"--{flag}", value, dial)
     if args.cmd in ("launch", "check", "coordinator", "status", "kill", "interval") and args.run_dir:
         problem = dir_problem(args.run_dir)
         if problem:
-            raise exits.UsageError(f"--run-dir {args.run_dir}: {problem}")
+            raise UsageError(f"--run-dir {args.run_dir}: {problem}")
+
+
+def _run(args) -> int:
+    _check_args(args)
     here = {"launch": _launch, "check": _check, "coordinator": _coordinator, "worker": _worker, "bench": _bench,
             "status": _status}
     if args.cmd in here:

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,28 @@ SEED_MAX = 10**16
 
 class ConfigError(ValueError):
     """A configuration key or value is invalid; the message names it."""
+
+
+_HOST = r"[\w.-]+"                                        # a name or an IPv4 address
+_V6 = r"[0-9A-Fa-f.]*:[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(?:%[\w.-]+)?"   # an IPv6 address ([v6] before a port)
+_HOSTPORT = re.compile(rf"(?:\[{_V6}\]|{_HOST}):(?P<port>[0-9]+)")
+
+
+def hostport_problem(value: str, dial: bool = False) -> str | None:
+    """Why ``value`` is not ``host:port`` (``[v6]:port`` for an IPv6 address) with
+    the port a number in 0..65535 (1..65535 for an address to `dial`), or None."""
+    m = _HOSTPORT.fullmatch(value)
+    if not m:
+        return "expected host:port, e.g. 127.0.0.1:7000, node1:7000 or [::1]:7000"
+    port, low = int(m.group("port")), 1 if dial else 0
+    if not low <= port <= 65535:
+        return f"port {port} is out of range ({low}..65535)"
+    return None
+
+
+def is_host(value: str) -> bool:
+    """A host name, an IPv4 address or an IPv6 one (bare or in brackets), without a port."""
+    return re.fullmatch(rf"{_HOST}|{_V6}|\[{_V6}\]", value) is not None
 
 
 @dataclass
@@ -420,6 +443,10 @@ class Config:
         need(self.net.link_mbps >= 0, "net.link_mbps", "must be >= 0")
         need(self.net.overlap_copies in ("auto", "on", "off"), "net.overlap_copies", "must be auto, on or off")
         need(self.net.keepalive_s > 0, "net.keepalive_s", "must be > 0")
+        need(is_host(self.net.bind), "net.bind",
+             "must be a host name or address, without a port (e.g. 127.0.0.1, 0.0.0.0 or ::1)")
+        adv = hostport_problem(self.net.advertise, dial=True) if self.net.advertise else None
+        need(adv is None, "net.advertise", f"{adv}; or empty (the bound address)")
         need(-1 <= self.metrics.prometheus_port <= 65535, "metrics.prometheus_port",
              "must be -1 (off), 0 (any free port) or a port")
         tls = [k for k in ("net.tls_ca", "net.tls_cert", "net.tls_key") if self.get(k)]

@@ -151,13 +151,18 @@ class Launcher:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
+    def _bind_host(self) -> str:
+        """net.bind as the host of a host:port (an IPv6 address in brackets)."""
+        host = self.cfg.net.bind
+        return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
     def _coordinator_argv(self, start: str) -> list[str]:
         """start: "fresh" (a new job), "resume" (the whole job from its latest
         checkpoint) or "restart" (a crashed coordinator, continuing from its
         predecessor's saved state)."""
         # A restarted coordinator binds the port of the one it replaces: workers
         # only know that address.
-        bind = self.addr if getattr(self, "addr", None) else f"{self.cfg.net.bind}:0"
+        bind = self.addr if getattr(self, "addr", None) else f"{self._bind_host()}:0"
         argv = [sys.executable, "-m", "crucible", "coordinator", "--run-dir", self.run_dir, "--bind", bind]
         if self.args.config:
             argv += ["--config", self.args.config]
@@ -199,7 +204,7 @@ class Launcher:
         name = slot_name(r, s)
         if name not in self.workers:
             argv = [sys.executable, "-m", "crucible", "worker", "--coordinator", self.addr,
-                    "--replica", str(r), "--stage", str(s), "--bind", f"{self.cfg.net.bind}:0"]
+                    "--replica", str(r), "--stage", str(s), "--bind", f"{self._bind_host()}:0"]
             self.workers[name] = Proc(name, argv, os.path.join(self.run_dir, "logs", f"{name}.log"), self._env())
         w = self.workers[name]
         w.argv[w.argv.index("--coordinator") + 1] = self.addr

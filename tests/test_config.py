@@ -147,3 +147,16 @@ def test_check_names_a_bad_beta_in_one_line():
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "train.beta1" in lines[0] and "[0, 1)" in lines[0], out.stderr
+@pytest.mark.parametrize("override, ok", [
+    ("net.bind=0.0.0.0", True), ("net.bind=node-1.example", True), ("net.bind=::1", True), ("net.bind=[::1]", True),
+    ("net.bind=127.0.0.1:7000", False), ("net.bind=", False), ("net.bind=a b", False),
+    ("net.advertise=", True), ("net.advertise=node1:7000", True), ("net.advertise=[fe80::1%eth0]:7000", True),
+    ("net.advertise=node1", False), ("net.advertise=node1:0", False), ("net.advertise=node1:99999", False),
+    ("net.advertise=::1:7000", False),
+])
+def test_addresses_in_the_config(override, ok):
+    if ok:
+        Config.load(None, [override])
+    else:
+        with pytest.raises(ConfigError, match=f"bad value for '{override.split('=')[0]}'"):
+            Config.load(None, [override])

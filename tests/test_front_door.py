@@ -288,3 +288,35 @@ def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
 def test_a_bad_data_max_bytes_is_named(tmp_path):
     line = _usage_error("check", *JOB, "data.max_bytes=-5")
     assert line == "crucible: bad value for 'data.max_bytes': must be >= 1 (bytes of text to read) (got -5)", line
+
+
+@pytest.mark.parametrize("args, flag, why", [
+    (["worker", "--coordinator", "127.0.0.1:notaport", "--replica", "0", "--stage", "0"], "--coordinator",
+     "expected host:port"),
+    (["worker", "--coordinator", ""], "--coordinator", "expected host:port"),
+    (["worker", "--coordinator", "127.0.0.1:99999"], "--coordinator", "port 99999 is out of range (1..65535)"),
+    (["worker", "--coordinator", "127.0.0.1:0"], "--coordinator", "port 0 is out of range (1..65535)"),
+    (["worker", "--coordinator", "::1:7000"], "--coordinator", "expected host:port"),       # IPv6 needs [ ]
+    (["worker", "--coordinator", "127.0.0.1:7000", "--bind", "127.0.0.1:99999"], "--bind", "port 99999"),
+    (["worker", "--coordinator", "127.0.0.1:7000", "--advertise", "node2"], "--advertise", "expected host:port"),
+    (["status", "--coordinator", ""], "--coordinator", "expected host:port"),
+    (["coordinator", "--run-dir", "{tmp}/run", "--bind", "garbage"], "--bind", "expected host:port"),
+    (["coordinator", "--run-dir", "{tmp}/run", "--bind", "127.0.0.1:99999"], "--bind",
+     "port 99999 is out of range (0..65535)"),
+])
+def test_a_malformed_address_is_named(args, flag, why, tmp_path):
+    """Not a silent 120 s of retries and a gRPC traceback (a port that is no
+    number), a TypeError (status --coordinator ''), or a port silently wrapped
+    past 65535 (99999 became 34463)."""
+    env = dict(child_env(), CRUCIBLE_TOKEN="x")
+    line = _usage_error(*[a.replace("{tmp}", str(tmp_path)) for a in args], env=env)
+    value = args[args.index(flag) + 1]
+    assert line.startswith(f"crucible: {flag} {value!r}: ") and why in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_bracketed_ipv6_addresses_pass_the_check(tmp_path):
+    """[::1]:PORT is an address: status gets as far as dialing it (nothing there)."""
+    done = subprocess.run(crucible_cmd("status", "--coordinator", "[::1]:1"), cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "coordinator at [::1]:1 does not answer" in done.stderr, done.stderr
