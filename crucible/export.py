@@ -52,6 +52,7 @@ Needs safetensors (``pip install 'crucible[report]'``) and torch.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -315,9 +316,21 @@ def loss(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> float:
 # ---- sampling --------------------------------------------------------------------------------------------------
 
 
+def check_sampling(tokens: int, temperature: float, top_k: int) -> None:
+    """ExportError naming the flag: --tokens and --top-k below 0, a --temperature
+    that is negative or not finite (0 = greedy)."""
+    if tokens < 0:
+        raise ExportError(f"--tokens must be >= 0 (got {tokens})")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ExportError(f"--temperature must be a finite number >= 0 (0 = greedy; got {temperature})")
+    if top_k < 0:
+        raise ExportError(f"--top-k must be >= 0 (0 = all tokens; got {top_k})")
+
+
 def sample(model: nn.Module, cfg: Config, prompt: bytes, tokens: int, temperature: float = 0.8, top_k: int = 0,
            seed: int = 0) -> list[int]:
     """Token ids generated after ``prompt`` (byte tokens), seeded."""
+    check_sampling(tokens, temperature, top_k)
     if cfg.model.vocab_size < 256 and any(b >= cfg.model.vocab_size for b in prompt):
         raise ExportError(f"the prompt has bytes outside the model's vocabulary ({cfg.model.vocab_size})")
     g = torch.Generator().manual_seed(seed)
@@ -361,8 +374,7 @@ def main(args) -> int:
                   f" of {src['checkpoint']} (step {src['step']}): {meta['parameters']:,} parameters, layout "
                   f"{meta['layout']}, to {os.path.join(args.out, WEIGHTS)} and {CONFIG}")
             return 0
-        if args.tokens < 0:
-            raise ExportError("--tokens must be >= 0")
+        check_sampling(args.tokens, args.temperature, args.top_k)     # before the model is loaded
         model, cfg, source = load_any(args.model, args.replica, args.use_global)
         if cfg.model.vocab_size != 256 or cfg.data.path.endswith(".bin"):
             print("crucible sample: note: the model's tokens are not bytes; the output is their ids as bytes",

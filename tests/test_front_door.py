@@ -320,3 +320,23 @@ def test_bracketed_ipv6_addresses_pass_the_check(tmp_path):
     done = subprocess.run(crucible_cmd("status", "--coordinator", "[::1]:1"), cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "coordinator at [::1]:1 does not answer" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("flag, value, why", [("--temperature", "nan", "--temperature must be a finite number >= 0"),
+                                              ("--temperature", "inf", "--temperature must be a finite number >= 0"),
+                                              ("--temperature", "-1", "--temperature must be a finite number >= 0"),
+                                              ("--top-k", "-3", "--top-k must be >= 0"),
+                                              ("--tokens", "-1", "--tokens must be >= 0")])
+def test_bad_sampling_flags_are_named(flag, value, why, trained):
+    """Was a RuntimeError traceback from torch.multinomial (nan), or a negative
+    temperature taken silently as greedy."""
+    line = _usage_error("sample", str(trained / "run"), "--tokens", "5", flag, value)
+    assert line.startswith(f"crucible sample: {why}") and value in line, line
+
+
+def test_temperature_zero_is_greedy(trained):
+    outs = [subprocess.run(crucible_cmd("sample", str(trained / "run"), "--tokens", "8", "--temperature", "0",
+                                        "--seed", seed), cwd=ROOT, env=child_env(), capture_output=True,
+                           timeout=60) for seed in ("1", "2")]
+    assert all(o.returncode == 0 for o in outs), outs[0].stderr
+    assert outs[0].stdout == outs[1].stdout     # no randomness: the seed does not matter
