@@ -22,22 +22,19 @@ import sys
 import time
 from pathlib import Path
 
+from crucible import exits
 from crucible.checkpoint import shard, store
 
 _STEP = re.compile(r"^step_(\d+)$")
-
-
-class _Usage(Exception):
-    """D is not a directory: one line, exit status 2."""
 
 
 def _resolve(d: str) -> tuple[Path, Path | None]:
     """(checkpoint root, one checkpoint or None)."""
     p = Path(d)
     if not p.exists():
-        raise _Usage(f"{d}: no such directory")
+        raise exits.UsageError(f"{d}: no such directory")
     if not p.is_dir():
-        raise _Usage(f"{d}: not a directory (give a run directory, its checkpoints/ or one step_<N>)")
+        raise exits.UsageError(f"{d}: not a directory (give a run directory, its checkpoints/ or one step_<N>)")
     if (p / store.MANIFEST).exists() or _STEP.match(p.name):
         return p.parent, p
     if (p / "checkpoints").is_dir():
@@ -231,9 +228,9 @@ def cmd_inspect(args) -> int:
 def main(args) -> int:
     try:
         return {"list": cmd_list, "verify": cmd_verify, "inspect": cmd_inspect}[args.action](args)
-    except _Usage as e:
+    except exits.UsageError as e:
         print(f"crucible ckpt: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
 
 
 def interval_main(args) -> int:

@@ -359,7 +359,8 @@ def _check_args(args) -> None:
         value = getattr(args, flag, None)
         if value is not None and (value or flag != "advertise"):     # --advertise "" = the bound address
             check_hostport(f"--{flag}", value, dial)
-    if args.cmd in ("launch", "check", "coordinator", "status", "kill", "interval") and args.run_dir:
+    # (launch checks its own, default, run directory: crucible.launch.Launcher)
+    if args.cmd in ("check", "coordinator", "status", "kill", "interval") and args.run_dir:
         problem = dir_problem(args.run_dir)
         if problem:
             raise UsageError(f"--run-dir {args.run_dir}: {problem}")

@@ -43,14 +43,15 @@ class ConfigError(ValueError):
 
 _HOST = r"[\w.-]+"                                        # a name or an IPv4 address
 _V6 = r"[0-9A-Fa-f.]*:[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(?:%[\w.-]+)?"   # an IPv6 address ([v6] before a port)
-_HOSTPORT = re.compile(rf"(?:\[{_V6}\]|{_HOST}):(?P<port>[0-9]+)")
+_HOSTPORT = re.compile(rf"(?P<host>\[{_V6}\]|{_HOST})?:(?P<port>[0-9]+)")
 
 
 def hostport_problem(value: str, dial: bool = False) -> str | None:
     """Why ``value`` is not ``host:port`` (``[v6]:port`` for an IPv6 address) with
-    the port a number in 0..65535 (1..65535 for an address to `dial`), or None."""
+    the port a number in 0..65535 (1..65535 for an address to `dial`), or None.
+    An address to bind may leave the host out (``:7000``: the default host)."""
     m = _HOSTPORT.fullmatch(value)
-    if not m:
+    if not m or (dial and not m.group("host")):
         return "expected host:port, e.g. 127.0.0.1:7000, node1:7000 or [::1]:7000"
     port, low = int(m.group("port")), 1 if dial else 0
     if not low <= port <= 65535:
@@ -292,10 +293,13 @@ class Config:
                 setattr(self.model, key, value)
 
     @classmethod
-    def from_dict(cls, tree: dict) -> "Config":
+    def from_dict(cls, tree: dict, validate: bool = True) -> "Config":
+        """``validate=False`` for a configuration stored by a finished run (a
+        checkpoint's, an export's): valid when it ran, whatever rules came since."""
         cfg = cls()
         cfg.apply_tree(tree)
-        cfg.validate()
+        if validate:
+            cfg.validate()
         return cfg
 
     def to_dict(self) -> dict:

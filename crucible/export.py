@@ -105,7 +105,7 @@ def checkpoint_state(ckpt: str, replica: int | None = None, use_global: bool = F
         raise ExportError(str(e)) from None
     if not isinstance(manifest.get("config"), dict):
         raise ExportError(f"{path}/{store.MANIFEST} has no job configuration (written by an older Crucible)")
-    cfg = Config.from_dict(manifest["config"])
+    cfg = Config.from_dict(manifest["config"], validate=False)
     R, S = cfg.job.replicas, cfg.job.stages
     names = {s["name"] for s in manifest["shards"]}
     complete = [r for r in range(R) if all(store.shard_name(r, s) in names for s in range(S))]
@@ -280,7 +280,7 @@ def load_model(path: str) -> tuple[nn.Module, Config]:
         raise ExportError(f"{path}/{CONFIG}: {e}") from None
     if meta.get("format") != FORMAT:
         raise ExportError(f"{path}/{CONFIG}: not a Crucible export (format {meta.get('format')!r})")
-    cfg = Config.from_dict(meta["config"])
+    cfg = Config.from_dict(meta["config"], validate=False)
     return load_state(load_file(os.path.join(path, WEIGHTS)), cfg, meta.get("layout", "gpt")), cfg
 
 

@@ -206,8 +206,8 @@ def test_a_resume_that_cannot_fit_stops_with_one_line_and_moves_nothing(referenc
     assert before
     line = _resume_refused(run_dir, ["--replicas", "1"])
     assert "is of a 2x2 job and this one is 1x2" in line and "--replicas 2 --stages 2" in line, line
-    line = _resume_refused(run_dir, ["model.d_model=64", "model.n_head=4"])
-    assert "model.d_model=32 (this job: 64)" in line and "model.n_head=2 (this job: 4)" in line, line
+    line = _resume_refused(run_dir, ["model.d_model=64", "model.n_layer=2"])
+    assert "model.n_layer=4 (this job: 2), model.d_model=32 (this job: 64)" in line, line
     for ckpt in before:
         _flip_byte(os.path.join(ckpt, "r0s1.shard"))
     line = _resume_refused(run_dir, [])

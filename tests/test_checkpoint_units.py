@@ -309,6 +309,23 @@ def test_an_inner_stage_lost_before_its_shard_leaves_its_slot_vacant_in_the_save
     assert m.pending is None and m.aborted == 1 and "r1s2 lost" in c.metrics.events[-1]["reason"]
 
 
+def test_a_save_that_would_hold_no_copy_of_a_stage_is_aborted(tmp_path):
+    """Both replicas' stage 1 lost during the save: the first goes vacant, the
+    second would leave the checkpoint with no copy of the stage (no resume
+    could use it): aborted."""
+    c = _coordinator(tmp_path, stages=3)
+    m = c.ckpt
+    m.prepare(resume=False)
+    m._tick()
+    assert m.target() > 0
+    _lose(c, "r0s1-x")
+    m._tick()
+    assert m.pending is not None and m.aborted == 0
+    _lose(c, "r1s1-x")
+    m._tick()
+    assert m.pending is None and "r1s1 lost" in c.metrics.events[-1]["reason"]
+
+
 @pytest.mark.parametrize("policy", ["wait", "restart"])
 def test_an_inner_stage_lost_aborts_the_save_unless_its_replica_skips_it(tmp_path, policy):
     c = _coordinator(tmp_path, stages=3, **{"fault.on_stage_failure": policy})

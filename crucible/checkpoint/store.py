@@ -412,19 +412,21 @@ def set_aside(ckpt_path: str | os.PathLike, label: str) -> str:
     return str(aside)
 
 
-_MODEL_SHAPE = ("n_layer", "n_head", "d_model", "vocab_size", "subspace_rank")   # keys that shape the parameters
+_MODEL_SHAPE = ("n_layer", "d_model", "vocab_size", "subspace_rank")   # keys that shape the parameters
 
 
 def resume_mismatch(manifest: Mapping[str, Any], cfg: Mapping[str, Any]) -> str | None:
     """Why a job of configuration ``cfg`` (``Config.to_dict()``) cannot resume
     from a checkpoint with ``manifest``: another topology, or another model
     (its shards would not load). None when it can."""
-    topo = manifest.get("topology") or {}
+    topo = manifest.get("topology")
+    topo = topo if isinstance(topo, Mapping) else {}
     r, s = topo.get("replicas"), topo.get("stages")
     if (r, s) != (cfg["job"]["replicas"], cfg["job"]["stages"]):
         return (f"it is of a {r}x{s} job and this one is {cfg['job']['replicas']}x{cfg['job']['stages']}: "
                 f"resume with --replicas {r} --stages {s}, or use another run directory")
-    old = (manifest.get("config") or {}).get("model")
+    stored = manifest.get("config")
+    old = stored.get("model") if isinstance(stored, Mapping) else None
     if isinstance(old, Mapping):
         diff = [f"model.{k}={old[k]!r} (this job: {cfg['model'][k]!r})" for k in _MODEL_SHAPE
                 if k in old and k in cfg["model"] and old[k] != cfg["model"][k]]

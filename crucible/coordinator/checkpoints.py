@@ -633,7 +633,7 @@ class CheckpointManager:
             w, h = self.m.worker(wid), self.m.holder(slot)
             if w is None or h is not w or w.state not in ("alive", "done"):
                 why = f"{slot_name(*slot)} lost ({w.state if w else 'gone'}) before its shard was in"
-                if not self._trains_on_without(slot):
+                if not self._trains_on_without(p, slot):
                     return why
                 # Its replica skips the stage and reaches T all the same: the slot
                 # is vacant in this save, as if it had been off the route when the
@@ -656,12 +656,17 @@ class CheckpointManager:
             return f"shards {missing} missing {self.stuck_timeout_s:.0f}s after every replica passed step {p.step}"
         return None
 
-    def _trains_on_without(self, slot: tuple[int, int]) -> bool:
+    def _trains_on_without(self, p: Save, slot: tuple[int, int]) -> bool:
         """Under the lock: the replica of ``slot`` is still training after losing
         its worker (an inner stage, skipped under ``on_stage_failure = skip``),
-        so its other stages still snapshot at the save's step."""
-        return (self.job_cfg.fault.on_stage_failure == "skip" and 0 < slot[1] < self.job_cfg.job.stages - 1
-                and self.m.replica_states().get(slot[0]) == "training")
+        so its other stages still snapshot at the save's step; and another
+        replica's copy of the stage is in the save (or still expected): a
+        checkpoint with no copy of a stage could not be resumed from."""
+        r, s = slot
+        copy = any(s2 == s and r2 != r for r2, s2 in p.required.values()) or \
+            any(rp["stage"] == s and rp["replica"] != r for rp in p.reports.values())
+        return (copy and self.job_cfg.fault.on_stage_failure == "skip" and 0 < s < self.job_cfg.job.stages - 1
+                and self.m.replica_states().get(r) == "training")
 
     def _abort(self, p: Save, reason: str) -> None:
         """Under the lock."""

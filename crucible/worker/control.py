@@ -122,7 +122,12 @@ class ControlClient:
                         raise RuntimeError(f"cannot reach the coordinator: {why}") from None
                 raise
 
-        return retry(once, deadline_s, stop=self.stop)
+        try:
+            return retry(once, deadline_s, stop=self.stop)
+        except grpc.RpcError:
+            if self.stop.is_set():     # a SIGTERM while the coordinator was out of reach: a stop, not a failure
+                raise Stopping("stopped while the coordinator was out of reach") from None
+            raise
 
     def job_info(self, replica: int, stage: int, deadline_s: float = 120.0) -> pb.JobInfoReply:
         req = pb.JobInfoRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage)

@@ -170,6 +170,7 @@ class Replacement:
         ``replacement_ready`` as seconds per phase."""
         t0 = time.perf_counter()
         source = self._from_peer()
+        self.links.check_stop()     # (a SIGTERM while it pulled: stop now, not after the catch-up)
         if source is None:   # nobody could give this stage: a committed checkpoint, if one is new enough
             source = self.ckpt.restore_for_replacement(min_step=slot_step)
         if source is None and slot_step > 0 and self.outer.mode != "none":
@@ -180,6 +181,7 @@ class Replacement:
                 self.outer.load_global(self.outer.theta_global.clone(), self.outer.round)
         elif source is not None:
             self.catch_up(source)
+        self.links.check_stop()
         if source is None and slot_step > 0:
             self._stage_lost(slot_step)
         source = source or "init"
