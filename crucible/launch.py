@@ -290,11 +290,11 @@ class Launcher:
         R, S = self.cfg.job.replicas, self.cfg.job.stages
         print(f"crucible: run directory {self.run_dir}", flush=True)
         try:
-            t0 = time.time()
+            offset = metrics.size(self.run_dir)
             self.addr = self._start_coordinator("resume" if self.args.resume else "fresh")
             self.came_up = True
             if self.args.resume:
-                self._say_where_it_resumes(since=t0)
+                self._say_where_it_resumes(offset)
             for r in range(R):
                 for s in range(S):
                     self._start_worker(r, s)
@@ -313,14 +313,15 @@ class Launcher:
                 print(self._summary(ending), flush=True)
                 print(self._resume_hint(), flush=True)
 
-    def _say_where_it_resumes(self, since: float, wait_s: float = 3.0) -> None:
+    def _say_where_it_resumes(self, offset: int, wait_s: float = 3.0) -> None:
         """The coordinator's choice of checkpoint, on the terminal: the step it
         resumes from and each newer one it passed over (damaged, incomplete),
-        or that there was none (a new run starts from step 0)."""
+        or that there was none (a new run starts from step 0). ``offset``: the
+        size of metrics.jsonl before this coordinator started (only its events
+        are read, not a long run's whole history)."""
         t_end = time.monotonic() + wait_s
         while True:
-            events = [e for e in metrics.read_events(metrics.path_of(self.run_dir))
-                      if e.get("time", 0) >= since]
+            events = metrics.read_events(self.run_dir, offset=offset)
             resumed = [e for e in events if e.get("event") == "ckpt_resume"]
             if resumed or time.monotonic() > t_end:
                 break

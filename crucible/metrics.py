@@ -22,15 +22,17 @@ def path_of(run_dir_or_path: str) -> str:
     return os.path.join(p, FILE) if os.path.isdir(p) else p
 
 
-def read(run_dir_or_path: str, kind: str | None = None) -> tuple[list[dict], int]:
+def read(run_dir_or_path: str, kind: str | None = None, offset: int = 0) -> tuple[list[dict], int]:
     """(the events, in file order, of one kind or all; how many lines did not
-    parse). A missing file is no events."""
+    parse). A missing file is no events. ``offset``: only what was written
+    after the file had that many bytes."""
     events, bad = [], 0
     try:
         f = open(path_of(run_dir_or_path), "rb")
     except OSError:
         return [], 0
     with f:
+        f.seek(offset)
         for raw in f:
             if not raw.strip():
                 continue
@@ -44,9 +46,17 @@ def read(run_dir_or_path: str, kind: str | None = None) -> tuple[list[dict], int
     return events, bad
 
 
-def read_events(run_dir_or_path: str, kind: str | None = None) -> list[dict]:
-    """The events (of one kind, or all), in file order."""
-    return read(run_dir_or_path, kind)[0]
+def read_events(run_dir_or_path: str, kind: str | None = None, offset: int = 0) -> list[dict]:
+    """The events (of one kind, or all), in file order (from byte ``offset``)."""
+    return read(run_dir_or_path, kind, offset)[0]
+
+
+def size(run_dir_or_path: str) -> int:
+    """Bytes in the file now (0 without one): an ``offset`` for reading what comes next."""
+    try:
+        return os.path.getsize(path_of(run_dir_or_path))
+    except OSError:
+        return 0
 
 
 def append_event(run_dir: str, event: dict) -> None:

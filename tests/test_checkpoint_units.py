@@ -277,15 +277,22 @@ def _lose(c, wid: str) -> None:
         c.m.recompute_routes()
 
 
+def _named(tmp_path, **overrides):
+    """A 2 x 3 stand-in whose manager has named its first save."""
+    c = _coordinator(tmp_path, stages=3, **overrides)
+    c.ckpt.prepare(resume=False)
+    c.ckpt._tick()
+    assert c.ckpt.target() > 0
+    return c
+
+
 def test_an_inner_stage_lost_before_its_shard_leaves_its_slot_vacant_in_the_save(tmp_path):
     """Under on_stage_failure = skip, a replica whose inner stage dies before its
     shard is in trains on and reaches T: the save commits with that slot vacant
     (and a replacement's shard where one reached T). A first or last stage lost
     pauses the replica: the save is aborted, as under the wait policy."""
-    c = _coordinator(tmp_path, stages=3)
+    c = _named(tmp_path)
     m = c.ckpt
-    m.prepare(resume=False)
-    m._tick()
     t = m.target()
     _lose(c, "r0s1-x")
     m._tick()
@@ -313,11 +320,8 @@ def test_a_save_that_would_hold_no_copy_of_a_stage_is_aborted(tmp_path):
     """Both replicas' stage 1 lost during the save: the first goes vacant, the
     second would leave the checkpoint with no copy of the stage (no resume
     could use it): aborted."""
-    c = _coordinator(tmp_path, stages=3)
+    c = _named(tmp_path)
     m = c.ckpt
-    m.prepare(resume=False)
-    m._tick()
-    assert m.target() > 0
     _lose(c, "r0s1-x")
     m._tick()
     assert m.pending is not None and m.aborted == 0
@@ -328,11 +332,8 @@ def test_a_save_that_would_hold_no_copy_of_a_stage_is_aborted(tmp_path):
 
 @pytest.mark.parametrize("policy", ["wait", "restart"])
 def test_an_inner_stage_lost_aborts_the_save_unless_its_replica_skips_it(tmp_path, policy):
-    c = _coordinator(tmp_path, stages=3, **{"fault.on_stage_failure": policy})
+    c = _named(tmp_path, **{"fault.on_stage_failure": policy})
     m = c.ckpt
-    m.prepare(resume=False)
-    m._tick()
-    assert m.target() > 0
     _lose(c, "r0s1-x")
     m._tick()
     assert m.pending is None and "r0s1 lost" in c.metrics.events[-1]["reason"]
