@@ -9,10 +9,12 @@
 #   launch/gpu-check.sh demo    crucible launch --device cuda, 2 x 3 with outer sync, an inner worker
 #                               SIGKILLed by --chaos: demo.log, demo-status.json, demo-events.jsonl
 #   launch/gpu-check.sh all     the three, in that order
+#   launch/gpu-check.sh checks  tests and demo at the same time (then run bench alone)
 #
 # GPU_CHECK_DEVICE=cpu runs the same phases on the CPU with the quick bench
-# (the smoke run before spending GPU time). Every phase is bounded; the whole
-# of `all` is sized for about 10 minutes on one H200.
+# (the smoke run before spending GPU time). Every phase is bounded
+# (TESTS_TIMEOUT, BENCH_TIMEOUT, DEMO_TIMEOUT seconds); the whole of `all` is
+# sized for about 10 minutes on one H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -38,13 +40,27 @@ cat "$OUT/env.json"
 command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
 phase_tests() {
+    # the suite in four groups at once (each its own pytest, log and junit file):
+    # the slow tests are jobs of a few processes each, and a GPU machine has
+    # the cores and memory for several; TESTS_PARALLEL=0 runs it as one pytest
     echo "== tests ($DEV)"
     local env=()
     [ "$DEV" = cpu ] && env=(CRUCIBLE_GPU_TESTS_DEVICE=cpu)
-    env "${env[@]}" timeout 480 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-        --junitxml="$OUT/gpu-tests.xml" >"$OUT/gpu-tests.log" 2>&1
-    local rc=$?
-    tail -5 "$OUT/gpu-tests.log"
+    local groups=("codecs or side_streams or equals_one_process or every_copy" "sigkill_then_resume"
+                  "killed_inner_worker and sparseloco" "killed_inner_worker and diloco")
+    [ "${TESTS_PARALLEL:-1}" = 0 ] && groups=("gpu")
+    local i=0 pids=()
+    for g in "${groups[@]}"; do
+        env "${env[@]}" timeout "${TESTS_TIMEOUT:-480}" "$PY" -m pytest -v -m gpu tests/test_gpu.py -k "$g" \
+            -p no:cacheprovider --junitxml="$OUT/gpu-tests-$i.xml" >"$OUT/gpu-tests-$i.log" 2>&1 &
+        pids+=($!)
+        i=$((i + 1))
+    done
+    local rc=0
+    for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+    cat "$OUT"/gpu-tests-*.log >"$OUT/gpu-tests.log"
+    grep -hE "(PASSED|FAILED|ERROR|SKIPPED)( |$)" "$OUT"/gpu-tests-*.log | grep "::" || true
+    grep -hE "^=+ .*(passed|failed|error).* in " "$OUT"/gpu-tests-*.log
     echo "tests: exit $rc"
 }
 
@@ -52,7 +68,7 @@ phase_bench() {
     echo "== bench ($DEV)"
     local quick=()
     [ "$DEV" = cpu ] && quick=(--quick)
-    timeout 420 "$PY" -m crucible bench gpu --device "$DEV" "${quick[@]}" --json --out "$OUT/gpu.json" \
+    timeout "${BENCH_TIMEOUT:-420}" "$PY" -m crucible bench gpu --device "$DEV" "${quick[@]}" --json --out "$OUT/gpu.json" \
         >"$OUT/bench.log" 2>&1
     local rc=$?
     tail -5 "$OUT/bench.log"
@@ -68,7 +84,7 @@ phase_demo() {
     local model=(model.preset=gpt-50m train.seq_len=256 train.batch_size=16)
     # (the CPU smoke: the small preset, or 200 steps take far longer than the bound)
     [ "$DEV" = cpu ] && model=(model.preset=small train.seq_len=64 train.batch_size=8)
-    timeout 300 "$PY" -m crucible launch --device "$DEV" --replicas 2 --stages 3 --steps 200 \
+    timeout "${DEMO_TIMEOUT:-300}" "$PY" -m crucible launch --device "$DEV" --replicas 2 --stages 3 --steps 200 \
         --run-dir "$run" --chaos "r0s1@step=40" "${model[@]}" \
         train.microbatches=4 train.precision=bf16 outer.H=5 fault.heartbeat_timeout_s=10 fault.rpc_timeout_s=20 \
         train.eval_every=0 debug.dump_final=true >"$OUT/demo.log" 2>&1
@@ -100,5 +116,6 @@ case "${1:-all}" in
     bench) phase_bench ;;
     demo) phase_demo ;;
     all) phase_tests; phase_bench; phase_demo ;;
+    checks) phase_tests & phase_demo & wait ;;     # the suite and the demo at once (not the bench: it times)
     *) echo "usage: launch/gpu-check.sh tests|bench|demo|all" >&2; exit 2 ;;
 esac
