@@ -44,8 +44,10 @@ phase_tests() {
     # the slow tests are jobs of a few processes each, and a GPU machine has
     # the cores and memory for several; TESTS_PARALLEL=0 runs it as one pytest
     echo "== tests ($DEV)"
-    local env=()
-    [ "$DEV" = cpu ] && env=(CRUCIBLE_GPU_TESTS_DEVICE=cpu)
+    # no plugins from the machine's own site-packages: a GPU image's
+    # pytest-timeout for a newer pytest than the one carried fails at start-up
+    local env=(PYTEST_DISABLE_PLUGIN_AUTOLOAD=1)
+    [ "$DEV" = cpu ] && env+=(CRUCIBLE_GPU_TESTS_DEVICE=cpu)
     local groups=("codecs or side_streams or equals_one_process or every_copy" "sigkill_then_resume"
                   "killed_inner_worker and sparseloco" "killed_inner_worker and diloco")
     [ "${TESTS_PARALLEL:-1}" = 0 ] && groups=("gpu")
