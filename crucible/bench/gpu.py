@@ -654,7 +654,7 @@ def _print_table(result: dict, f) -> None:
 
 def readme_part(r: dict, name: str = "gpu") -> str:
     """A README part (markdown) from a result: one row per variant, then the
-    targets' verdicts. Not registered in ``crucible.bench.readme`` yet."""
+    targets' verdicts (``crucible bench readme`` renders it as part ``gpu``)."""
     from crucible.bench.readme import _provenance, _verdict
 
     s, t = r["summary"], r["targets"]
@@ -696,6 +696,8 @@ def readme_part(r: dict, name: str = "gpu") -> str:
                  f"({ov.get('verdict') or 'one run: no noise figure'}).")
     if t.get("note"):
         lines.append(f"* Note: {t['note']}.")
+    for e in r.get("errors") or []:
+        lines.append(f"* Incomplete: {e}.")
     return "\n".join(lines) + "\n"
 
 

@@ -282,7 +282,10 @@ def plain_main(steps: int, warmup: int, overrides: list[str]) -> int:
             with devices.autocast(t.precision, device):
                 loss = model.loss(model(xm.to(device)), ym.to(device)) / M
             loss.backward()
-            losses.append(float(loss.detach()) * M)
+            # kept on the device and read once per step: a float() here would
+            # wait for the GPU after every microbatch, which a stage does not do
+            losses.append(loss.detach())
+        losses = [float(v) * M for v in torch.stack(losses).float().cpu()]
         coef = optim.clip_coefficient(optim.grad_sumsq(model), t.grad_clip)
         optim.apply_step(model, opt, coef, optim.lr_at(step, t))
         devices.synchronize(device)

@@ -352,10 +352,15 @@ def _revisions(r: dict, name: str = "revisions") -> str:
     return readme_part(r, name)
 
 
+def _gpu(r: dict, name: str = "gpu") -> str:
+    from crucible.bench.gpu import readme_part   # gpu imports this module's helpers
+    return readme_part(r, name)
+
+
 RENDERERS: dict[str, Callable[[dict, str], str]] = {
     "network": network, "soak": soak, "soak_memory": soak_memory, "slurm": slurm, "slurm_full_load": slurm,
     "pipeline": pipeline, "ckpt": ckpt, "outer": outer, "launch": launch,
-    "activations": _activations, "chaos": _chaos, "revisions": _revisions,
+    "activations": _activations, "chaos": _chaos, "revisions": _revisions, "gpu": _gpu,
 }
 
 
