@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["model.n_layer=4", "model.d_model=32", "model.n_head=2", "train.seq_len=32", "train.batch_size=8",
         "train.microbatches=4", "train.eval_every=0", "data.max_bytes=2000000",
         "checkpoint.enable_checkpointing=false"]
+
+
+def free_port() -> int:
+    """A port nothing on 127.0.0.1 listens on just now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def crucible_cmd(*args: str) -> list[str]:

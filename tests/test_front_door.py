@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY, Job, child_env, crucible_cmd
+from conftest import ROOT, TINY, Job, child_env, crucible_cmd, free_port
 from crucible.metrics import read_events
 
 BUILDERS = textwrap.dedent('''
@@ -320,6 +320,31 @@ def test_bracketed_ipv6_addresses_pass_the_check(tmp_path):
     done = subprocess.run(crucible_cmd("status", "--coordinator", "[::1]:1"), cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "coordinator at [::1]:1 does not answer" in done.stderr, done.stderr
+
+
+def test_a_coordinator_that_does_not_answer_is_said_within_seconds(tmp_path):
+    """A well-formed address where nothing listens: the worker says so in one
+    line within seconds and keeps trying (the coordinator may still be
+    starting), instead of a silent wait of up to 120 s."""
+    port = free_port()
+    proc = subprocess.Popen(crucible_cmd("worker", "--coordinator", f"127.0.0.1:{port}", "--replica", "0",
+                                         "--stage", "0"), cwd=ROOT, env=dict(child_env(), CRUCIBLE_TOKEN="x"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        t0, seen = time.monotonic(), b""
+        os.set_blocking(proc.stderr.fileno(), False)
+        while b"does not answer" not in seen and time.monotonic() - t0 < 30 and proc.poll() is None:
+            seen += proc.stderr.read() or b""
+            time.sleep(0.1)
+        took = time.monotonic() - t0
+        assert proc.poll() is None, seen.decode(errors="replace")      # still trying: not an exit
+        line = next(x for x in seen.decode().splitlines() if "does not answer" in x)
+        assert f"the coordinator at 127.0.0.1:{port} does not answer" in line and "up to 120s" in line, line
+        assert took < 20, took     # imports (a few seconds on a loaded machine) + 2 s of refusals
+        assert "Traceback" not in seen.decode()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 @pytest.mark.parametrize("flag, value, why", [("--temperature", "nan", "--temperature must be a finite number >= 0"),

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -19,7 +18,7 @@ import urllib.request
 import grpc
 import pytest
 
-from conftest import ROOT, TINY, assert_no_secret, child_env, crucible_cmd
+from conftest import ROOT, TINY, assert_no_secret, child_env, crucible_cmd, free_port
 
 pytest.importorskip("prometheus_client")
 pytest.importorskip("tensorboard")
@@ -242,19 +241,13 @@ def _first_step_start(steps: list[dict]) -> float:
     return steps[0]["time"] - steps[0]["step_s"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_worker_is_not_serving_before_it_registers():
     """A worker's server is up before it registers (here: with no coordinator to
     register with): a probe reaches it, without a token, and hears NOT_SERVING."""
-    port = _free_port()
+    port = free_port()
     env = child_env()
     env["CRUCIBLE_TOKEN"] = "t" * 32
-    proc = subprocess.Popen(crucible_cmd("worker", "--coordinator", f"127.0.0.1:{_free_port()}",
+    proc = subprocess.Popen(crucible_cmd("worker", "--coordinator", f"127.0.0.1:{free_port()}",
                                          "--bind", f"127.0.0.1:{port}"), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -109,9 +109,10 @@ class ControlClient:
         2 s, ask why (``rpc.explain``): a TLS mismatch is said at once instead
         of retried until the deadline."""
         explained_at = time.monotonic() + 2.0
+        said = False
 
         def once():
-            nonlocal explained_at
+            nonlocal explained_at, said
             try:
                 return call()
             except grpc.RpcError as e:
@@ -120,6 +121,10 @@ class ControlClient:
                     why = rpc.explain(self.address)
                     if why:
                         raise RuntimeError(f"cannot reach the coordinator: {why}") from None
+                    if not said:     # one line within seconds, not a silent wait until the deadline
+                        said = True
+                        log.warning("the coordinator at %s does not answer (%s); trying again for up to %.0fs",
+                                    self.address, e.details() or e.code().name, deadline_s)
                 raise
 
         try:
