@@ -171,6 +171,91 @@ def test_int4_error_bound(spec, name, t):
     assert bool((outg[absmax == 0] == 0).all())
 
 
+def _absmax_values(n: int, seed: int = 5) -> np.ndarray:
+    """float32 absmax values: random over the whole range, bf16 values that are
+    exact multiples of 7 and of 127 (exact quotients: where a quotient one ulp
+    off crosses a rounding boundary), subnormal, tiny, zero, huge."""
+    g = gen(seed)
+    rnd = torch.rand(n, generator=g) * 10.0 ** torch.randint(-37, 37, (n,), generator=g).float()
+    scale = 2.0 ** torch.randint(-100, 100, (n,), generator=g).float()
+    m7 = (torch.randint(1, 1 << 12, (n,), generator=g).float() * 7 * scale).bfloat16().float()
+    m127 = (torch.randint(1, 1 << 10, (n,), generator=g).float() * 127 * scale).bfloat16().float()
+    m127f = torch.randint(1, 1 << 16, (n,), generator=g).float() * 127 * scale      # float32-exact multiples
+    special = torch.tensor([0.0, 1e-45, 3e-45, 1e-40, 1.1754942e-38, 1.0, 7.0, 127.0, 3.0e38, 3.4028235e38])
+    v = torch.cat([rnd, m7, m127, m127f, special]).numpy()
+    return v[np.isfinite(v)].astype(np.float32)
+
+
+def _ceil_step_reference(absmax: np.ndarray, qmax: int, bf16: bool) -> np.ndarray:
+    """The smallest float32 (or bfloat16, as float32) s with qmax * s >= absmax:
+    absmax / qmax correctly rounded (float64), then rounded up. Products of a
+    float32 and qmax are exact in float64, so the checks below are exact."""
+    a = absmax.astype(np.float64)
+    s = (a / qmax).astype(np.float32)
+    s = np.where(s.astype(np.float64) * qmax < a, np.nextafter(s, np.float32(np.inf)), s)
+    if bf16:
+        u = s.view(np.uint32)
+        s = ((u >> 16) + ((u & 0xFFFF) != 0)).astype(np.uint32) << 16
+        s = s.view(np.float32)
+        lower = (s.view(np.uint32) - (1 << 16)).view(np.float32)
+    else:
+        lower = np.nextafter(s, np.float32(0))
+    s64, lower64 = s.astype(np.float64), lower.astype(np.float64)
+    assert (s64 * qmax >= a).all()                                     # never clips
+    assert ((s == 0) | (lower64 * qmax < a)).all()                      # and is the smallest such
+    return s
+
+
+@pytest.mark.parametrize("emulate_cuda", [False, True], ids=["cpu", "cuda-scalar-division"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "int4:group=2"])
+def test_steps_are_the_correctly_rounded_quotient_rounded_up(spec, emulate_cuda):
+    """The step each codec writes is absmax/qmax correctly rounded and rounded
+    up (float32 for int8, bfloat16 for int4), also with divisions by a Python
+    number done as CUDA does them (``a * fp32(1/b)``, one ulp off at times):
+    the codecs divide by a tensor on the data's device, so the GPU writes the
+    bytes the CPU does (a division by ``qmax`` as a number fails here)."""
+    from crucible.testing.cuda_division import CudaScalarDivision
+
+    c = make_codec(spec, D)
+    vals = _absmax_values(4000)
+    if c.kind == "int8":
+        x = torch.zeros(len(vals), D)
+        x[:, 0] = torch.from_numpy(vals)
+        x[:, 1] = -x[:, 0] * 0.5
+        qmax, rows, bf16 = 127, len(vals), False
+    else:
+        vals = vals[: len(vals) // c.groups * c.groups]
+        x = torch.zeros(len(vals) // c.groups, c.groups, c.group)
+        x[:, :, 0] = -torch.from_numpy(vals).view(-1, c.groups)      # the absmax of each group, negative
+        x = x.view(-1, D)
+        qmax, rows, bf16 = 7, x.shape[0], True
+    want = _ceil_step_reference(vals, qmax, bf16)
+    if emulate_cuda:
+        with CudaScalarDivision():
+            p = c.encode(x)
+        assert p == c.encode(x)
+    else:
+        p = c.encode(x)
+    got = (int8_steps(p, rows) if c.kind == "int8" else int4_steps(p, c)).numpy().reshape(-1)
+    bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, [(float(vals[i]), float(got[i]), float(want[i])) for i in bad[:5]]
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "int4:zstd=1"])
+def test_encode_does_no_division_by_a_python_number(spec):
+    """Nothing in encode divides by a Python number (CUDA would compute it as
+    a reciprocal multiplication), for float32 and bfloat16 input."""
+    from crucible.testing.cuda_division import CudaScalarDivision
+
+    c = make_codec(spec, D)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (rand((4, 16, D), seed=11) * 3).to(dtype)
+        with CudaScalarDivision() as mode:
+            p = c.encode(x)
+        assert mode.count == 0
+        assert p == c.encode(x)
+
+
 @pytest.mark.parametrize("spec", ["int8", "int4", "subspace"])
 def test_lossy_codecs_refuse_non_finite_input(spec):
     c = make_codec(spec, D)

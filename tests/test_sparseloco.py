@@ -547,6 +547,27 @@ def test_median_exact_arithmetic_and_even_count():
     assert torch.equal(aggregate([z, z, c]), torch.zeros(1000))
 
 
+@pytest.mark.parametrize("r", [3, 5, 7])
+def test_aggregate_divides_correctly_rounded_on_every_device(r):
+    """``acc /= R`` is one correctly rounded fp32 division, also where a
+    division by a Python number would be ``acc * fp32(1/R)`` (CUDA's kernel):
+    aggregate divides by a tensor on acc's device, so replicas agree bitwise
+    whatever their device."""
+    from crucible.testing.cuda_division import CudaScalarDivision
+
+    g = torch.Generator().manual_seed(8)
+    cs = [torch.randn(20_000, generator=g) for _ in range(r)]
+    acc = cs[0].double()
+    for c in cs[1:]:
+        acc = (acc + c.double()).float().double()           # the sequential fp32 adds
+    want = (acc / r).float()                                 # one division, rounded once to fp32
+    assert same_bits(aggregate(cs, clip="none"), want)
+    with CudaScalarDivision() as mode:
+        got = aggregate(cs, clip="none")
+    assert same_bits(got, want)
+    assert mode.count == 0
+
+
 def test_aggregate_errors():
     with pytest.raises(ValueError):
         aggregate([])

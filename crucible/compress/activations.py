@@ -392,16 +392,27 @@ def wire_stats(t_or_shape_or_raw, payload) -> WireStats:
 
 # ---------------------------------------------------------------------- codecs
 
+def _div_exact(a: torch.Tensor, b: int) -> torch.Tensor:
+    """``a / b`` correctly rounded (IEEE division) on every device.
+
+    Not ``a / b`` with a Python number: PyTorch's CUDA kernel then computes
+    ``a * fp32(1/b)``, which can be one ulp off the quotient (the same tensor
+    encoded on a GPU and on a CPU gave different int4 steps for bf16 input).
+    A divisor tensor on ``a``'s own device gets a true division there; on the
+    CPU the result is what ``a / b`` always gave."""
+    return a / a.new_full((), b)
+
+
 def _ceil_step_f32(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
     """Smallest-ish float32 s with qmax * s >= absmax (absmax >= 0, finite)."""
-    s = absmax / qmax
+    s = _div_exact(absmax, qmax)     # not absmax / qmax: see _div_exact (CUDA)
     short = s.double() * qmax < absmax.double()       # exact in float64
     return torch.where(short, torch.nextafter(s, torch.full_like(s, math.inf)), s)
 
 
 def _ceil_step_bf16(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
     """bf16 bit patterns (int16) of s >= absmax / qmax, rounded up to bf16."""
-    s = absmax / qmax
+    s = _div_exact(absmax, qmax)     # not absmax / qmax: see _div_exact (CUDA)
     bits = s.view(torch.int32)
     hi = (bits >> 16) + ((bits & 0xFFFF) != 0).to(torch.int32)
     short = (hi << 16).view(torch.float32).double() * qmax < absmax.double()

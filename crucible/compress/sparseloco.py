@@ -635,7 +635,10 @@ def aggregate(contributions: Sequence[torch.Tensor], clip: str = "median") -> to
             acc.add_(c)
         else:
             acc.add_(c.mul(f))
-    acc.div_(r)
+    # a divisor tensor on acc's device, not the number r: CUDA divides by a
+    # Python number as acc * fp32(1/r), not always the correctly rounded
+    # quotient the CPU gives (replicas on different devices would disagree)
+    acc.div_(acc.new_full((), r))
     return acc
 
 
