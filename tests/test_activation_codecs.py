@@ -17,9 +17,9 @@ from crucible.compress.activations import CodecError, make_codec, projection, re
 torch.set_num_threads(1)
 
 D = 64
-ALL_SPECS = ["none", "bf16", "int8", "int4", "int4:zstd=1", "int4:group=16", "subspace",
+ALL_SPECS = ["none", "bf16", "int8", "int8:zstd=0", "int4", "int4:zstd=1", "int4:group=16", "subspace",
              "subspace:dtype=fp16", "subspace:dtype=fp32"]
-LOSSY_QUANT = ["int8", "int4", "int4:zstd=1", "int4:group=16"]
+LOSSY_QUANT = ["int8", "int8:zstd=0", "int4", "int4:zstd=1", "int4:group=16"]
 
 
 def gen(seed=0):
@@ -65,8 +65,14 @@ def rebuild(payload: bytes, body, *, codec_id=None, params=None, shape=None) -> 
                        h.shape if shape is None else shape, bytes(body))
 
 
+def int8_raw(payload: bytes) -> bytes:
+    """The int8 body without its zstd (steps then codes)."""
+    body = bytes(body_of(payload))
+    return body if read_header(payload).params == (0, 1, 0) else zstandard.ZstdDecompressor().decompress(body)
+
+
 def int8_steps(payload: bytes, rows: int) -> torch.Tensor:
-    raw = zstandard.ZstdDecompressor().decompress(bytes(body_of(payload)))
+    raw = int8_raw(payload)
     return torch.from_numpy(np.frombuffer(raw, np.float32, rows).copy())
 
 
@@ -136,9 +142,10 @@ def test_bf16_carries_non_finite():
     assert math.isnan(out[0, 0]) and out[0, 1] == math.inf and out[0, 2] == -math.inf
 
 
+@pytest.mark.parametrize("spec", ["int8", "int8:zstd=0"])
 @pytest.mark.parametrize("name,t", list(adversarial().items()))
-def test_int8_error_bound(name, t):
-    c = make_codec("int8", D)
+def test_int8_error_bound(spec, name, t):
+    c = make_codec(spec, D)
     p = c.encode(t)
     out = c.decode(p, t.shape)
     x = t.view(-1, D)
@@ -207,7 +214,7 @@ def _ceil_step_reference(absmax: np.ndarray, qmax: int, bf16: bool) -> np.ndarra
 
 
 @pytest.mark.parametrize("emulate_cuda", [False, True], ids=["cpu", "cuda-scalar-division"])
-@pytest.mark.parametrize("spec", ["int8", "int4", "int4:group=2"])
+@pytest.mark.parametrize("spec", ["int8", "int8:zstd=0", "int4", "int4:group=2"])
 def test_steps_are_the_correctly_rounded_quotient_rounded_up(spec, emulate_cuda):
     """The step each codec writes is absmax/qmax correctly rounded and rounded
     up (float32 for int8, bfloat16 for int4), also with divisions by a Python
@@ -241,7 +248,7 @@ def test_steps_are_the_correctly_rounded_quotient_rounded_up(spec, emulate_cuda)
     assert bad.size == 0, [(float(vals[i]), float(got[i]), float(want[i])) for i in bad[:5]]
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "int4:zstd=1"])
+@pytest.mark.parametrize("spec", ["int8", "int8:zstd=0", "int4", "int4:zstd=1"])
 def test_encode_does_no_division_by_a_python_number(spec):
     """Nothing in encode divides by a Python number (CUDA would compute it as
     a reciprocal multiplication), for float32 and bfloat16 input."""
@@ -413,7 +420,8 @@ def test_subspace_straight_through_gradient_is_exact(dtype, tol):
 def test_compression_ratios_4x128x256(capsys):
     shape = (4, 128, 256)
     t = rand(shape, seed=0)
-    want = {"none": 0.99, "bf16": 2.5, "int8": 3.8, "int4": 7.0, "int4:zstd=1": 7.0, "subspace": 16.0}
+    want = {"none": 0.99, "bf16": 2.5, "int8": 3.8, "int8:zstd=0": 3.9, "int4": 7.0, "int4:zstd=1": 7.0,
+            "subspace": 16.0}
     lines = []
     for spec, floor in want.items():
         c = make_codec(spec, 256, seed=0)
@@ -519,20 +527,80 @@ def test_d_model_mismatch_refused():
         c.encode(np.zeros((2, D), np.float32))
 
 
-def test_int8_bad_steps_and_codes_refused():
-    c = make_codec("int8", D)
+@pytest.mark.parametrize("shape", [(2, 8, D), (3, D), (0, 4, D)])
+def test_int8_without_zstd_round_trip_and_byte_count(shape):
+    """int8:zstd=0: the body is the float32 steps (one per row) then the int8
+    codes, 1 byte per value; it decodes to what the zstd'd default does, and
+    the default's body is that same body in one zstd frame (level 1)."""
+    t = rand(shape, seed=4)
+    raw_c, z_c = make_codec("int8:zstd=0", D), make_codec("int8", D)
+    p, pz = raw_c.encode(t), z_c.encode(t)
+    rows = math.prod(shape[:-1])
+    h = read_header(p)
+    assert h.params == (0, 1, 0) and h.describe() == "int8:zstd=0"
+    assert read_header(pz).params == (0, 0, 0) and read_header(pz).describe() == "int8"
+    assert len(p) == h.header_nbytes + 4 * rows + rows * D
+    body = bytes(body_of(p))
+    assert body == int8_raw(pz)
+    assert bytes(body_of(pz)) == zstandard.ZstdCompressor(level=1, write_content_size=True,
+                                                          write_checksum=False).compress(body)
+    x = t.reshape(-1, D)
+    step = torch.from_numpy(np.frombuffer(body, np.float32, rows).copy())
+    q = torch.from_numpy(np.frombuffer(body, np.int8, rows * D, offset=4 * rows).copy()).view(rows, D)
+    assert torch.equal(step, int8_steps(pz, rows))
+    assert bool((q.abs() <= 127).all()) and (rows == 0 or int(q.abs().max()) == 127)
+    out = raw_c.decode(p, shape)
+    assert torch.equal(out, z_c.decode(pz, shape))
+    assert torch.equal(out.view(rows, D), q.float() * step[:, None])
+    assert bool(((out.view(rows, D) - x).abs() <= step[:, None] / 2 * (1 + 2.0**-15)).all())
+    # bfloat16 input: the body of the float32 of the same values
+    assert bytes(body_of(raw_c.encode(t.bfloat16()))) == bytes(body_of(raw_c.encode(t.bfloat16().float())))
+
+
+def test_int8_default_payload_layout_is_unchanged():
+    """``int8`` (zstd on by default) writes what it wrote before it had the
+    zstd option: header p0 = p1 = p2 = 0, name ``int8``, spec ``int8:level=1``,
+    body zstd(steps || codes); ``int8:zstd=1`` is the same codec."""
+    t = rand((2, 8, D), seed=6)
+    c, c1 = make_codec("int8", D), make_codec("int8:zstd=1", D)
+    assert (c.name, c.spec, c.params, c.zstd) == ("int8", "int8:level=1", (0, 0, 0), True)
+    assert (c1.name, c1.spec) == (c.name, c.spec)
+    p = c.encode(t)
+    assert p == c1.encode(t)
+    fixed = struct.unpack_from("<4sBBBBIIQQ", p)
+    assert fixed[:8] == (b"CRAC", 1, 2, 0, 3, 0, 0, 0)
+    raw = zstandard.ZstdDecompressor().decompress(bytes(body_of(p)))
+    assert len(raw) == 16 * 4 + 16 * D
+
+
+@pytest.mark.parametrize("spec", ["int8", "int8:zstd=0"])
+def test_int8_bad_steps_and_codes_refused(spec):
+    c = make_codec(spec, D)
     t = rand((2, 8, D))
     p = c.encode(t)
-    raw = bytearray(zstandard.ZstdDecompressor().decompress(bytes(body_of(p))))
+    raw = bytearray(int8_raw(p))
+
+    def wrap(b):
+        return rebuild(p, zstandard.ZstdCompressor().compress(bytes(b)) if c.zstd else bytes(b))
+
     for val, what in [(math.nan, "non-finite"), (math.inf, "non-finite"), (-1.0, "negative")]:
         bad = raw.copy()
         struct.pack_into("<f", bad, 4 * 3, val)
         with pytest.raises(CodecError, match=what):
-            c.decode(rebuild(p, zstandard.ZstdCompressor().compress(bytes(bad))), t.shape)
+            c.decode(wrap(bad), t.shape)
     bad = raw.copy()
     bad[16 * 4 + 5] = 0x80                          # code -128
     with pytest.raises(CodecError, match="-128"):
-        c.decode(rebuild(p, zstandard.ZstdCompressor().compress(bytes(bad))), t.shape)
+        c.decode(wrap(bad), t.shape)
+    if not c.zstd:
+        # a body of the wrong length (truncated or trailing bytes behind a valid header and CRC)
+        for cut in (raw[:-1], raw[:-D], raw + b"\0", raw[:16 * 4], b""):
+            with pytest.raises(CodecError, match=f"int8 body is {len(cut)} bytes, 16 float32 steps"):
+                c.decode(rebuild(p, cut), t.shape)
+        # a zstd frame where raw steps and codes belong: refused by its length
+        with pytest.raises(CodecError, match="int8 body is"):
+            c.decode(rebuild(p, zstandard.ZstdCompressor().compress(bytes(raw))), t.shape)
+        return
     # an invalid zstd frame behind a valid header
     with pytest.raises(CodecError, match="zstd"):
         c.decode(rebuild(p, b"\x28\xb5\x2f\xfd" + b"\0" * 40), t.shape)
@@ -608,8 +676,11 @@ def test_spec_parsing_and_names():
     assert make_codec("none", D).name == "none"
     assert make_codec("bf16", D).name == "bf16"
     assert make_codec("int8:level=3", D).spec == "int8:level=3"
+    assert make_codec("int8:zstd=0", D).name == "int8:zstd=0"
+    assert make_codec("int8:zstd=no,level=3", D).spec == "int8:zstd=0,level=3"
+    assert make_codec("INT8 : ZSTD = on", D).name == "int8"
     assert make_codec("int4:", D).group == 32
-    for spec in ["none", "bf16:level=-3", "int8", "int4:group=16,zstd=1,level=5",
+    for spec in ["none", "bf16:level=-3", "int8", "int8:zstd=0", "int4:group=16,zstd=1,level=5",
                  "subspace:rank=4,dtype=fp16"]:
         c = make_codec(spec, D, seed=9)
         c2 = make_codec(c.spec, D, seed=9)
@@ -630,6 +701,9 @@ def test_spec_parsing_and_names():
     ("int4:group=0", "even"),
     ("int4:group=32,group=64", "twice"),
     ("int4:zstd=maybe", "0/1"),
+    ("int8:zstd=2", "parameter zstd='2' is not 0/1/true/false"),
+    ("int8:zstd=", "needs a value"),
+    ("int8:group=32", "unknown parameter 'group' for codec 'int8'; valid parameters: zstd, level"),
     ("bf16:level=99", "level"),
     ("subspace:rank=0", "rank"),
     ("subspace:rank=65", "rank"),

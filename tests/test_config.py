@@ -85,7 +85,10 @@ def test_every_key_is_settable():
 
 @pytest.mark.parametrize("overrides,key,needle", [
     (["compress.forward=int8:abc"], "compress.forward", "unknown parameter 'abc' for codec 'int8'"),
-    (["compress.backward=int8:abc"], "compress.backward", "unknown parameter 'abc' for codec 'int8'"),
+    (["compress.backward=int8:abc"], "compress.backward",
+     "unknown parameter 'abc' for codec 'int8'; valid parameters: zstd, level"),
+    (["compress.forward=int8:zstd=2"], "compress.forward", "parameter zstd='2' is not 0/1/true/false"),
+    (["compress.backward=int8:zstd="], "compress.backward", "parameter 'zstd' needs a value"),
     (["compress.forward=int4:group=33"], "compress.forward", "int4 group must be an even int"),
     (["compress.backward=int4:zstd=maybe"], "compress.backward", "is not 0/1/true/false"),
     (["compress.forward=bf16:level=99"], "compress.forward", "zstd level 99"),
@@ -108,6 +111,8 @@ def test_edges_of_the_ranges_still_load():
                              "model.subspace_rank=8", "compress.forward=subspace:rank=8,dtype=fp32",
                              "compress.backward=int4:group=64,zstd=1,level=3", "debug.stall_outer=r1s1:30"])
     assert cfg.outer.beta == 1.0 and cfg.compress.forward == "subspace:rank=8,dtype=fp32"
+    cfg = Config.load(None, ["compress.forward=int8:zstd=0", "compress.backward=int8:zstd=1,level=3"])
+    assert (cfg.compress.forward, cfg.compress.backward) == ("int8:zstd=0", "int8:zstd=1,level=3")
 
 
 def test_codec_check_keeps_torch_out():

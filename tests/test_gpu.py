@@ -49,7 +49,7 @@ def _first_device() -> str:
     return "cuda:0" if DEVICE == "cuda" else str(DEVICE)
 
 
-@pytest.mark.parametrize("spec", ["none", "bf16", "int8", "int4", "subspace:rank=4"])
+@pytest.mark.parametrize("spec", ["none", "bf16", "int8", "int8:zstd=0", "int4", "subspace:rank=4"])
 def test_codecs_on_the_device_match_the_cpu(spec):
     from crucible.compress.activations import make_codec
 

@@ -22,11 +22,13 @@ Codecs (spec string ``name[:key=value,key=value...]``)
     Non-finite values are carried as they are; finite values of magnitude
     ``>= 2**128 * (1 - 2**-9)`` overflow to inf (bf16 has fp32's range, minus
     that last half ulp).
-``int8[:level=1]``
+``int8[:zstd=1,level=1]``
     Symmetric per-row (last dim) absmax quantisation to ``[-127, 127]`` with a
-    float32 step per row, zstd over steps and codes. The step ``s`` is the
-    smallest float32 with ``127 * s >= rowabsmax`` (that is ``rowabsmax/127``
-    rounded up, so nothing is ever clipped). Bound, per element:
+    float32 step per row, zstd over steps and codes (``zstd=0``: no zstd,
+    the payload is the steps and codes as they are, 1 byte per value plus 4
+    per row; on a GPU only the quantisation runs then, on the device). The
+    step ``s`` is the smallest float32 with ``127 * s >= rowabsmax`` (that is
+    ``rowabsmax/127`` rounded up, so nothing is ever clipped). Bound, per element:
     ``|x - x_hat| <= s/2 * (1 + 2**-15)`` (the slack is the float32 rounding of
     ``x / s`` on encode and of ``q * s`` on decode). A row of zeros is exact.
 ``int4[:group=32,zstd=0,level=1]``
@@ -116,8 +118,9 @@ Payload layout (version 1, all little-endian)
                    decode always returns float32)
     7       1      ndim (1..8)
     8       4      p0  u32  codec parameter: int4 group, subspace rank, else 0
-    12      4      p1  u32  codec parameter: int4 zstd flag, subspace dtype
-                            (0 bf16, 1 fp16, 2 fp32), else 0
+    12      4      p1  u32  codec parameter: int4 zstd flag, int8 1 = no zstd
+                            (0 = zstd), subspace dtype (0 bf16, 1 fp16,
+                            2 fp32), else 0
     16      8      p2  u64  codec parameter: subspace seed (mod 2**64), else 0
     24      8      body length in bytes
     32      4      CRC-32 (zlib) of bytes [0, 32) + shape + body
@@ -125,7 +128,8 @@ Payload layout (version 1, all little-endian)
     36+4n   ...    body
 
 Bodies: ``none`` float32 values; ``bf16`` zstd(low-byte plane ‖ high-byte
-plane); ``int8`` zstd(f32 steps [rows] ‖ i8 codes [rows, d]); ``int4`` bf16
+plane); ``int8`` zstd(f32 steps [rows] ‖ i8 codes [rows, d]), without the
+zstd when ``zstd=0``; ``int4`` bf16
 steps [rows, groups] ‖ packed codes [rows, groups*group/2], zstd'd as one
 frame when ``zstd=1``; ``subspace`` coefficients [rows, rank] in ``dtype``.
 ``rows`` is ``numel / d_model``. A 3-d payload has a 48-byte header.
@@ -303,6 +307,8 @@ class PayloadHeader:
 def _describe(codec_id: int, params: tuple[int, int, int]) -> str:
     name = _CODEC_NAMES.get(codec_id, f"<codec {codec_id}>")
     p0, p1, p2 = params
+    if name == "int8" and params == (0, 1, 0):
+        return "int8:zstd=0"
     if name == "int4":
         return f"int4:group={p0},zstd={p1}"
     if name == "subspace":
@@ -577,9 +583,19 @@ class Bf16Codec(_ZstdCodec):
 
 
 class Int8Codec(_ZstdCodec):
-    """Per-row absmax int8 + zstd: |err| <= s/2 (1 + 2**-15), s = rowabsmax/127 rounded up."""
+    """Per-row absmax int8 (+ zstd unless zstd=0): |err| <= s/2 (1 + 2**-15), s = rowabsmax/127 rounded up."""
 
     kind = "int8"
+
+    def __init__(self, d_model: int, zstd: bool = True, level: int = 1):
+        super().__init__(d_model, level)
+        self.zstd = bool(zstd)
+
+    @property
+    def params(self):
+        # p1 = 1: no zstd. The default (zstd) keeps the header of the codec
+        # before it had the option: (0, 0, 0), name "int8".
+        return (0, 0 if self.zstd else 1, 0)
 
     def _encode_body(self, x):
         absmax = x.abs().amax(dim=1) if x.numel() else x.new_zeros(x.shape[0])
@@ -588,12 +604,17 @@ class Int8Codec(_ZstdCodec):
         step = _ceil_step_f32(absmax, 127)
         div = torch.where(step > 0, step, torch.ones_like(step))
         q = torch.round(x / div[:, None]).clamp_(-127, 127).to(torch.int8)
-        buf = b"".join([_host_bytes(step), _host_bytes(q)])
-        return _zstd_compress(buf, self.level)
+        # steps then codes, joined where they are (one copy to host from a GPU)
+        buf = _host_bytes(torch.cat([step.view(torch.uint8), q.view(-1).view(torch.uint8)]))
+        return _zstd_compress(buf, self.level) if self.zstd else buf
 
     def _decode_body(self, body, rows, device):
         d = self.d_model
-        raw = _zstd_decompress(body, rows * 4 + rows * d)
+        if self.zstd:
+            raw = _zstd_decompress(body, rows * 4 + rows * d)
+        else:
+            self._need(body, rows * 4 + rows * d, f"{rows} float32 steps + {rows * d} int8 codes")
+            raw = body
         step = _tensor(raw, np.float32, torch.float32, rows)
         q = _tensor(raw, np.int8, torch.int8, rows * d, offset=rows * 4)
         if not bool(torch.isfinite(step).all()) or bool((step < 0).any()):

@@ -19,7 +19,7 @@ _BOOL = {"1": True, "true": True, "yes": True, "on": True,
 _PARAMS = {
     "none": {},
     "bf16": {"level": "int"},
-    "int8": {"level": "int"},
+    "int8": {"zstd": "bool", "level": "int"},
     "int4": {"group": "int", "zstd": "bool", "level": "int"},
     "subspace": {"rank": "int", "dtype": "coef"},
 }
