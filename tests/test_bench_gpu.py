@@ -2,7 +2,7 @@
 paths as a CPU smoke test.
 
 The quick bench runs the small model (seq_len 64, batch 8, 4 microbatches)
-at S = 1, 2 in bf16 and fp32 with codecs none and int8, S = 2 in bf16 with
+at S = 1, 2 in bf16 and fp32 with codecs none and int8 (and int8:zstd=0 in bf16), S = 2 in bf16 with
 continuous checkpointing, one plain process per precision and the copy floor
 of the stages' state: about 40 s on an idle 2-core machine. It runs in its own
 process group with a bounded wait and is killed as a group (opt-in:
@@ -23,7 +23,8 @@ from conftest import ROOT, bench_smoke, child_env, crucible_cmd, positive, run_b
 from crucible.bench import gpu
 
 TIMEOUT_S = 300  # ~40 s on an idle machine; generous for a loaded one
-VARIANTS = {"S1_bf16_none", "S2_bf16_none", "S2_bf16_int8", "S1_fp32_none", "S2_fp32_none", "S2_fp32_int8",
+VARIANTS = {"S1_bf16_none", "S2_bf16_none", "S2_bf16_int8", "S2_bf16_int8raw", "S1_fp32_none", "S2_fp32_none",
+            "S2_fp32_int8",
             "S2_bf16_none_no_overlap", "S2_bf16_none_ckpt"}
 VERDICTS = ("met", "missed", "within noise")
 
@@ -95,6 +96,9 @@ def test_bytes_per_step(result):
         none, int8 = _boundary(result, f"S2_{prec}_none"), _boundary(result, f"S2_{prec}_int8")
         for k in ("forward_MB_per_step", "backward_MB_per_step"):
             assert int8[k] < 0.6 * b16[k] and int8[k] < none[k], (prec, k)
+    # int8:zstd=0: one byte a value and a float32 step a row, plus a header a tensor (tens of bytes)
+    raw = _boundary(result, "S2_bf16_int8raw")
+    assert raw["backward_MB_per_step"] == pytest.approx(M * mb * T * (d + 4) / 1e6, rel=0.01)
 
 
 @bench_smoke
@@ -137,9 +141,11 @@ def test_targets_and_render(result):
     t = result["targets"]
     assert t["stages"] == 2 and t["precision"] == "bf16" and t["note"]
     tp = t["tokens_ge_0.8x_plain"]
-    assert set(tp["per_codec"]) == {"none", "int8"} and tp["verdict"] in VERDICTS
+    assert set(tp["per_codec"]) == {"none", "int8", "int8:zstd=0"} and tp["verdict"] in VERDICTS
     assert tp["verdict"] == tp["per_codec"][tp["best_codec"]]["verdict"]
-    assert t["int8_serialize_le_10pct"]["verdict"] in VERDICTS
+    ser = t["int8_serialize_le_10pct"]
+    assert ser["verdict"] in VERDICTS and set(ser["per_codec"]) == {"int8", "int8:zstd=0"}
+    assert ser["codec"] == min(ser["per_codec"], key=lambda c: ser["per_codec"][c]["serialize_fraction_max"])
     assert t["ckpt_stall_le_1.5x_floor"]["verdict"] in VERDICTS
     ov = result["summary"]["overlap"]
     assert (ov["with"], ov["without"]) == ("S2_bf16_none", "S2_bf16_none_no_overlap")
@@ -166,7 +172,11 @@ def test_plan_default_is_the_issue_s_configuration():
     vs = gpu.variants(p)
     names = [v["name"] for v in vs]
     # S = 1 once per precision (no boundary), S = 2 and 4 per codec, S = 4 without overlap, the checkpointing run
-    assert len(names) == len(set(names)) == 2 * (1 + 2 + 2) + 2
+    # (bf16 also with int8:zstd=0, named int8raw)
+    assert len(names) == len(set(names)) == (1 + 3 + 3) + (1 + 2 + 2) + 2
+    raw = next(v for v in vs if v["name"] == "S4_bf16_int8raw")
+    assert "compress.forward=int8:zstd=0" in gpu.variant_overrides(p, raw)
+    assert not any(v["name"].startswith("S4_fp32_int8raw") for v in vs)
     (off,) = [v for v in vs if v.get("overlap") == "off"]
     assert off["name"] == "S4_bf16_none_no_overlap" and "net.overlap_copies=off" in gpu.variant_overrides(p, off)
     assert off["versus"] == "S4_bf16_none" in names         # the run it is compared with

@@ -21,9 +21,11 @@ group at the end; every variant ``--repeats`` times, interleaved):
    warm-up copy. Also what the device is (name, memory, capability).
 2. ``crucible launch --no-check --replicas 1 --stages S`` on ``job.device``
    (``cuda`` means ``cuda:0``: every stage on one GPU) for each precision
-   (bf16, fp32), S = 1, 2, 4 (``--quick``: 1, 2), and codec (``none`` and
-   ``int8`` in both directions; S = 1 has no boundary, so it runs once per
-   precision), evaluation and checkpointing off.
+   (bf16, fp32), S = 1, 2, 4 (``--quick``: 1, 2), and codec in both
+   directions (``none``, ``int8``, and in bf16 ``int8:zstd=0``, named
+   ``int8raw``: the quantize on the device without the CPU's zstd pass; S = 1
+   has no boundary, so it runs once per precision), evaluation and
+   checkpointing off.
 3. One plain process per precision (one thread, no gRPC, same model, data,
    microbatches, clipping and AdamW); at the same precision its losses must
    equal the S = 1 launch's on a CPU (recorded, not required, on a GPU:
@@ -53,16 +55,19 @@ written, with an ``interrupted`` error (exit status 1).
 Targets (stated for one H200, S = 4): 4 stages in bf16 reach >= 0.8x the
 tokens/s of one plain bf16 process (``tokens_ge_0.8x_plain``, per codec; the
 verdict is the faster codec's); serialization <= 10 % of every stage's step
-with int8 in bf16 (``int8_serialize_le_10pct``); the snapshot stall in the
+with int8 in bf16 (``int8_serialize_le_10pct``, per int8 codec; the verdict is
+the lower share's); the snapshot stall in the
 running job <= 1.5x the pinned copy floor of the job's state
 (``ckpt_stall_le_1.5x_floor``: the stall less its wait for GPU work queued
 before the snapshot, p50 over the saves after the first). Verdicts: ``common.verdict`` against the
 spread of the repeats (none with one repeat).
 
-Cost: 12 launches and 2 plain runs of gpt-200m, the checkpointing run the
+Cost: 14 launches and 2 plain runs of gpt-200m, the checkpointing run the
 longest (120 steps and back-to-back saves of the job's ~3.2 GB of state), the
-fp32 runs 14 steps each: by estimate (CUDA start-up ~10-15 s a process) about
-4-5 minutes on one H200; not yet measured. ``--quick --device cpu``: about
+fp32 runs 14 steps each. Measured on one H200 (2026-12-04, 12 launches then):
+20-30 s a launch, 67 s the checkpointing run, 24 s a plain run, 18 s the
+floor; 11 launches took 406 s, so the whole grid takes about 8 minutes
+(``launch/gpu-check.sh bench`` with ``BENCH_TIMEOUT=540``). ``--quick --device cpu``: about
 40 s on 2 cores.
 """
 
@@ -90,7 +95,16 @@ CKPT_OVERRIDES = ["checkpoint.enable_checkpointing=true", "checkpoint.enable_con
                   "checkpoint.minimum_interval_s=0", "checkpoint.max_num_checkpoints_to_keep=1"]
 LAUNCH_ARGS = ["--no-check"]     # the pre-flight builds every stage again: seconds of device time per launch
 PRECISIONS = ("bf16", "fp32")
-CODECS = ("none", "int8")
+# per precision; `int8:zstd=0` (label int8raw): the quantize alone, on the
+# device, no CPU entropy coder (bf16 only: the targets' precision, and GPU time)
+CODECS = {"bf16": ("none", "int8", "int8:zstd=0"), "fp32": ("none", "int8")}
+CODEC_LABELS = {"int8:zstd=0": "int8raw"}
+INT8_CODECS = ("int8", "int8:zstd=0")
+
+
+def label(codec: str) -> str:
+    """A codec spec as it appears in variant names."""
+    return CODEC_LABELS.get(codec, codec)
 FLOOR_COPIES = 5
 
 TARGETS = {"tokens_vs_plain_min": 0.8, "serialize_fraction_max": 0.10, "stall_over_floor_max": 1.5}
@@ -106,8 +120,9 @@ PEAK_TFLOPS = (
 
 DEFINITIONS = {
     **{k: v for k, v in pipeline.DEFINITIONS.items() if k not in ("loopback_MBps",)},
-    "variant": "S<stages>_<precision>_<codec> (the codec in both directions); _ckpt: with continuous "
-               "checkpointing at minimum_interval_s = 0",
+    "variant": "S<stages>_<precision>_<codec> (the codec in both directions; int8raw: int8:zstd=0, the quantize "
+               "on the device without the CPU's zstd pass); _ckpt: with continuous checkpointing at "
+               "minimum_interval_s = 0",
     "relative_to_plain": "tokens/s of the variant / tokens/s of the plain process at the same precision "
                          "(medians of the repeats)",
     "mfu": "6 x parameters x tokens/s / the GPU's dense peak FLOP/s at that precision (attention scores not "
@@ -141,7 +156,7 @@ def plan(device: str, quick: bool) -> dict:
         "size": SMOKE_SIZE if small else GPU_SIZE,
         "data": ["data.max_bytes=2000000" if small else "data.max_bytes=8000000"],
         "precisions": list(PRECISIONS),
-        "codecs": list(CODECS),
+        "codecs": {prec: list(CODECS[prec]) for prec in PRECISIONS},
         "stage_counts": [1, 2] if quick else [1, 2, 4],
         "quick": quick,
     }
@@ -165,8 +180,8 @@ def variants(p: dict) -> list[dict]:
     out = []
     for prec in p["precisions"]:
         for S in p["stage_counts"]:
-            for codec in (["none"] if S == 1 else p["codecs"]):
-                out.append({"name": f"S{S}_{prec}_{codec}", "stages": S, "precision": prec, "codec": codec,
+            for codec in (["none"] if S == 1 else p["codecs"][prec]):
+                out.append({"name": f"S{S}_{prec}_{label(codec)}", "stages": S, "precision": prec, "codec": codec,
                             "checkpointing": False, "steps": p["steps"][prec][0], "warmup": p["steps"][prec][1]})
     S = max(p["stage_counts"])
     prec = "bf16" if "bf16" in p["precisions"] else p["precisions"][0]
@@ -586,8 +601,8 @@ def targets(p: dict, vs: list[dict], table: dict, tps: dict, spreads: dict, ever
                  "the targets are stated for S = 4 on one H200; these verdicts are of this run's settings"}
     # 1. S stages in bf16 against the plain bf16 process, per codec; the faster codec's verdict
     per_codec = {}
-    for codec in p["codecs"]:
-        name = f"S{S}_{prec}_{codec}"
+    for codec in p["codecs"][prec]:
+        name = f"S{S}_{prec}_{label(codec)}"
         row = table.get(name)
         if not row or row["relative_to_plain"] is None:
             continue
@@ -599,14 +614,22 @@ def targets(p: dict, vs: list[dict], table: dict, tps: dict, spreads: dict, ever
     best = max(per_codec, key=lambda c: per_codec[c]["ratio"]) if per_codec else None
     out["tokens_ge_0.8x_plain"] = {"per_codec": per_codec, "best_codec": best,
                                    "verdict": per_codec[best]["verdict"] if best else None}
-    # 2. serialization with int8 in bf16, every stage's share of its step
-    name = f"S{S}_{prec}_int8"
-    vals = [r.get("serialize_fraction_max") for r in every.get(name, []) if r.get("serialize_fraction_max") is not None]
-    val = table.get(name, {}).get("serialize_fraction_max")
-    noise = _noise(val, vals) if len(vals) > 1 else None
-    out["int8_serialize_le_10pct"] = {"variant": name, "serialize_fraction_max": val, "noise": noise,
-                                      "per_repeat": vals,
-                                      "verdict": common.verdict(val, TARGETS["serialize_fraction_max"], noise)}
+    # 2. serialization with int8 in bf16, every stage's share of its step, per
+    # int8 codec (with and without zstd); the verdict is the lower share's
+    per_int8 = {}
+    for codec in (c for c in INT8_CODECS if c in p["codecs"][prec]):
+        name = f"S{S}_{prec}_{label(codec)}"
+        vals = [r.get("serialize_fraction_max") for r in every.get(name, [])
+                if r.get("serialize_fraction_max") is not None]
+        val = table.get(name, {}).get("serialize_fraction_max")
+        if val is None:
+            continue
+        noise = _noise(val, vals) if len(vals) > 1 else None
+        per_int8[codec] = {"variant": name, "serialize_fraction_max": val, "noise": noise, "per_repeat": vals,
+                           "verdict": common.verdict(val, TARGETS["serialize_fraction_max"], noise)}
+    low = min(per_int8, key=lambda c: per_int8[c]["serialize_fraction_max"]) if per_int8 else None
+    out["int8_serialize_le_10pct"] = {**(per_int8[low] if low else {"verdict": None}), "codec": low,
+                                      "per_codec": per_int8}
     # 3. the in-job snapshot stall against the pinned copy floor of the job's state
     out["ckpt_stall_le_1.5x_floor"] = {"variant": ckpt["variant"], "stall_over_floor": ckpt["stall_over_floor"],
                                        "stall_incl_queued_over_floor": ckpt["stall_incl_queued_over_floor"],
@@ -652,6 +675,15 @@ def _print_table(result: dict, f) -> None:
     print("", file=f)
 
 
+def _int8_others(ser: dict) -> str:
+    """Which int8 codec the serialization verdict is of, and the other's share."""
+    if not ser.get("codec"):
+        return ""                                  # a result from before int8:zstd=0 was measured
+    rest = [f"`{c}` {_f(x['serialize_fraction_max'], '.1%')}" for c, x in ser.get("per_codec", {}).items()
+            if c != ser["codec"]]
+    return f", `{ser['codec']}`" + (f"; {', '.join(rest)}" if rest else "")
+
+
 def readme_part(r: dict, name: str = "gpu") -> str:
     """A README part (markdown) from a result: one row per variant, then the
     targets' verdicts (``crucible bench readme`` renders it as part ``gpu``)."""
@@ -683,8 +715,8 @@ def readme_part(r: dict, name: str = "gpu") -> str:
         "",
         f"* S = {t['stages']} in {t['precision']} ≥ 0.8x one plain process: {_f(best.get('ratio'), '.2f')}x "
         f"({tp['best_codec']}) — {_verdict(tp['verdict'])}.",
-        f"* Serialization ≤ 10% of the step with int8: {_f(ser['serialize_fraction_max'], '.1%')} "
-        f"(largest stage) — {_verdict(ser['verdict'])}.",
+        f"* Serialization ≤ 10% of the step with int8: {_f(ser.get('serialize_fraction_max'), '.1%')} "
+        f"(largest stage{_int8_others(ser)}) — {_verdict(ser['verdict'])}.",
         f"* Snapshot stall in the job ≤ 1.5x the pinned copy floor: p50 "
         f"{_f((ck.get('stall_excl_queued_s') or {}).get('p50'), '.3f')} s against "
         f"{_f(ck.get('floor_job_s'), '.3f')} s for the job's {_f((ck.get('state_bytes_job') or 0) / 1e6, '.0f')} MB "
