@@ -4,12 +4,18 @@
 # launch/gpu-wheels.sh where a registry is reachable first and bring
 # .gpu-wheels/ along. Results go to $OUT (default ./gpu-out):
 #
-#   launch/gpu-check.sh tests   the GPU suite (pytest -m gpu tests/test_gpu.py): gpu-tests.log, gpu-tests.xml
+#   launch/gpu-check.sh tests   the GPU suite (pytest -m gpu tests/test_gpu.py, in four groups at once):
+#                               gpu-tests.log, gpu-tests-N.log and gpu-tests-N.xml per group
 #   launch/gpu-check.sh bench   crucible bench gpu --json: gpu.json (commit it as bench/results/gpu.json)
 #   launch/gpu-check.sh demo    crucible launch --device cuda, 2 x 3 with outer sync, an inner worker
-#                               SIGKILLed by --chaos: demo.log, demo-status.json, demo-events.jsonl
+#                               SIGKILLed by --chaos: demo.log, demo-summary.json, demo-events.jsonl
 #   launch/gpu-check.sh all     the three, in that order
 #   launch/gpu-check.sh checks  tests and demo at the same time (then run bench alone)
+#
+# The exit status is nonzero when a phase failed (each says "<phase>: exit N").
+# A phase past its bound gets SIGINT (pytest then runs its teardown: the
+# tests' jobs are killed) or SIGTERM (the bench writes what it measured, the
+# launcher stops its job), and SIGKILL 20 s later.
 #
 # GPU_CHECK_DEVICE=cpu runs the same phases on the CPU with the quick bench
 # (the smoke run before spending GPU time). Every phase is bounded
@@ -54,9 +60,10 @@ phase_tests() {
     local groups=("codecs or side_streams or equals_one_process or every_copy" "sigkill_then_resume"
                   "killed_inner_worker and sparseloco" "killed_inner_worker and diloco")
     [ "${TESTS_PARALLEL:-1}" = 0 ] && groups=("gpu")
+    rm -f "$OUT"/gpu-tests-*.log "$OUT"/gpu-tests-*.xml     # (an earlier run's groups)
     local i=0 pids=()
     for g in "${groups[@]}"; do
-        env "${env[@]}" timeout "${TESTS_TIMEOUT:-480}" "$PY" -m pytest -v -m gpu tests/test_gpu.py -k "$g" \
+        env "${env[@]}" timeout -s INT -k 20 "${TESTS_TIMEOUT:-480}" "$PY" -m pytest -v -m gpu tests/test_gpu.py -k "$g" \
             -p no:cacheprovider --junitxml="$OUT/gpu-tests-$i.xml" >"$OUT/gpu-tests-$i.log" 2>&1 &
         pids+=($!)
         i=$((i + 1))
@@ -67,17 +74,19 @@ phase_tests() {
     grep -hE "(PASSED|FAILED|ERROR|SKIPPED)( |$)" "$OUT"/gpu-tests-*.log | grep "::" || true
     grep -hE "^=+ .*(passed|failed|error).* in " "$OUT"/gpu-tests-*.log
     echo "tests: exit $rc"
+    return "$rc"
 }
 
 phase_bench() {
     echo "== bench ($DEV)"
     local quick=()
     [ "$DEV" = cpu ] && quick=(--quick)
-    timeout "${BENCH_TIMEOUT:-540}" "$PY" -m crucible bench gpu --device "$DEV" "${quick[@]}" --json --out "$OUT/gpu.json" \
+    timeout -k 20 "${BENCH_TIMEOUT:-540}" "$PY" -m crucible bench gpu --device "$DEV" "${quick[@]}" --json --out "$OUT/gpu.json" \
         >"$OUT/bench.log" 2>&1
     local rc=$?
     tail -5 "$OUT/bench.log"
     echo "bench: exit $rc"
+    return "$rc"
 }
 
 phase_demo() {
@@ -89,7 +98,7 @@ phase_demo() {
     local model=(model.preset=gpt-50m train.seq_len=256 train.batch_size=16)
     # (the CPU smoke: the small preset, or 200 steps take far longer than the bound)
     [ "$DEV" = cpu ] && model=(model.preset=small train.seq_len=64 train.batch_size=8)
-    timeout "${DEMO_TIMEOUT:-300}" "$PY" -m crucible launch --device "$DEV" --replicas 2 --stages 3 --steps 200 \
+    timeout -k 20 "${DEMO_TIMEOUT:-300}" "$PY" -m crucible launch --device "$DEV" --replicas 2 --stages 3 --steps 200 \
         --run-dir "$run" --chaos "r0s1@step=40" "${model[@]}" \
         train.microbatches=4 train.precision=bf16 outer.H=5 fault.heartbeat_timeout_s=10 fault.rpc_timeout_s=20 \
         train.eval_every=0 debug.dump_final=true >"$OUT/demo.log" 2>&1
@@ -114,13 +123,17 @@ print(json.dumps({"faults": [e for e in ev if e["event"] == "fault"],
 PYEOF
     echo "demo: exit $rc; theta_global equal per stage: $("$PY" -c 'import json, sys
 print(json.load(open(sys.argv[1])).get("theta_global_equal_per_stage"))' "$OUT/demo-summary.json" 2>&1)"
+    return "$rc"
 }
 
 case "${1:-all}" in
     tests) phase_tests ;;
     bench) phase_bench ;;
     demo) phase_demo ;;
-    all) phase_tests; phase_bench; phase_demo ;;
-    checks) phase_tests & phase_demo & wait ;;     # the suite and the demo at once (not the bench: it times)
-    *) echo "usage: launch/gpu-check.sh tests|bench|demo|all" >&2; exit 2 ;;
+    all) rc=0; phase_tests || rc=1; phase_bench || rc=1; phase_demo || rc=1; exit "$rc" ;;
+    checks)     # the suite and the demo at once (not the bench: it times)
+        phase_tests & t=$!
+        phase_demo & d=$!
+        rc=0; wait "$t" || rc=1; wait "$d" || rc=1; exit "$rc" ;;
+    *) echo "usage: launch/gpu-check.sh tests|bench|demo|all|checks" >&2; exit 2 ;;
 esac

@@ -220,7 +220,11 @@ def test_steps_are_the_correctly_rounded_quotient_rounded_up(spec, emulate_cuda)
     up (float32 for int8, bfloat16 for int4), also with divisions by a Python
     number done as CUDA does them (``a * fp32(1/b)``, one ulp off at times):
     the codecs divide by a tensor on the data's device, so the GPU writes the
-    bytes the CPU does (a division by ``qmax`` as a number fails here)."""
+    bytes the CPU does (a division by ``qmax`` as a number fails here for
+    int4). For int8 the emulated case passes even with such a division:
+    ``a * fp32(1/127)`` only ever comes out low, and the step's upward
+    correction repairs it; ``test_encode_does_no_division_by_a_python_number``
+    is what guards int8."""
     from crucible.testing.cuda_division import CudaScalarDivision
 
     c = make_codec(spec, D)

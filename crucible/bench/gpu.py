@@ -100,11 +100,6 @@ PRECISIONS = ("bf16", "fp32")
 CODECS = {"bf16": ("none", "int8", "int8:zstd=0"), "fp32": ("none", "int8")}
 CODEC_LABELS = {"int8:zstd=0": "int8raw"}
 INT8_CODECS = ("int8", "int8:zstd=0")
-
-
-def label(codec: str) -> str:
-    """A codec spec as it appears in variant names."""
-    return CODEC_LABELS.get(codec, codec)
 FLOOR_COPIES = 5
 
 TARGETS = {"tokens_vs_plain_min": 0.8, "serialize_fraction_max": 0.10, "stall_over_floor_max": 1.5}
@@ -174,6 +169,11 @@ def plan(device: str, quick: bool) -> dict:
         p["steps"] = {"bf16": [30, 10], "fp32": [14, 4]}
         p["ckpt_steps"] = [120, 10]
     return p
+
+
+def label(codec: str) -> str:
+    """A codec spec as it appears in variant names."""
+    return CODEC_LABELS.get(codec, codec)
 
 
 def variants(p: dict) -> list[dict]:
