@@ -53,7 +53,9 @@ KINDS: dict[str, str] = {
     "job_done": "every replica is done: elapsed_s, steps",
     "job_rollback": "a stage lost every copy: every worker restarts from the latest checkpoint: reason, replica, "
                     "stage, to_step",
-    "outer_round": "a round closed: stage, round, contributors, dropped, bytes, seconds",
+    "outer_round": "a round closed: stage, round, contributors, dropped, bytes, seconds (logged just before the "
+                   "round is on disk: a coordinator killed in between re-forms it and logs it again; the later "
+                   "line stands)",
     "outer_waiting": "a round past outer.deadline_s still waits: stage, round, missing",
     "outer_skipped": "a stage skipped an outer round, the coordinator out of reach (its update kept in e): "
                      "replica, stage, round, step, reason",

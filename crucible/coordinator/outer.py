@@ -78,6 +78,7 @@ KEEP_CLOSED = 64            # closed rounds kept on disk per stage ...
 KEEP_BYTES = 256 << 20      # ... or fewer, when they would take more than this (at least 4)
 WAIT_S = 20.0               # longest a call waits for its round before the worker asks again
 ROUND_FILE = struct.Struct("<I")   # length of the JSON header that starts a round file
+EVENT_FLUSH_S = 5.0         # longest a round waits for its event to reach the metrics file
 
 
 def check_payload(mode: str, payload: bytes, numel: int) -> None:
@@ -127,6 +128,7 @@ class Round:
     warned: bool = False
     answered: bool = False     # a reply went out: the round can no longer be abandoned
     abandoned: bool = False
+    logged: int = 0            # the metrics ticket of its event (0: not yet)
 
     def reply(self) -> pb.OuterReply:
         if self.abandoned:
@@ -280,11 +282,29 @@ class OuterRelay:
         self.c.cv.notify_all()
 
     def _finish(self, rnd: Round) -> None:
-        """Write a sealed round to disk (off the lock), then let its replies go."""
+        """Write a sealed round to disk (off the lock), then let its replies go.
+
+        Its event reaches the metrics file first: a coordinator killed after the
+        round is on disk but before a queued event was flushed lost that round's
+        line for good (its successor serves the round from disk). Killed between
+        the two, the successor re-forms the round from the workers' retries and
+        logs it again; the later line is the round that stands."""
         c = self.c
         rnd.writing = True
+        if rnd.abandoned:
+            event = {"event": "outer_abandoned", "stage": rnd.stage, "round": rnd.number,
+                     "contributions": sorted(rnd.payloads), "seconds": time.time() - rnd.opened}
+        else:
+            event = {"event": "outer_round", "stage": rnd.stage, "round": rnd.number,
+                     "contributors": rnd.contributors, "dropped": rnd.dropped,
+                     "bytes": sum(len(rnd.payloads[r]) for r in rnd.contributors),
+                     "seconds": time.time() - rnd.opened}
+        if not rnd.logged:
+            rnd.logged = c.metrics.write(event)
+        ticket = rnd.logged
         c.cv.release()
         try:
+            c.metrics.wait_written(ticket, timeout=EVENT_FLUSH_S)
             self.store.write(rnd)
             ok = True
         except OSError as e:
@@ -294,17 +314,9 @@ class OuterRelay:
             c.cv.acquire()
         rnd.writing = False
         if not ok:
-            return      # the next waiter tries again
+            return      # the next waiter tries again (the event is logged once)
         rnd.closed = True
         self.rounds.pop((rnd.stage, rnd.number), None)
-        if rnd.abandoned:
-            c.metrics.write({"event": "outer_abandoned", "stage": rnd.stage, "round": rnd.number,
-                             "contributions": sorted(rnd.payloads), "seconds": time.time() - rnd.opened})
-        else:
-            c.metrics.write({"event": "outer_round", "stage": rnd.stage, "round": rnd.number,
-                             "contributors": rnd.contributors, "dropped": rnd.dropped,
-                             "bytes": sum(len(rnd.payloads[r]) for r in rnd.contributors),
-                             "seconds": time.time() - rnd.opened})
         c.cv.notify_all()
 
     def poke(self) -> None:
