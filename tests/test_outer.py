@@ -135,7 +135,13 @@ def test_malformed_contribution_right_after_a_coordinator_restart(start_job):
     rounds = {(e["stage"], e["round"]): e["contributors"] for e in job.events("outer_round")}
     assert rounds[(0, target)] == [0]
     assert all(c == [0, 1] for k, c in rounds.items() if k != (0, target)), rounds
-    assert len(rounds) == 2 * 40
+    # Every round closed, unless a replica skipped it while the coordinator was down
+    # (a restart slower than fault.heartbeat_timeout_s on a loaded host): then the
+    # round is abandoned, which the coordinator logs.
+    skipped = {(e["stage"], e["round"]) for e in job.events("outer_skipped")}
+    abandoned = {(e["stage"], e["round"]) for e in job.events("outer_abandoned") if "contributions" in e}
+    assert abandoned <= skipped and not abandoned & set(rounds), (abandoned, skipped)
+    assert set(rounds) | abandoned == {(s, n) for s in range(2) for n in range(40)}, (sorted(rounds), abandoned)
     rejected = job.events("outer_rejected")       # ours, and replica 1's own payload for that round
     assert {e["round"] for e in rejected} == {target} and len(rejected) in (2, 3), rejected
 
