@@ -140,7 +140,7 @@ def _add_results(sub) -> None:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON")
     p.add_argument("what", choices=["launch", "pipeline", "outer", "activations", "ckpt", "chaos", "soak",
-                                          "slurm", "network", "gpu", "revisions", "readme"],
+                                          "slurm", "network", "gpu", "revisions", "wire", "readme"],
                    help="a benchmark, or readme: regenerate the README's figures from bench/results")
     p.add_argument("--check", action="store_true",
                    help="bench readme: change nothing; exit 1 when a README figure differs from its result file")

@@ -183,9 +183,10 @@ def analyse(events: list[dict], stages: int, warmup: int) -> dict:
 
 def run_pipeline(workdir: str, stages: int, steps: int, warmup: int, extra: list[str],
                  pin: dict[str, int] | None = None, name: str | None = None,
-                 launch_args: list[str] | tuple = ()) -> dict:
+                 launch_args: list[str] | tuple = (), env: dict | None = None) -> dict:
     """One launch of R = 1 and S stages; ``name`` (default ``S<stages>[_pinned]``)
-    names its run directory under ``workdir``; ``launch_args``: more launcher flags."""
+    names its run directory under ``workdir``; ``launch_args``: more launcher
+    flags; ``env``: the launcher's environment (default: ``common.child_env()``)."""
     name = name or f"S{stages}" + ("_pinned" if pin else "")
     run_dir = os.path.join(workdir, name)
     cores = common.usable_cores()
@@ -210,7 +211,7 @@ def run_pipeline(workdir: str, stages: int, steps: int, warmup: int, extra: list
                     affinity[wname] = aff
 
     t0 = time.monotonic()
-    job = common.Launch(run_dir, 1, stages, steps, BASE_OVERRIDES + extra, args=launch_args)
+    job = common.Launch(run_dir, 1, stages, steps, BASE_OVERRIDES + extra, args=launch_args, env=env)
     try:
         code = job.wait(timeout, poll=poll, every=0.1)
         info["wall_s_total"] = time.monotonic() - t0

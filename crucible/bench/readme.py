@@ -357,10 +357,17 @@ def _gpu(r: dict, name: str = "gpu") -> str:
     return readme_part(r, name)
 
 
+def _wire(r: dict, name: str = "wire") -> str:
+    from crucible.bench.wire import readme_part
+
+    return readme_part(r, name)
+
+
 RENDERERS: dict[str, Callable[[dict, str], str]] = {
     "network": network, "soak": soak, "soak_memory": soak_memory, "slurm": slurm, "slurm_full_load": slurm,
     "pipeline": pipeline, "ckpt": ckpt, "outer": outer, "launch": launch,
     "activations": _activations, "chaos": _chaos, "revisions": _revisions, "gpu": _gpu,
+    "wire": _wire,
 }
 
 

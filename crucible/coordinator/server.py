@@ -654,6 +654,9 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
     still means final checkpoint + stop."""
     import signal
 
+    from crucible import procs
+
+    procs.keep_large_buffers()      # outer payloads of MBs: no fresh pages per round
     coord = Coordinator(cfg, run_dir, token, restore=not (resume or fresh))
     coord.ckpt.prepare(resume)
     if resume or fresh:

@@ -94,6 +94,7 @@ class Worker:
 
     def run(self) -> int:
         torch.set_num_threads(1)
+        procs.keep_large_buffers()      # frames of MBs: no fresh pages per message
         self._serve()
         self.ctl = ControlClient(self.coordinator, self.token)
         self.ctl.on_reregister = self._reregister

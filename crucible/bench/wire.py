@@ -1,0 +1,271 @@
+"""``crucible bench wire``: what a frame of MBs costs on its way through the
+data path, with glibc's allocator as it is and with large buffers kept
+(``procs.keep_large_buffers``, what every worker and coordinator does).
+
+1. **Frames.** In a child process with one thread per allocator setting
+   (``CRUCIBLE_MALLOC=glibc`` or not), for each payload size of ``SIZES_MB``:
+   a float32 tensor is sent (``wire.to_wire`` + the ``Frame`` + its
+   serialization: what ``Links.send`` does before gRPC) and received
+   (``Frame.FromString`` + ``wire.from_wire``: what the receiver does after
+   gRPC), ``FRAMES`` times after a warm-up; each side's median time per frame
+   and the minor page faults per frame (``getrusage``). ``ROUNDS`` rounds,
+   the two settings in rotated order; a setting's figure is the median over
+   rounds, with the spread (max / min - 1), and the kept setting's gain is
+   paired round by round (``common.paired_gap``).
+2. **A pipeline.** ``crucible launch`` of 1 replica x 2 stages of a model with
+   ``MODEL`` (a 4 MB float32 activation per microbatch), ``STEPS`` steps, once
+   per setting in each of ``REPEATS`` rounds (rotated order): tokens/s and each
+   stage's ``serialize_s`` per step (the worker's own split), after
+   ``WARMUP`` steps. On the CPU the step is mostly compute, so tokens/s may
+   not tell the settings apart ("within noise"); the serialization time is the
+   direct measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+from crucible.bench import common
+from crucible.procs import MALLOC_ENV
+
+SIZES_MB = (0.25, 1.0, 4.0, 8.0, 16.0)
+FRAMES = 20
+ROUNDS = 5
+SETTINGS = ("kept", "glibc")          # kept: procs.keep_large_buffers(); glibc: $CRUCIBLE_MALLOC=glibc
+MODEL = ["model.n_layer=2", "model.d_model=512", "model.n_head=8", "train.seq_len=512", "train.batch_size=16",
+         "train.microbatches=4"]
+STEPS, WARMUP, REPEATS = 12, 4, 3
+QUICK = {"sizes": (1.0, 8.0), "frames": 5, "rounds": 2, "steps": 5, "warmup": 2, "repeats": 1,
+         "model": ["model.n_layer=2", "model.d_model=256", "model.n_head=4", "train.seq_len=256",
+                   "train.batch_size=8", "train.microbatches=2", "data.max_bytes=2000000"]}
+DEFINITIONS = {
+    "send_ms": "median time to build and serialize one frame (wire.to_wire, Frame, SerializeToString)",
+    "recv_ms": "median time to parse one frame and build its tensor (Frame.FromString, wire.from_wire)",
+    "faults_per_frame": "minor page faults per frame, both sides (getrusage ru_minflt)",
+    "gain": "paired relative difference glibc / kept - 1 over rounds: mean and 95 % half-width",
+    "serialize_s": "a stage's time per step in encoding its frames (the worker's own split)",
+}
+
+
+def frames_main(sizes: list[float], frames: int) -> int:
+    """(child) Time the data path of frames of each size; one JSON line."""
+    import torch
+
+    from crucible import procs, wire
+    from crucible._pb import crucible_pb2 as pb
+
+    torch.set_num_threads(1)
+    kept = procs.keep_large_buffers()
+    out = {"kept": kept, "sizes": {}}
+    for mb in sizes:
+        n = int(mb * (1 << 20)) // 4
+        t = torch.randn(n // 512 or 1, 512) if n >= 512 else torch.randn(1, n)
+        shape = tuple(t.shape)
+        send, recv = [], []
+        faults0 = None
+        for i in range(frames + 3):     # 3 to warm up
+            if i == 3:
+                faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            data = pb.Frame(kind=pb.Frame.FORWARD, step=i, tensor=wire.to_wire(t)).SerializeToString()
+            t1 = time.perf_counter()
+            got = wire.from_wire(pb.Frame.FromString(data).tensor, torch.float32, shape)
+            t2 = time.perf_counter()
+            if i >= 3:
+                send.append(t1 - t0)
+                recv.append(t2 - t1)
+            del data, got
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
+        out["sizes"][str(mb)] = {"send_ms": statistics.median(send) * 1e3, "recv_ms": statistics.median(recv) * 1e3,
+                                 "faults_per_frame": faults / frames, "bytes": t.numel() * 4}
+    print(json.dumps(out))
+    return 0
+
+
+def _env(setting: str) -> dict:
+    env = common.child_env()
+    env.pop(MALLOC_ENV, None)
+    if setting == "glibc":
+        env[MALLOC_ENV] = "glibc"
+    return env
+
+
+def run_frames(setting: str, sizes, frames: int, what: str) -> dict:
+    argv = [sys.executable, "-m", "crucible.bench.wire", "--frames", str(frames),
+            "--sizes", ",".join(str(s) for s in sizes)]
+    return common.child_json(argv, 300.0, what, env=_env(setting))
+
+
+def _frames_summary(rounds: list[dict], sizes) -> dict:
+    out = {}
+    for mb in sizes:
+        k = str(mb)
+        row = {"bytes": rounds[0]["kept"]["sizes"][k]["bytes"]}
+        for side in ("send_ms", "recv_ms", "faults_per_frame"):
+            for s in SETTINGS:
+                xs = [r[s]["sizes"][k][side] for r in rounds]
+                row[f"{s}_{side}"] = statistics.median(xs)
+                if side != "faults_per_frame":
+                    row[f"{s}_{side}_spread"] = common.spread(xs)
+            if side != "faults_per_frame":
+                row[f"{side}_gain"] = common.paired_gap([r["glibc"]["sizes"][k][side] for r in rounds],
+                                                        [r["kept"]["sizes"][k][side] for r in rounds])
+        out[k] = row
+    return out
+
+
+def _pipeline_summary(runs: list[dict]) -> dict:
+    out = {}
+    for s in SETTINGS:
+        mine = [r for r in runs if r["setting"] == s and not r.get("error")]
+        tps = [r["tokens_per_s"] for r in mine]
+        ser = [max(st["serialize_s"] for st in r["per_stage"]) for r in mine]
+        out[s] = {"tokens_per_s": tps, "tokens_per_s_median": statistics.median(tps) if tps else None,
+                  "tokens_per_s_spread": common.spread(tps), "serialize_s_max_stage": ser,
+                  "serialize_s_median": statistics.median(ser) if ser else None}
+    pairs = [(a, b) for a, b in zip([r for r in runs if r["setting"] == "kept"],
+                                    [r for r in runs if r["setting"] == "glibc"])
+             if not a.get("error") and not b.get("error")]
+    if pairs:
+        out["kept_vs_glibc_tokens_per_s"] = common.paired_gap([a["tokens_per_s"] for a, _ in pairs],
+                                                              [b["tokens_per_s"] for _, b in pairs])
+        out["glibc_vs_kept_serialize_s"] = common.paired_gap(
+            [max(st["serialize_s"] for st in b["per_stage"]) for _, b in pairs],
+            [max(st["serialize_s"] for st in a["per_stage"]) for a, _ in pairs])
+    return out
+
+
+def main(args) -> int:
+    common.exit_on_sigterm()
+    from crucible.bench import pipeline
+
+    quick = bool(getattr(args, "quick", False))
+    sizes = QUICK["sizes"] if quick else SIZES_MB
+    frames = QUICK["frames"] if quick else FRAMES
+    rounds_n = QUICK["rounds"] if quick else ROUNDS
+    steps, warmup = (QUICK["steps"], QUICK["warmup"]) if quick else (STEPS, WARMUP)
+    repeats = getattr(args, "repeats", None) or (QUICK["repeats"] if quick else REPEATS)
+    model = QUICK["model"] if quick else MODEL
+    result: dict = {
+        "bench": "wire", "quick": quick, "environment": common.environment(),
+        "settings": {"sizes_MB": list(sizes), "frames": frames, "rounds": rounds_n, "order": "rotated each round",
+                     "allocator": {"kept": "procs.keep_large_buffers(): mmap threshold 32 MB, trim threshold "
+                                           "256 MB (what workers and the coordinator do)",
+                                   "glibc": f"${MALLOC_ENV}=glibc: glibc's defaults"},
+                     "pipeline": {"stages": 2, "replicas": 1, "steps": steps, "warmup_steps_skipped": warmup,
+                                  "repeats": repeats, "overrides": pipeline.BASE_OVERRIDES + model}},
+        "definitions": DEFINITIONS,
+        "config": common.full_config(pipeline.BASE_OVERRIDES + model),
+    }
+    errors: list[str] = []
+    rounds = []
+    for i in range(rounds_n):
+        got = {}
+        for s in common.rotated(list(SETTINGS), i):
+            common.progress(f"frames round {i + 1}/{rounds_n}: {s}")
+            r = run_frames(s, sizes, frames, f"frames round {i + 1} {s}")
+            if "error" in r:
+                errors.append(r["error"])
+            elif r.get("kept") != (s == "kept"):
+                errors.append(f"frames round {i + 1} {s}: the child's allocator setting was {r.get('kept')}")
+            else:
+                got[s] = r
+        if len(got) == 2:
+            rounds.append(got)
+    result["frames"] = _frames_summary(rounds, sizes) if rounds else {}
+    runs = []
+    workdir = tempfile.mkdtemp(prefix="crucible-bench-wire-")
+    try:
+        for i in range(repeats):
+            for s in common.rotated(list(SETTINGS), i):
+                name = f"S2_{s}_{i}"
+                r = pipeline.run_pipeline(workdir, 2, steps, warmup, model, name=name, env=_env(s))
+                r["setting"] = s
+                runs.append(r)
+                if r.get("error"):
+                    errors.append(r["error"])
+                else:
+                    shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
+    finally:
+        if errors:
+            common.progress(f"run directories kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    result["pipeline_runs"] = [{k: r.get(k) for k in ("setting", "tokens_per_s", "per_stage", "loadavg_before",
+                                                      "contended", "error")} for r in runs]
+    result["summary"] = {"pipeline": _pipeline_summary(runs)}
+    if result["frames"]:
+        big = result["frames"][str(max(sizes))]
+        result["summary"]["largest_frame"] = {"MB": max(sizes), "kept_send_ms": big["kept_send_ms"],
+                                              "glibc_send_ms": big["glibc_send_ms"],
+                                              "kept_recv_ms": big["kept_recv_ms"],
+                                              "glibc_recv_ms": big["glibc_recv_ms"]}
+    return common.finish(result, errors, args, print_table=_table, round_nd=4)
+
+
+def _table(r: dict, f) -> None:
+    print("frame data path, median ms per frame (kept | glibc), faults per frame:", file=f)
+    for mb, row in r["frames"].items():
+        print(f"  {float(mb):6.2f} MB  send {row['kept_send_ms']:7.2f} | {row['glibc_send_ms']:7.2f}   "
+              f"recv {row['kept_recv_ms']:7.2f} | {row['glibc_recv_ms']:7.2f}   faults "
+              f"{row['kept_faults_per_frame']:8.0f} | {row['glibc_faults_per_frame']:8.0f}", file=f)
+    p = r["summary"]["pipeline"]
+    for s in SETTINGS:
+        print(f"  pipeline 1x2 {s:5s}: {p[s]['tokens_per_s_median']} tokens/s, serialize "
+              f"{p[s]['serialize_s_median']} s/step", file=f)
+
+
+def readme_part(r: dict, name: str = "wire") -> str:
+    from crucible.bench.readme import _provenance
+
+    rows = []
+    for mb, row in r["frames"].items():
+        g = row["send_ms_gain"]
+        rows.append(f"| {float(mb):g} MB | {row['kept_send_ms']:.2f} | {row['glibc_send_ms']:.2f} | "
+                    f"{row['kept_recv_ms']:.2f} | {row['glibc_recv_ms']:.2f} | "
+                    f"{row['kept_faults_per_frame']:,.0f} | {row['glibc_faults_per_frame']:,.0f} | "
+                    f"{common.fmt_rel(g['mean'], g['ci95_halfwidth'], 0)} ({g['difference']}) |")
+    p = r["summary"]["pipeline"]
+    tg, sg = p.get("kept_vs_glibc_tokens_per_s"), p.get("glibc_vs_kept_serialize_s")
+    st = r["settings"]["pipeline"]
+    line = (f"A 1 x 2 pipeline of {' '.join('`' + o + '`' for o in st['overrides'][2:])} ({st['steps']} steps, "
+            f"{st['repeats']} interleaved rounds): {p['kept']['tokens_per_s_median']:,.0f} tokens/s kept, "
+            f"{p['glibc']['tokens_per_s_median']:,.0f} with glibc's defaults"
+            + (f" ({common.fmt_rel(tg['mean'], tg['ci95_halfwidth'], 1)}, {tg['difference']})" if tg else "")
+            + f"; the busier stage serializes {p['kept']['serialize_s_median']:.3f} s a step kept, "
+              f"{p['glibc']['serialize_s_median']:.3f} s with glibc's defaults"
+            + (f" ({sg['difference']})" if sg else "") + ".")
+    return "\n".join([
+        f"`crucible bench wire` (one thread; median over {r['settings']['rounds']} interleaved rounds of "
+        f"{r['settings']['frames']} frames; {_provenance(r)}; `bench/results/{name}.json`): a float32 frame's "
+        "time in the data path, kept = large buffers kept on the heap, as every worker does, glibc = "
+        f"`{MALLOC_ENV}=glibc`.",
+        "",
+        "| frame | send ms, kept | send ms, glibc | receive ms, kept | receive ms, glibc | page faults a frame, "
+        "kept | glibc | glibc's send time over kept's |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        line,
+    ]) + "\n"
+
+
+def _entry(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m crucible.bench.wire",
+                                 description="the child of `crucible bench wire`: time frames, print JSON")
+    ap.add_argument("--frames", type=int, default=FRAMES)
+    ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES_MB))
+    a = ap.parse_args(argv)
+    return frames_main([float(s) for s in a.sizes.split(",")], a.frames)
+
+
+if __name__ == "__main__":
+    sys.exit(_entry())
