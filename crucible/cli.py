@@ -9,7 +9,7 @@ import signal
 import sys
 
 from crucible import procs
-from crucible.exits import UsageError
+from crucible.exits import UsageError, interrupted
 
 
 def _common_job_args(p: argparse.ArgumentParser) -> None:
@@ -188,7 +188,22 @@ def _setup_logging(name: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
+def _stopped_during_startup(signum, frame) -> None:
+    """A worker's SIGTERM before Worker.run installs its own handler: the stop
+    convention (128 + N, one line), not a silent death by the signal. os._exit:
+    nothing half-imported to unwind; and no error file (a stop is no error, and
+    two alike would look like a crash loop to the launcher)."""
+    os.write(2, f"crucible worker: stopped during start-up ({signal.Signals(signum).name})\n".encode())
+    os._exit(interrupted(signum))
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["worker"]:
+        # First thing, before the parser and the heavy imports (grpc, torch alone
+        # 1-2 s): a worker may be SIGTERMed at any moment (the launcher stopping,
+        # a pod evicted). Only a worker process's own main (argv from sys.argv;
+        # the command is always the first word): a caller keeps its handlers.
+        signal.signal(signal.SIGTERM, _stopped_during_startup)
     args, extra = build_parser().parse_known_args(argv)
     if extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")

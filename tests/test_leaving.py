@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY, child_env, crucible_cmd, whole, worker
+from conftest import ROOT, TINY, child_env, crucible_cmd, free_port, whole, worker
 from crucible import exits
 
 
@@ -73,6 +73,57 @@ def test_a_stop_while_the_coordinator_is_out_of_reach_is_a_stop():
     finally:
         timer.cancel()
     assert time.monotonic() - t0 < 10
+
+
+def _sigterm_caught(pid: int) -> bool:
+    """SIGTERM is in `pid`'s caught set (SigCgt, /proc/PID/status): a handler is in place."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
+def _torch_mapped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="tells start-up by /proc")
+def test_a_sigterm_during_start_up_is_a_clean_stop(tmp_path):
+    """A worker SIGTERMed while it still imports (torch alone: 1-2 s; the
+    launcher stopping, a pod evicted just after it started) exits 143 at once
+    with one line, as one SIGTERMed later does. It used to die of the signal
+    (-15, nothing said). Signalled the moment a SIGTERM handler shows in /proc,
+    or, without one so early (the old code), the moment torch's library is
+    mapped: either way before torch is imported."""
+    env = child_env()
+    env["CRUCIBLE_TOKEN"] = "t" * 32
+    err = tmp_path / "worker.err"
+    with open(err, "wb") as f:
+        proc = subprocess.Popen(crucible_cmd("worker", "--coordinator", f"127.0.0.1:{free_port()}"), cwd=ROOT,
+                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f,
+                                start_new_session=True)
+    try:
+        t_end = time.monotonic() + 60
+        while not _sigterm_caught(proc.pid) and not _torch_mapped(proc.pid) and time.monotonic() < t_end:
+            assert proc.poll() is None, err.read_text()
+            time.sleep(0.002)
+        starting = not _torch_mapped(proc.pid)      # (certainly still importing)
+        os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        # (the code is the point: a worker already past its imports stops with 143 too)
+        assert code == exits.interrupted(signal.SIGTERM), (exits.describe(code), err.read_text())
+        if starting:
+            assert "crucible worker: stopped during start-up (SIGTERM)" in err.read_text().splitlines()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
 
 def test_a_sigterm_while_joining_is_a_clean_stop(start_job, tmp_path):

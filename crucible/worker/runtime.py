@@ -99,7 +99,8 @@ class Worker:
         self.ctl = ControlClient(self.coordinator, self.token)
         self.ctl.on_reregister = self._reregister
         self.progress = Progress(on_change=lambda s: setattr(self.ctl, "step", s))
-        # From here on a SIGTERM is a stop, not a death: one that comes while the
+        # From here on a SIGTERM is a stop, not a death (until here crucible.cli's
+        # start-up handler exits 143 at once): one that comes while the
         # stage is built, the slot registered or the checkpoint loaded ends the
         # worker at its next check, with a leave once it is registered (the
         # coordinator routes around it at once, not after a heartbeat timeout).
