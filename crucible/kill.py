@@ -13,6 +13,7 @@ signalled only while it is still the one the launcher started:
   (``crucible worker ... --replica R --stage S``, ``crucible coordinator``).
 
 Anything else is refused with one line and exit status 1; nothing is signalled.
+``signal_if_ours`` is that rule for other senders (``crucible bench soak``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,52 @@ def _not_ours(name: str, pid: int, start) -> str | None:
     return None if ok else "the pid now belongs to another process"
 
 
+def recorded_start(run_dir: str, name: str, pid: int) -> int | None:
+    """The start ticks the launcher recorded for `name` at `pid` in
+    ``pids.start.json``; None without one (an older launcher's run, or a
+    record of another pid: the files were rewritten in between)."""
+    try:
+        starts = _read(os.path.join(run_dir, procs.PID_STARTS_FILE))
+    except (OSError, ValueError):
+        return None
+    rec = starts.get(name) if isinstance(starts, dict) else None
+    ok = isinstance(rec, list) and len(rec) == 2 and rec[0] == pid and isinstance(rec[1], int)
+    return rec[1] if ok else None
+
+
+def signal_if_ours(name: str, pid: int, start, sig: int) -> str | None:
+    """Send `sig` to `pid` only while it is the process `name` the launcher
+    started (``_not_ours``; `start`: its recorded start ticks, or None). None
+    when sent; else why not: "gone", "unknown", "not allowed to signal it
+    (...)", or ``_not_ours``'s reason. On Linux the check and the signal go
+    through a pidfd: the pid cannot change hands between them."""
+    fd = None
+    if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
+        try:
+            fd = os.pidfd_open(pid)    # this process, whatever happens to the pid from here on
+        except ProcessLookupError:
+            return "gone"
+        except OSError:
+            fd = None                  # (a kernel without pidfds)
+    try:
+        why = _not_ours(name, pid, start)
+        if why:
+            return why
+        try:
+            if fd is not None:
+                signal.pidfd_send_signal(fd, sig)
+            else:
+                os.kill(pid, sig)
+        except ProcessLookupError:
+            return "gone"
+        except PermissionError as e:
+            return f"not allowed to signal it ({e.strerror})"
+        return None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def kill(run_dir: str, name: str, sig: int = signal.SIGKILL) -> int:
     if name != "coordinator" and not is_slot_name(name):
         print(f"crucible kill: {name!r} is not a worker name like r1s2 (or 'coordinator')", file=sys.stderr)
@@ -86,48 +133,19 @@ def kill(run_dir: str, name: str, sig: int = signal.SIGKILL) -> int:
     if not _is_pid(pid):
         print(f"crucible kill: {path}: the pid of {name} is {pid!r}, not a process id", file=sys.stderr)
         return 1
-    try:
-        starts = _read(os.path.join(run_dir, procs.PID_STARTS_FILE))
-    except (OSError, ValueError):
-        starts = {}
-    rec = starts.get(name) if isinstance(starts, dict) else None
-    ok = isinstance(rec, list) and len(rec) == 2 and rec[0] == pid and isinstance(rec[1], int)
-    start = rec[1] if ok else None      # (an older launcher's run: none recorded)
-
-    fd = None
-    if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
-        try:
-            fd = os.pidfd_open(pid)    # this process, whatever happens to the pid from here on
-        except ProcessLookupError:
-            print(f"crucible kill: {name} (pid {pid}) is not running", file=sys.stderr)
-            return 1
-        except OSError:
-            fd = None                  # (a kernel without pidfds)
-    try:
-        why = _not_ours(name, pid, start)
-        if why == "gone":
-            print(f"crucible kill: {name} (pid {pid}) is not running", file=sys.stderr)
-            return 1
-        if why == "unknown":
-            print(f"crucible kill: cannot tell whether pid {pid} is still {name} (no recorded start time, no "
-                  f"command line); nothing signalled", file=sys.stderr)
-            return 1
-        if why:
-            print(f"crucible kill: {name} (pid {pid}) is not running ({why}); nothing signalled", file=sys.stderr)
-            return 1
-        try:
-            if fd is not None:
-                signal.pidfd_send_signal(fd, sig)
-            else:
-                os.kill(pid, sig)
-        except ProcessLookupError:
-            print(f"crucible kill: {name} (pid {pid}) is not running", file=sys.stderr)
-            return 1
-        except PermissionError as e:
-            print(f"crucible kill: {name} (pid {pid}): not allowed to signal it ({e.strerror})", file=sys.stderr)
-            return 1
-    finally:
-        if fd is not None:
-            os.close(fd)
+    why = signal_if_ours(name, pid, recorded_start(run_dir, name, pid), sig)
+    if why == "gone":
+        print(f"crucible kill: {name} (pid {pid}) is not running", file=sys.stderr)
+        return 1
+    if why == "unknown":
+        print(f"crucible kill: cannot tell whether pid {pid} is still {name} (no recorded start time, no "
+              f"command line); nothing signalled", file=sys.stderr)
+        return 1
+    if why and why.startswith("not allowed"):
+        print(f"crucible kill: {name} (pid {pid}): {why}", file=sys.stderr)
+        return 1
+    if why:
+        print(f"crucible kill: {name} (pid {pid}) is not running ({why}); nothing signalled", file=sys.stderr)
+        return 1
     print(f"killed {name} (pid {pid}) with {signal.Signals(sig).name}")
     return 0

@@ -73,8 +73,10 @@ import subprocess
 import tempfile
 import time
 
+from crucible import procs
 from crucible.bench import common
 from crucible.config import Config
+from crucible.kill import recorded_start, signal_if_ours
 from crucible.bench.common import progress
 from crucible.slots import slot_name, slot_of
 from crucible.testing.stress import cpu_hogs, oversubscribe
@@ -140,10 +142,11 @@ class Soak:
         self.injected: list[dict] = []
         self.rss: list[dict] = []
         self.stopped: dict[int, float] = {}       # pid -> when to SIGCONT
+        self._stopped_as: dict[int, tuple[str, int | None]] = {}   # pid -> (name, start ticks) it was stopped as
         self.last_steps: dict[int, int] = {}
         self.signalled: set[int] = set()    # pids we killed or stopped
         self._tail = common.EventTail(os.path.join(run_dir, "metrics.jsonl"))
-        self._pers: dict[str, int] = {}      # slot -> its persister's pid
+        self._pers: dict[str, tuple[int, int | None]] = {}   # slot -> its persister's (pid, start ticks)
         self.last_copy_spared = 0      # faults not drawn: they would have taken a stage's last live copy
         self.armed_at = 0.0
         self.rounds_missed = 0         # in_round faults given up: no round reached within ROUND_WAIT_S
@@ -163,23 +166,40 @@ class Soak:
         return {n: p for n, p in self.launch.pids().items() if n.startswith("r") and isinstance(p, int)}
 
     def _persisters(self) -> dict[str, int]:
-        """Each slot's live persister (from the new lines of metrics.jsonl)."""
+        """Each slot's live persister (from the new lines of metrics.jsonl),
+        with the start time its pid had when the line was read (the event
+        records none): a later process given that pid is not taken for it."""
         for ev in self._tail.new(b"ckpt_persister"):
             try:
-                self._pers[slot_name(ev["replica"], ev["stage"])] = ev["pid"]
-            except KeyError:
+                self._pers[slot_name(ev["replica"], ev["stage"])] = (ev["pid"], procs.start_ticks(ev["pid"]))
+            except (KeyError, TypeError):
                 pass
-        return {n: p for n, p in self._pers.items() if os.path.exists(f"/proc/{p}")}
+        return {n: pid for n, (pid, start) in self._pers.items()
+                if start is not None and procs.start_ticks(pid) == start}
 
-    def _signal(self, kind: str, target: str, pid: int, sig: int) -> None:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
+    def _signal(self, kind: str, target: str, pid: int, sig: int, start: int | None = None) -> None:
+        """Signal `target` only while `pid` is still that process: a pid read
+        from pids.json (or a persister's event) may since have been given to
+        another process, here or anywhere on the machine. The check is
+        `crucible kill`'s: the start time the launcher recorded with the pid
+        (`start`, a persister's: the one seen with its event), else the
+        command line. A pid that fails it is skipped, not counted."""
+        if start is None:
+            start = recorded_start(self.run_dir, target, pid)
+        if signal_if_ours(target, pid, start, sig) is not None:
             return
         self.injected.append({"kind": kind, "target": target, "pid": pid, "time": time.time()})
         self.signalled.add(pid)
         if sig == signal.SIGSTOP:
             self.stopped[pid] = time.monotonic() + 4.0
+            self._stopped_as[pid] = (target, start)
+
+    def _cont(self, pid: int) -> None:
+        """SIGCONT a worker we stopped, checked as it was when stopped."""
+        self.stopped.pop(pid, None)
+        name, start = self._stopped_as.pop(pid, ("", None))
+        if name:
+            signal_if_ours(name, pid, start, signal.SIGCONT)
 
     def _killable(self, st: dict | None) -> dict[str, int]:
         """Workers whose loss a replacement can make good from a live peer:
@@ -223,7 +243,7 @@ class Soak:
             if not pers:
                 return False
             name = self.rng.choice(sorted(pers))
-            self._signal(kind, name, pers[name], signal.SIGKILL)
+            self._signal(kind, name, pers[name], signal.SIGKILL, start=self._pers[name][1])
         elif kind == "in_save":
             if not st or st["checkpoint"].get("pending_step") is None or not workers:
                 return False
@@ -276,11 +296,7 @@ class Soak:
             now = time.monotonic()
             for pid, t in list(self.stopped.items()):
                 if now >= t:
-                    try:
-                        os.kill(pid, signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
-                    del self.stopped[pid]
+                    self._cont(pid)
             st = self._status()
             if self.watch_rounds(st, H, want_round):
                 want_round = False
@@ -305,11 +321,7 @@ class Soak:
                 progress(f"{len(self.injected)} faults injected, {now - t0:.0f}s")
             time.sleep(0.1)
         for pid in list(self.stopped):
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        self.stopped.clear()
+            self._cont(pid)
 
     def stop(self, grace: float = 90.0) -> int:
         """SIGTERM the launcher, wait for it; count what of its session outlived it."""
