@@ -69,6 +69,9 @@ KINDS: dict[str, str] = {
                        "rounds",
     "outer_caught_up": "a replacement replayed the outer rounds closed since its weights' round: replica, stage, "
                        "from_round, rounds, source",
+    "outer_ahead": "an outer contribution or peek for a round more than LEAD_ROUNDS past its replica's steps, "
+                   "held back (\"ask again\") until they catch up; once per worker, stage and round: worker, "
+                   "replica, stage, round, limit (the newest round it may open yet), step",
     "outer_rejected": "a contribution refused (its sender is left out of the round): replica, stage, round, reason",
     "prometheus": "where /metrics is served: address, path",
     "ckpt_start": "a save named: step, margin, final, end, replica_steps, shards, vacant",

@@ -94,6 +94,7 @@ def test_five_coordinator_kills_change_nothing(start_job):
     assert sorted((e["replica"], e["stage"], e["round"]) for e in outer) == sorted(
         (r, s, n) for r in range(2) for s in range(3) for n in range(STEPS // 2)), outer
     assert all(e["contributors"] == [0, 1] for e in outer)
+    assert not job.events("outer_ahead")        # (nor held back by a successor not yet told the steps)
     assert sorted((e["replica"], e["step"]) for e in job.events("step")) == [
         (r, s) for r in range(2) for s in range(STEPS)]
 

@@ -338,6 +338,77 @@ def test_a_trimmed_round_is_gone_not_opened_anew(tmp_path, monkeypatch):
         c.stop()
 
 
+def test_a_round_far_past_the_steps_is_not_opened_and_the_worker_asks_again(tmp_path, monkeypatch):
+    """A worker (with its registration's secret) asking for a round far past
+    anything its replica trained, over the real server: the coordinator waits
+    its slice for the steps to catch up, then answers UNAVAILABLE "ask again";
+    it opens no round (no memory, no round nobody reaches left open) and logs
+    ``outer_ahead`` once however often it is asked. The worker's client takes
+    that answer as "ask again", not as silence, for longer than
+    heartbeat_timeout: once its replica's steps come within the bound (a
+    restarted coordinator hearing its heartbeats) the round goes ahead."""
+    import json
+    import time
+
+    import grpc
+
+    from crucible import rpc
+    from crucible._pb import crucible_pb2_grpc as pbg
+    from crucible.coordinator import outer as relay
+    from crucible.worker.control import ControlClient
+    from test_membership import _secret
+
+    monkeypatch.setattr(relay, "WAIT_S", 1.0)
+    c, ids = _coordinator(tmp_path)
+    c.cfg.fault.heartbeat_timeout_s = 60.0      # (nobody beats here but the test: no evictions meanwhile)
+    c.start("127.0.0.1:0")
+    a = _dense([1.0, 0.0, 0.0, 0.0])
+    wid = ids[(0, 0)]
+    cli = ControlClient(f"127.0.0.1:{c.port}", "t")
+    try:
+        with rpc.make_channel(f"127.0.0.1:{c.port}") as ch:
+            stub = pbg.CoordinatorStub(ch)
+            for req in (dict(payload=a), dict(peek=True), dict(payload=a)):
+                t0 = time.monotonic()
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.OuterExchange(pb.OuterRequest(worker_id=wid, secret=_secret(c, wid), stage=0, round=10_000,
+                                                       mode="diloco", numel=4, **req), metadata=rpc.metadata("t"),
+                                       timeout=30)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "ask again" in e.value.details(), \
+                    e.value.details()
+                assert time.monotonic() - t0 < 10
+                with c.cv:
+                    assert not c.outer.rounds, sorted(c.outer.rounds)
+                assert c.outer.store.numbers(0) == []
+        # Round 12 is 3 rounds past the bound at step 0 (H = 2): the client keeps asking ...
+        cli.worker_id, cli.secret, cli.heartbeat_timeout = wid, _secret(c, wid), 0.5
+        result = {}
+
+        def ask():
+            try:
+                result["reply"] = cli.outer_exchange(0, 12, a, "diloco", 4, 0, timeout=60)
+            except BaseException as e:     # (told in the assert below)
+                result["error"] = e
+        t = threading.Thread(target=ask)
+        t.start()
+        t.join(3.0)
+        assert t.is_alive(), result
+        with c.cv:
+            assert not c.outer.rounds
+        # ... until replica 0 is heard at step 6 (12 = 6 // 2 - 1 + 10); replica 1 gets there too.
+        c.Heartbeat(pb.HeartbeatRequest(worker_id=wid, step=6, state="alive", secret=_secret(c, wid)), None)
+        out, errors = _exchange_all(c, ids, 0, 12, {1: a})
+        t.join(30)
+        assert not t.is_alive() and "error" not in result, result
+        assert list(result["reply"].contributors) == [0, 1] == list(out[1].contributors) and not errors
+    finally:
+        cli.channel.close()
+        c.stop()
+    ahead = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"outer_ahead"' in line]
+    assert [(e["worker"], e["replica"], e["stage"], e["round"], e["limit"]) for e in ahead] == \
+        [(wid, 0, 0, 10_000, 9), (wid, 0, 0, 12, 9)], ahead
+
+
 def test_pull_weights_serves_the_round_its_global_weights_are_at():
     """A copy that skipped rounds (the coordinator out of reach) serves, until
     they are settled, the oldest of them as its round: its θ_global has not

@@ -49,6 +49,17 @@ applies it before its next round:
   contributor adds its Δ̂ back into ``e``.
 
 So all replicas still apply the same rounds in the same order.
+
+How far ahead. A contribution or a peek for round n opens that round, so it
+is taken only for n <= s // H - 1 + ``LEAD_ROUNDS``, s the most steps the
+coordinator knows the caller's replica or the caller to have applied (its
+heartbeats, its replica's step events, the request's own ``step``). Past
+that the call waits, as for an open round, for the steps to catch up, then
+answers "ask again": a worker that really is that far ahead (a restarted
+coordinator not yet told its steps) keeps asking without counting it as
+silence, and a buggy one opens nothing (``outer_ahead``, logged once per
+worker, stage and round). A worker that lies about its step (in the request,
+a heartbeat or a step event) is not bounded by this.
 """
 
 from __future__ import annotations
@@ -79,6 +90,8 @@ KEEP_BYTES = 256 << 20      # ... or fewer, when they would take more than this 
 WAIT_S = 20.0               # longest a call waits for its round before the worker asks again
 ROUND_FILE = struct.Struct("<I")   # length of the JSON header that starts a round file
 EVENT_FLUSH_S = 5.0         # longest a round waits for its event to reach the metrics file
+LEAD_ROUNDS = 10            # how many rounds past its replica's steps a worker may open one
+AHEAD_LOGGED = 1024         # (worker, stage, round) kept to log a call too far ahead once; cleared when full
 
 
 def check_payload(mode: str, payload: bytes, numel: int) -> None:
@@ -244,6 +257,7 @@ class OuterRelay:
         self.c = coord
         self.rounds: dict[tuple[int, int], Round] = {}     # open (or being sealed) rounds
         self.store = RoundStore(os.path.join(coord.run_dir, "outer"))
+        self.ahead_logged: set[tuple[str, int, int]] = set()
 
     def forget_abandoned(self, manifest: dict | None) -> None:
         """A job starting over (``--resume`` from the checkpoint ``manifest``,
@@ -397,6 +411,36 @@ class OuterRelay:
             self._maybe_close(rnd)
         return rnd.reply()
 
+    def _lead(self, w, step: int) -> tuple[int, int]:
+        """Under the lock: (the newest round ``w`` may open, the step that allows it)."""
+        s = max(self.c.m.replica_step(w.replica), w.step, int(step))
+        return s // self.c.cfg.outer.H - 1 + LEAD_ROUNDS, s
+
+    def _wait_ahead(self, w, req: pb.OuterRequest, context, t_end: float) -> None:
+        """Under the lock: a round too far past what ``w``'s replica trained waits,
+        for at most the call's slice, for the steps to catch up; then "ask again"
+        (the worker does not count it as silence: it is never skipped for it)."""
+        limit, s = self._lead(w, req.step)
+        if req.round <= limit:
+            return
+        key = (w.worker_id, req.stage, req.round)
+        if key not in self.ahead_logged:
+            if len(self.ahead_logged) >= AHEAD_LOGGED:     # (a buggy worker's every round: bounded)
+                self.ahead_logged.clear()
+            self.ahead_logged.add(key)
+            log.warning("outer round %d of stage %d asked for by %s, %d rounds past its steps (%d: at most "
+                        "round %d); it waits for them", req.round, req.stage, slot_name(w.replica, w.stage),
+                        req.round - limit + LEAD_ROUNDS, s, limit)
+            self.c.metrics.write({"event": "outer_ahead", "worker": w.worker_id, "replica": w.replica,
+                                  "stage": req.stage, "round": req.round, "limit": limit, "step": s})
+        while req.round > limit:
+            if not context.is_active() or self.c.stopping.is_set() or time.monotonic() > t_end:
+                raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE,
+                                   f"round {req.round} of stage {req.stage} is more than {LEAD_ROUNDS} rounds "
+                                   f"past step {s} (at most round {limit} yet); ask again")
+            self.c.cv.wait(0.5)      # (heartbeats do not notify: look again)
+            limit, s = self._lead(w, req.step)
+
     def exchange(self, req: pb.OuterRequest, context) -> pb.OuterReply:
         c = self.c
         mode = c.cfg.outer.mode
@@ -418,6 +462,7 @@ class OuterRelay:
                 c.cv.wait(0.5)
             if req.fetch:
                 return self._fetch(req.stage, req.round)
+            self._wait_ahead(w, req, context, t_end)
             rnd = self._round(req.stage, req.round)
             r = w.replica
             if req.peek:
