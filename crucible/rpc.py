@@ -219,7 +219,9 @@ def unary_stream(method: str, request_cls, reply_cls, fn: Callable):
                                                 response_serializer=reply_cls.SerializeToString)
 
 
-def stream_stream(method: str, request_cls, reply_cls, fn: Callable):
+def stream_stream(method: str, request_cls, reply_cls, fn: Callable, serializer: Callable | None = None):
+    """`serializer` turns what `fn` yields into bytes (default: the reply's
+    own serialization)."""
     def handle(raw_iter, context):
         # Requests may be consumed on another thread (a stream reader), where
         # context.abort() cannot be called: a bad message raises BadRequest and
@@ -239,7 +241,7 @@ def stream_stream(method: str, request_cls, reply_cls, fn: Callable):
             _fail(context, method, e)
 
     return grpc.stream_stream_rpc_method_handler(handle, request_deserializer=None,
-                                                 response_serializer=reply_cls.SerializeToString)
+                                                 response_serializer=serializer or reply_cls.SerializeToString)
 
 
 def make_server(service: str, handlers: dict, token: str, bind: str, max_workers: int,

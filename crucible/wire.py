@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import torch
 
@@ -62,28 +63,111 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return buf
 
 
-def to_wire(t: torch.Tensor, codec=None) -> pb.Tensor:
-    """A codec encodes where `t` is (on a GPU: quantize there, copy the compact
-    payload); a raw tensor is copied to host whole."""
+def _payload(t: torch.Tensor, codec) -> tuple[pb.Tensor, bytes | memoryview]:
+    """A tensor's header (everything but its bytes) and its bytes: a codec's
+    payload, or a view of the host tensor's memory (no copy on a CPU; on a GPU
+    this thread's pinned buffer, valid until its next copy)."""
     t = t.detach()
     raw = t.numel() * t.element_size()
     if codec is not None:
-        return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=codec.encode(t),
-                         codec=codec.name, raw_nbytes=raw)
+        return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), codec=codec.name, raw_nbytes=raw), \
+            codec.encode(t)
     if t.device.type != "cpu":
         t = _to_host(t)
     t = t.contiguous()
-    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), data=data, raw_nbytes=raw)
+    data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+    return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), raw_nbytes=raw), data
+
+
+def to_wire(t: torch.Tensor, codec=None) -> pb.Tensor:
+    """A codec encodes where `t` is (on a GPU: quantize there, copy the compact
+    payload); a raw tensor is copied to host whole."""
+    msg, data = _payload(t, codec)
+    msg.data = bytes(data)
+    return msg
+
+
+# ---- frames serialized once ----------------------------------------------------------
+#
+# A protobuf message built field by field copies a tensor's bytes three times
+# before gRPC's own copy: into a bytes object, into the message, and out again
+# as it serializes (four, when the Tensor is built apart and put into its Frame).
+# A data frame is instead serialized in two parts joined once: the frame with
+# its tensor's header, then the tensor's bytes as a second occurrence of the
+# same field, ``tensor { data: ... }``. The protobuf encoding merges repeated
+# occurrences of a message field, so any parser reads the one Frame it would
+# read from ``SerializeToString`` (``tests/test_proto.py`` checks it).
+
+_FRAME_TENSOR_TAG = bytes([(pb.Frame.TENSOR_FIELD_NUMBER << 3) | 2])
+_TENSOR_DATA_TAG = bytes([(pb.Tensor.DATA_FIELD_NUMBER << 3) | 2])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+class Outgoing:
+    """A frame as the stream hands it to gRPC (``data``, serialized), with what
+    the sender accounts for: its kind and its tensors' bytes on the wire and
+    raw (``frame_nbytes``)."""
+
+    __slots__ = ("kind", "data", "nbytes", "raw_nbytes")
+
+    def __init__(self, kind: int, data: bytes, nbytes: int, raw_nbytes: int):
+        self.kind, self.data, self.nbytes, self.raw_nbytes = kind, data, nbytes, raw_nbytes
+
+
+def frame_nbytes(f: pb.Frame, tensor_data: bytes | None = None) -> tuple[int, int]:
+    """A data frame's tensor bytes (activations or gradient, targets, token ids;
+    the unset ones are empty): (on the wire, raw before compression).
+    `tensor_data`: ``f.tensor.data`` where the caller has read it already
+    (each read copies it out of the message)."""
+    first = len(tensor_data if tensor_data is not None else f.tensor.data)
+    return first + len(f.targets.data) + len(f.tokens.data), sum(t.raw_nbytes for t in (f.tensor, f.targets, f.tokens))
+
+
+def encode_frame(frame: pb.Frame, tensor: torch.Tensor | None = None, codec=None) -> Outgoing:
+    """Serialize `frame` for a stream, with `tensor` (encoded by `codec`) as its
+    ``tensor``: the tensor's bytes are copied once, into the result. Stamps
+    ``sent_at`` once the tensor is encoded (the transport time a receiver
+    measures starts there: the stream's send queue counts as transport). Sets
+    `frame`'s fields as it goes (a header without data): not for reuse."""
+    nbytes, raw = frame_nbytes(frame)
+    if tensor is None:
+        frame.sent_at = time.monotonic()
+        return Outgoing(frame.kind, frame.SerializeToString(), nbytes, raw)
+    header, data = _payload(tensor, codec)
+    frame.tensor.CopyFrom(header)
+    frame.sent_at = time.monotonic()
+    inner = _TENSOR_DATA_TAG + _varint(len(data))
+    prefix = _FRAME_TENSOR_TAG + _varint(len(inner) + len(data)) + inner
+    return Outgoing(frame.kind, b"".join((frame.SerializeToString(), prefix, data)),
+                    nbytes + len(data), raw + header.raw_nbytes)
+
+
+def serialized(item) -> bytes:
+    """gRPC's serializer for a stream of frames: an Outgoing's bytes, or a
+    Frame's serialization."""
+    return item.data if isinstance(item, Outgoing) else item.SerializeToString()
 
 
 def from_wire(msg: pb.Tensor, expect_dtype: torch.dtype, expect_shape: tuple[int, ...],
-              what: str = "tensor", codec=None, device=None, side_stream: bool = False) -> torch.Tensor:
+              what: str = "tensor", codec=None, device=None, side_stream: bool = False,
+              data: bytes | None = None) -> torch.Tensor:
     """Decode and validate; returns a fresh, writable, contiguous tensor. A
     codec's payload decodes to float32 (whatever the sender's dtype, which must
     still be the expected one), built on `device` (default: the CPU). With
     `side_stream`, a GPU's copy and a codec's kernels run on this thread's own
-    CUDA stream (``_beside``), not behind the compute stream's queue."""
+    CUDA stream (``_beside``), not behind the compute stream's queue. `data`:
+    ``msg.data`` where the caller has read it already (each read is a copy)."""
     if msg.dtype not in DTYPES:
         raise WireError(f"{what}: unknown dtype {msg.dtype!r}")
     dtype = DTYPES[msg.dtype]
@@ -100,19 +184,21 @@ def from_wire(msg: pb.Tensor, expect_dtype: torch.dtype, expect_shape: tuple[int
             raise WireError(f"{what}: codec {msg.codec!r}, this boundary uses {getattr(codec, 'name', 'none')!r}")
     elif codec is not None and codec.name != "none":
         raise WireError(f"{what}: raw payload, this boundary uses codec {codec.name!r}")
-    elif len(msg.data) != nbytes:
-        raise WireError(f"{what}: {len(msg.data)} bytes for {msg.dtype} {list(shape)} (needs {nbytes})")
+    if data is None:
+        data = msg.data             # (a copy out of the message: read once)
+    if not msg.codec and len(data) != nbytes:
+        raise WireError(f"{what}: {len(data)} bytes for {msg.dtype} {list(shape)} (needs {nbytes})")
     cuda = device is not None and torch.device(device).type == "cuda"
     if cuda and side_stream:
-        return _beside(torch.device(device), lambda: _decode(msg, dtype, shape, nbytes, what, codec, device))
-    return _decode(msg, dtype, shape, nbytes, what, codec, device)
+        return _beside(torch.device(device), lambda: _decode(msg, data, dtype, shape, nbytes, what, codec, device))
+    return _decode(msg, data, dtype, shape, nbytes, what, codec, device)
 
 
-def _decode(msg: pb.Tensor, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, what: str,
+def _decode(msg: pb.Tensor, data: bytes, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, what: str,
             codec, device) -> torch.Tensor:
     if msg.codec:
         try:
-            t = codec.decode(msg.data, shape, device=device)
+            t = codec.decode(data, shape, device=device)
         except ValueError as e:
             raise WireError(f"{what}: payload does not decode: {e}") from None
         if t.dtype != torch.float32 or tuple(t.shape) != shape:
@@ -123,9 +209,9 @@ def _decode(msg: pb.Tensor, dtype: torch.dtype, shape: tuple[int, ...], nbytes: 
     if device is not None and torch.device(device).type == "cuda":
         # on the receiving thread, off the compute thread: through a pinned buffer to the GPU
         buf = _pinned(shape, dtype)
-        buf.view(-1).view(torch.uint8).numpy()[:] = memoryview(msg.data)
+        buf.view(-1).view(torch.uint8).numpy()[:] = memoryview(data)
         return buf.to(device)
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(shape)
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
 
 
 def _beside(device: torch.device, make) -> torch.Tensor:
@@ -139,10 +225,6 @@ def _beside(device: torch.device, make) -> torch.Tensor:
     side.synchronize()
     t.record_stream(torch.cuda.default_stream(device))
     return t
-
-
-def wire_nbytes(msg: pb.Tensor) -> int:
-    return len(msg.data)
 
 
 def token_dtype(vocab_size: int) -> torch.dtype:

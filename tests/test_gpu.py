@@ -70,8 +70,9 @@ def test_sends_and_receives_on_side_streams_see_the_compute_stream_s_data(spec):
     """The outbox (overlap on) waits for the compute stream's kernels before it
     copies on its side stream, and a receive on the receiving thread's side
     stream hands over finished data: the bytes and tensors equal the CPU's."""
+    from crucible._pb import crucible_pb2 as pb
     from crucible.compress.activations import make_codec
-    from crucible.wire import from_wire, to_wire
+    from crucible.wire import encode_frame, from_wire, to_wire
     from crucible.worker.outbox import Outbox
 
     dev = torch.device(_first_device())
@@ -87,7 +88,9 @@ def test_sends_and_receives_on_side_streams_see_the_compute_stream_s_data(spec):
             for _ in range(20):          # a queue of kernels the copy must wait for (nothing synchronizes here)
                 x = torch.tanh(x @ b.to(dev))
             ys.append(x.view(2, 256, 256) + k)
-            box.submit(lambda y=ys[-1]: sent.append(to_wire(y, codec)))
+            # as Links sends: serialized on the outbox's thread, through its pinned buffer
+            box.submit(lambda y=ys[-1]: sent.append(
+                pb.Frame.FromString(encode_frame(pb.Frame(kind=pb.Frame.FORWARD), y, codec).data).tensor))
         assert box.flush(timeout=60)
     finally:
         box.close()

@@ -60,3 +60,38 @@ def test_frames_of_megabytes_reuse_their_memory():
     assert tuned and not plain
     assert m > 10 * 2048, m                   # glibc: at least a buffer's pages each frame
     assert n < m / 20, (n, m)
+
+
+def test_a_frame_serialized_in_two_parts_reads_as_the_frame_built_field_by_field():
+    """``wire.encode_frame`` writes the frame with its tensor's header, then the
+    tensor's bytes as a second ``tensor`` field: any protobuf parser merges the
+    two into the Frame that ``SerializeToString`` of the whole would give (what
+    it saves: ``crucible bench wire``)."""
+    import torch
+
+    from crucible import wire
+    from crucible._pb import crucible_pb2 as pb
+    from crucible.compress.activations import make_codec
+
+    g = torch.Generator().manual_seed(0)
+    targets = wire.tokens_to_wire(torch.randint(0, 256, (2, 64), generator=g), 256)
+    cases = [(torch.randn(2, 64, 32, generator=g), None),
+             (torch.randn(2, 64, 32, generator=g).to(torch.bfloat16), None),
+             (torch.randn(2, 64, 32, generator=g), make_codec("int8", 32, seed=1)),
+             (torch.randn(2, 64, 32, generator=g)[:, ::2], None),        # not contiguous
+             (torch.zeros(0, 64, 32), None),
+             (None, None)]
+    for t, codec in cases:
+        f = pb.Frame(kind=pb.Frame.FORWARD, step=7, micro=1, epoch=3, src_replica=1, src_stage=2, targets=targets)
+        out = wire.encode_frame(f, t, codec)
+        got = pb.Frame.FromString(out.data)
+        assert got.sent_at > 0 and got.sent_at == f.sent_at
+        want = pb.Frame(kind=pb.Frame.FORWARD, step=7, micro=1, epoch=3, src_replica=1, src_stage=2, targets=targets,
+                        sent_at=f.sent_at)
+        if t is not None:
+            want.tensor.CopyFrom(wire.to_wire(t, codec))
+        assert got == want
+        assert got.SerializeToString() == want.SerializeToString()
+        assert (out.kind, out.nbytes, out.raw_nbytes) == (pb.Frame.FORWARD, *wire.frame_nbytes(want))
+        if t is not None and codec is None:
+            assert torch.equal(wire.from_wire(got.tensor, t.dtype, tuple(t.shape)), t)

@@ -41,9 +41,11 @@ Definitions (also written into the JSON under ``definitions``):
   steps counts.
 * Per-stage split (means per step, from the runtime's ``StepStats``):
   ``compute_s`` forward, backward and optimizer; ``serialize_s`` encoding frames
-  to send and decoding received ones; ``transport_s`` the part of the time the
-  stage waited for a frame that the frames spent between the sender's hand-off
-  to gRPC and the receiver's decode (summed over frames, capped at the wait);
+  to send (their whole serialization) and decoding received ones;
+  ``transport_s`` the part of the time the stage waited for a frame that the
+  frames spent between their serialization on the sender (the stream's send
+  queue, gRPC, the link) and the receiver's decode (summed over frames, capped
+  at the wait);
   ``idle_s`` the rest of the wait (pipeline bubbles, waiting for a neighbour's
   compute). ``step_s`` is the stage's wall time per step; for stages > 0 it runs
   from one COMMIT to the next.
@@ -81,9 +83,10 @@ DEFINITIONS = {
     "tokens_per_s": "tokens of the steps after the warmup / wall time from the commit of the last warmup step "
                     "to the commit of the last step",
     "compute_s": "forward, backward and optimizer step, per step",
-    "serialize_s": "encoding frames to send and decoding received frames, per step",
-    "transport_s": "of the time the stage waited for frames, the part the frames spent between the sender's "
-                   "hand-off to gRPC and the receiver's decode (summed over frames, capped at the wait)",
+    "serialize_s": "encoding frames to send (their whole serialization) and decoding received frames, per step",
+    "transport_s": "of the time the stage waited for frames, the part the frames spent between their "
+                   "serialization on the sender (the stream's send queue, gRPC, the link) and the receiver's "
+                   "decode (summed over frames, capped at the wait)",
     "idle_s": "the rest of the wait: pipeline bubbles and waiting on a neighbour's compute",
     "boundary": "boundary b is between stage b and stage b+1; forward_MB crosses it downstream per step, "
                 "backward_MB upstream",

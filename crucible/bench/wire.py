@@ -4,11 +4,13 @@ data path, with glibc's allocator as it is and with large buffers kept
 
 1. **Frames.** In a child process with one thread per allocator setting
    (``CRUCIBLE_MALLOC=glibc`` or not), for each payload size of ``SIZES_MB``:
-   a float32 tensor is sent (``wire.to_wire`` + the ``Frame`` + its
-   serialization: what ``Links.send`` does before gRPC) and received
-   (``Frame.FromString`` + ``wire.from_wire``: what the receiver does after
-   gRPC), ``FRAMES`` times after a warm-up; each side's median time per frame
-   and the minor page faults per frame (``getrusage``). ``ROUNDS`` rounds,
+   a float32 tensor is sent (``wire.encode_frame``: what ``Links`` does
+   before gRPC) and received (``Frame.FromString`` + ``wire.from_wire``: what
+   the receiver does after gRPC), ``FRAMES`` times after a warm-up; each
+   side's median time per frame and the minor page faults per frame
+   (``getrusage``). Interleaved with each frame, the same frame built field
+   by field and serialized by protobuf (``wire.to_wire``, ``Frame``,
+   ``SerializeToString``), what workers did before ``encode_frame``. ``ROUNDS`` rounds,
    the two settings in rotated order; a setting's figure is the median over
    rounds, with the spread (max / min - 1), and the kept setting's gain is
    paired round by round (``common.paired_gap``).
@@ -47,9 +49,13 @@ QUICK = {"sizes": (1.0, 8.0), "frames": 5, "rounds": 2, "steps": 5, "warmup": 2,
          "model": ["model.n_layer=2", "model.d_model=256", "model.n_head=4", "train.seq_len=256",
                    "train.batch_size=8", "train.microbatches=2", "data.max_bytes=2000000"]}
 DEFINITIONS = {
-    "send_ms": "median time to build and serialize one frame (wire.to_wire, Frame, SerializeToString)",
-    "recv_ms": "median time to parse one frame and build its tensor (Frame.FromString, wire.from_wire)",
-    "faults_per_frame": "minor page faults per frame, both sides (getrusage ru_minflt)",
+    "send_ms": "median time to serialize one frame as a worker does (wire.encode_frame: the frame with its "
+               "tensor's header, then the tensor's bytes joined on, one copy)",
+    "send_protobuf_ms": "median time to build the same frame field by field and serialize it "
+                        "(wire.to_wire, Frame, SerializeToString: what workers did before encode_frame)",
+    "recv_ms": "median time to parse one frame and build its tensor as a worker does (Frame.FromString, "
+               "its tensor's data read once, wire.from_wire, wire.frame_nbytes)",
+    "faults_per_frame": "minor page faults per frame, send and receive as a worker does (getrusage ru_minflt)",
     "gain": "paired relative difference glibc / kept - 1 over rounds: mean and 95 % half-width",
     "serialize_s": "a stage's time per step in encoding its frames (the worker's own split)",
 }
@@ -69,22 +75,30 @@ def frames_main(sizes: list[float], frames: int) -> int:
         n = int(mb * (1 << 20)) // 4
         t = torch.randn(n // 512 or 1, 512) if n >= 512 else torch.randn(1, n)
         shape = tuple(t.shape)
-        send, recv = [], []
-        faults0 = None
+        send, recv, send_pb, faults = [], [], [], 0
         for i in range(frames + 3):     # 3 to warm up
-            if i == 3:
-                faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
-            data = pb.Frame(kind=pb.Frame.FORWARD, step=i, tensor=wire.to_wire(t)).SerializeToString()
+            data = wire.encode_frame(pb.Frame(kind=pb.Frame.FORWARD, step=i), t).data
             t1 = time.perf_counter()
-            got = wire.from_wire(pb.Frame.FromString(data).tensor, torch.float32, shape)
+            f = pb.Frame.FromString(data)
+            payload = f.tensor.data
+            got = wire.from_wire(f.tensor, torch.float32, shape, data=payload)
+            wire.frame_nbytes(f, payload)
             t2 = time.perf_counter()
+            f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            del data, f, payload, got
+            t3 = time.perf_counter()
+            other = pb.Frame(kind=pb.Frame.FORWARD, step=i, tensor=wire.to_wire(t)).SerializeToString()
+            t4 = time.perf_counter()
+            del other
             if i >= 3:
                 send.append(t1 - t0)
                 recv.append(t2 - t1)
-            del data, got
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
+                send_pb.append(t4 - t3)
+                faults += f1 - f0
         out["sizes"][str(mb)] = {"send_ms": statistics.median(send) * 1e3, "recv_ms": statistics.median(recv) * 1e3,
+                                 "send_protobuf_ms": statistics.median(send_pb) * 1e3,
                                  "faults_per_frame": faults / frames, "bytes": t.numel() * 4}
     print(json.dumps(out))
     return 0
@@ -109,7 +123,7 @@ def _frames_summary(rounds: list[dict], sizes) -> dict:
     for mb in sizes:
         k = str(mb)
         row = {"bytes": rounds[0]["kept"]["sizes"][k]["bytes"]}
-        for side in ("send_ms", "recv_ms", "faults_per_frame"):
+        for side in ("send_ms", "send_protobuf_ms", "recv_ms", "faults_per_frame"):
             for s in SETTINGS:
                 xs = [r[s]["sizes"][k][side] for r in rounds]
                 row[f"{s}_{side}"] = statistics.median(xs)
@@ -118,6 +132,9 @@ def _frames_summary(rounds: list[dict], sizes) -> dict:
             if side != "faults_per_frame":
                 row[f"{side}_gain"] = common.paired_gap([r["glibc"]["sizes"][k][side] for r in rounds],
                                                         [r["kept"]["sizes"][k][side] for r in rounds])
+        row["protobuf_vs_encode_frame_send"] = common.paired_gap(
+            [r["kept"]["sizes"][k]["send_protobuf_ms"] for r in rounds],
+            [r["kept"]["sizes"][k]["send_ms"] for r in rounds])
         out[k] = row
     return out
 
@@ -205,6 +222,7 @@ def main(args) -> int:
     if result["frames"]:
         big = result["frames"][str(max(sizes))]
         result["summary"]["largest_frame"] = {"MB": max(sizes), "kept_send_ms": big["kept_send_ms"],
+                                              "kept_send_protobuf_ms": big["kept_send_protobuf_ms"],
                                               "glibc_send_ms": big["glibc_send_ms"],
                                               "kept_recv_ms": big["kept_recv_ms"],
                                               "glibc_recv_ms": big["glibc_recv_ms"]}
@@ -215,6 +233,7 @@ def _table(r: dict, f) -> None:
     print("frame data path, median ms per frame (kept | glibc), faults per frame:", file=f)
     for mb, row in r["frames"].items():
         print(f"  {float(mb):6.2f} MB  send {row['kept_send_ms']:7.2f} | {row['glibc_send_ms']:7.2f}   "
+              f"field by field {row['kept_send_protobuf_ms']:7.2f} | {row['glibc_send_protobuf_ms']:7.2f}   "
               f"recv {row['kept_recv_ms']:7.2f} | {row['glibc_recv_ms']:7.2f}   faults "
               f"{row['kept_faults_per_frame']:8.0f} | {row['glibc_faults_per_frame']:8.0f}", file=f)
     p = r["summary"]["pipeline"]
@@ -228,8 +247,10 @@ def readme_part(r: dict, name: str = "wire") -> str:
 
     rows = []
     for mb, row in r["frames"].items():
-        g = row["send_ms_gain"]
-        rows.append(f"| {float(mb):g} MB | {row['kept_send_ms']:.2f} | {row['glibc_send_ms']:.2f} | "
+        g, pg = row["send_ms_gain"], row["protobuf_vs_encode_frame_send"]
+        rows.append(f"| {float(mb):g} MB | {row['kept_send_ms']:.2f} | {row['kept_send_protobuf_ms']:.2f} | "
+                    f"{common.fmt_rel(pg['mean'], pg['ci95_halfwidth'], 0)} ({pg['difference']}) | "
+                    f"{row['glibc_send_ms']:.2f} | "
                     f"{row['kept_recv_ms']:.2f} | {row['glibc_recv_ms']:.2f} | "
                     f"{row['kept_faults_per_frame']:,.0f} | {row['glibc_faults_per_frame']:,.0f} | "
                     f"{common.fmt_rel(g['mean'], g['ci95_halfwidth'], 0)} ({g['difference']}) |")
@@ -247,11 +268,12 @@ def readme_part(r: dict, name: str = "wire") -> str:
         f"`crucible bench wire` (one thread; median over {r['settings']['rounds']} interleaved rounds of "
         f"{r['settings']['frames']} frames; {_provenance(r)}; `bench/results/{name}.json`): a float32 frame's "
         "time in the data path, kept = large buffers kept on the heap, as every worker does, glibc = "
-        f"`{MALLOC_ENV}=glibc`.",
+        f"`{MALLOC_ENV}=glibc`; send = serialized as a worker does (`wire.encode_frame`), field by field = the "
+        "same frame built and serialized by protobuf (as workers did before).",
         "",
-        "| frame | send ms, kept | send ms, glibc | receive ms, kept | receive ms, glibc | page faults a frame, "
-        "kept | glibc | glibc's send time over kept's |",
-        "|---|---|---|---|---|---|---|---|",
+        "| frame | send ms, kept | field by field ms, kept | field by field over send | send ms, glibc | "
+        "receive ms, kept | receive ms, glibc | page faults a frame, kept | glibc | glibc's send time over kept's |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         line,

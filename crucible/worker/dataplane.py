@@ -38,8 +38,7 @@ import torch
 
 from crucible import identity, rpc
 from crucible._pb import crucible_pb2 as pb
-from crucible._pb import crucible_pb2_grpc as pbg
-from crucible.wire import WireError, from_wire, tokens_from_wire
+from crucible.wire import Outgoing, WireError, encode_frame, frame_nbytes, from_wire, serialized, tokens_from_wire
 
 log = logging.getLogger("crucible.dataplane")
 
@@ -129,13 +128,6 @@ def _put_bounded(q: queue.Queue, item, give_up: Callable[[], bool]) -> bool:
                 return False
 
 
-def frame_nbytes(f) -> tuple[int, int]:
-    """A data frame's tensor bytes (activations or gradient, targets, token ids;
-    the unset ones are empty): (on the wire, raw before compression)."""
-    parts = (f.tensor, f.targets, f.tokens)
-    return sum(len(t.data) for t in parts), sum(t.raw_nbytes for t in parts)
-
-
 class Throttle:
     """Token bucket that holds a stream to `mbps` megabits per second (0 = off)."""
 
@@ -179,12 +171,13 @@ class FrameDecoder:
             if f.step < 0:
                 raise WireError(f"step {f.step} < 0")
             t0 = time.perf_counter()
+            data = f.tensor.data
             ev.x = from_wire(f.tensor, self.dtype, self.act_shape, "activations", codec=self.fwd_codec,
-                             device=self.device, side_stream=self.side_stream)
+                             device=self.device, side_stream=self.side_stream, data=data)
             ev.targets = tokens_from_wire(f.targets, self.act_shape[:2], self.vocab)
             ev.decode_s = time.perf_counter() - t0
             ev.targets_msg = f.targets
-            ev.nbytes, ev.raw_nbytes = frame_nbytes(f)
+            ev.nbytes, ev.raw_nbytes = frame_nbytes(f, data)
             if f.HasField("tokens"):
                 ev.tokens = tokens_from_wire(f.tokens, self.act_shape[:2], self.vocab, "tokens")
                 ev.tokens_msg = f.tokens
@@ -205,10 +198,11 @@ class FrameDecoder:
             if not 0 <= f.micro < self.M:
                 raise ValueError(f"BACKWARD micro {f.micro} out of range")
             t0 = time.perf_counter()
+            data = f.tensor.data
             ev.x = from_wire(f.tensor, self.dtype, self.act_shape, "gradient", codec=self.bwd_codec,
-                             device=self.device, side_stream=self.side_stream)
+                             device=self.device, side_stream=self.side_stream, data=data)
             ev.decode_s = time.perf_counter() - t0
-            ev.nbytes, ev.raw_nbytes = frame_nbytes(f)
+            ev.nbytes, ev.raw_nbytes = frame_nbytes(f, data)
         elif f.kind != K.EVAL_RESULT:
             raise ValueError(f"frame kind {f.kind} does not travel upstream")
         return ev
@@ -239,7 +233,7 @@ class StageService:
 
     def handlers(self) -> dict:
         return {
-            "Pipe": rpc.stream_stream("Pipe", pb.Frame, pb.Frame, self.Pipe),
+            "Pipe": rpc.stream_stream("Pipe", pb.Frame, pb.Frame, self.Pipe, serializer=serialized),
             "Probe": rpc.unary("Probe", pb.ProbeRequest, pb.ProbeReply, self.Probe),
             "PullWeights": rpc.unary_stream("PullWeights", pb.PullRequest, pb.WeightChunk, self.PullWeights),
         }
@@ -398,8 +392,9 @@ class UpstreamStream:
         self.announced = False     # past its first frame (StageService._announced)
 
     def send(self, frame) -> None:
-        frame.sent_at = time.monotonic()
-        _put_bounded(self.out, frame, give_up=lambda: self.closed)
+        """Queue a frame (an ``Outgoing``, or a Frame: serialized here)."""
+        out = frame if isinstance(frame, Outgoing) else encode_frame(frame)
+        _put_bounded(self.out, out, give_up=lambda: self.closed)
 
     def finish(self, item) -> None:
         """End the stream (None) or fail it with (code, message); never blocks."""
@@ -429,18 +424,21 @@ class Downstream:
         self.failed = False      # set by the compute thread once it has reported the successor
         self.broken = False      # set by the reader when the stream ends or errs: sends stop waiting on it
         self.epoch = hello.epoch
-        self.q.put(hello)
-        stub = pbg.StageStub(self.channel)
-        self.call = stub.Pipe(self._requests(), metadata=rpc.metadata(token))
+        self.q.put(encode_frame(hello))
+        # frames go out as serialized (crucible.wire.encode_frame): their tensors copied once
+        pipe = self.channel.stream_stream(f"/{SERVICE}/Pipe", request_serializer=serialized,
+                                          response_deserializer=pb.Frame.FromString)
+        self.call = pipe(self._requests(), metadata=rpc.metadata(token))
         self.reader = threading.Thread(target=self._read, daemon=True, name="down-reader")
         self.reader.start()
 
     def send(self, frame) -> None:
-        """Queue a frame; waits while the stream is SEND_QUEUE frames behind. A
+        """Queue a frame (an ``Outgoing``, or a Frame: serialized here); waits while the stream is SEND_QUEUE frames behind. A
         frame that finds the queue full once the stream is failed, broken (its
         call ended: the reader saw it) or closed is dropped (the step is
         retried); one that finds room is queued and goes nowhere."""
-        _put_bounded(self.q, frame, give_up=lambda: self.failed or self.broken or self.closed)
+        out = frame if isinstance(frame, Outgoing) else encode_frame(frame)
+        _put_bounded(self.q, out, give_up=lambda: self.failed or self.broken or self.closed)
 
     def _requests(self):
         while True:
@@ -448,8 +446,7 @@ class Downstream:
             if f is None:
                 return
             if f.kind in (K.FORWARD, K.EVAL):
-                self.throttle.wait(frame_nbytes(f)[0])
-            f.sent_at = time.monotonic()
+                self.throttle.wait(f.nbytes if isinstance(f, Outgoing) else frame_nbytes(f)[0])
             yield f
 
     def _read(self) -> None:

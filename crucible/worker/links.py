@@ -27,7 +27,7 @@ import torch
 
 from crucible import identity
 from crucible._pb import crucible_pb2 as pb
-from crucible.wire import to_wire, tokens_to_wire
+from crucible.wire import encode_frame, tokens_to_wire
 from crucible.worker.dataplane import Downstream, Event, FrameDecoder, Inbox, K
 from crucible.worker.outbox import Outbox, SendFailed, overlapping
 from crucible.worker.stats import StepStats
@@ -219,9 +219,9 @@ class Links:
             tk = tokens_to_wire(tokens, vocab) if send_tokens else tokens_msg
             extra = {"tokens": tk} if tk is not None else {}
             x = h.to(self.decoder.dtype)          # bf16 precision: the boundary is rounded once, here
-            f = self.frame(kind, step, micro, epoch, tensor=to_wire(x, self.decoder.fwd_codec), targets=tg, **extra)
-            st.sent(f, time.perf_counter() - t0, down=True)
-            down.send(f)
+            out = encode_frame(self.frame(kind, step, micro, epoch, targets=tg, **extra), x, self.decoder.fwd_codec)
+            st.sent(out, time.perf_counter() - t0, down=True)
+            down.send(out)
 
         self.outbox.submit(send)
 
@@ -244,10 +244,9 @@ class Links:
         def send() -> None:
             t0 = time.perf_counter()
             f = self.frame(kind, step, micro, up.epoch, **kw)
-            if g is not None:
-                f.tensor.CopyFrom(to_wire(g.to(self.decoder.dtype), self.decoder.bwd_codec))
-            st.sent(f, time.perf_counter() - t0)
-            up.send(f)
+            out = encode_frame(f, g.to(self.decoder.dtype) if g is not None else None, self.decoder.bwd_codec)
+            st.sent(out, time.perf_counter() - t0)
+            up.send(out)
 
         self.outbox.submit(send)
 

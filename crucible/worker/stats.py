@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from crucible.worker.dataplane import Event, frame_nbytes
+from crucible.worker.dataplane import Event
 
 
 class Ledger:
@@ -78,9 +78,10 @@ class StepStats:
         if ev.sent_at:
             self.transport += max(0.0, ev.recv_at - ev.sent_at)
 
-    def sent(self, frame, seconds: float, down: bool = False) -> None:
+    def sent(self, out, seconds: float, down: bool = False) -> None:
+        """A frame serialized (``crucible.wire.Outgoing``) in `seconds`."""
         self.serialize += seconds
-        n, raw = frame_nbytes(frame)
+        n, raw = out.nbytes, out.raw_nbytes
         self.bytes_out += n
         self.raw_out += raw
         if down:
