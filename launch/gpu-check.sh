@@ -98,22 +98,27 @@ phase_demo() {
     local model=(model.preset=gpt-50m train.seq_len=256 train.batch_size=16)
     # (the CPU smoke: the small preset, or 200 steps take far longer than the bound)
     [ "$DEV" = cpu ] && model=(model.preset=small train.seq_len=64 train.batch_size=8)
+    local overrides=("${model[@]}" train.microbatches=4 train.precision=bf16 outer.H=5 fault.heartbeat_timeout_s=10
+                     fault.rpc_timeout_s=20 train.eval_every=0 debug.dump_final=true)
     timeout -k 20 "${DEMO_TIMEOUT:-300}" "$PY" -m crucible launch --device "$DEV" --replicas 2 --stages 3 --steps 200 \
-        --run-dir "$run" --chaos "r0s1@step=40" "${model[@]}" \
-        train.microbatches=4 train.precision=bf16 outer.H=5 fault.heartbeat_timeout_s=10 fault.rpc_timeout_s=20 \
-        train.eval_every=0 debug.dump_final=true >"$OUT/demo.log" 2>&1
+        --run-dir "$run" --chaos "r0s1@step=40" "${overrides[@]}" >"$OUT/demo.log" 2>&1
     local rc=$?
     tail -8 "$OUT/demo.log"
     cp "$run/metrics.jsonl" "$OUT/demo-events.jsonl" 2>/dev/null
-    "$PY" - "$run" >"$OUT/demo-summary.json" <<'PYEOF'
+    "$PY" - "$run" "$rc" "$DEV" "${overrides[@]}" >"$OUT/demo-summary.json" <<'PYEOF'
 import glob, json, os, sys, torch
-run = sys.argv[1]
+from crucible.bench import common
+run, rc, dev, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+env = common.environment()      # the commit, versions, GPU and driver, load
+env["command"] = (f"launch/gpu-check.sh demo: crucible launch --device {dev} --replicas 2 --stages 3 --steps 200 "
+                  f"--chaos r0s1@step=40 " + " ".join(overrides))
 ev = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
 finals = {os.path.basename(p)[6:-3]: torch.load(p, map_location="cpu", weights_only=False)
           for p in glob.glob(os.path.join(run, "debug", "final_r*s*.pt"))}
 same = {s: bool(torch.equal(finals[f"r0s{s}"]["outer"]["theta_global"], finals[f"r1s{s}"]["outer"]["theta_global"]))
         for s in range(3) if f"r0s{s}" in finals and f"r1s{s}" in finals}
-print(json.dumps({"faults": [e for e in ev if e["event"] == "fault"],
+print(json.dumps({"bench": "gpu-demo", "environment": env, "config": {"overrides": overrides}, "exit": rc,
+                  "faults": [e for e in ev if e["event"] == "fault"],
                   "route_changes": [e for e in ev if e["event"] == "route_change"][:6],
                   "replacements": [e for e in ev if e["event"] == "replacement_ready"],
                   "devices": [e for e in ev if e["event"] == "device"][:6],
