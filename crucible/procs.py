@@ -46,8 +46,9 @@ def keep_large_buffers() -> bool:
     """Let glibc reuse the frames' large buffers instead of mapping and
     unmapping them on every message.
 
-    A frame's tensor bytes pass through several buffers of its size (the
-    tensor's bytes, the protobuf message, its serialization, gRPC's copy).
+    A frame's tensor bytes pass through buffers of its size on each side
+    (the serialized frame and gRPC's copy going out; gRPC's bytes, the parsed
+    message, the data read out of it and the tensor coming in).
     glibc serves blocks over its mmap threshold (128 KiB at first) with a
     fresh mmap and returns them on free, and gives the heap's top back past
     its trim threshold: every message of a few MB then touches every page of

@@ -153,6 +153,11 @@ def encode_frame(frame: pb.Frame, tensor: torch.Tensor | None = None, codec=None
                     nbytes + len(data), raw + header.raw_nbytes)
 
 
+def outgoing(frame) -> Outgoing:
+    """`frame` as a stream queues it: an Outgoing as it is, a Frame serialized."""
+    return frame if isinstance(frame, Outgoing) else encode_frame(frame)
+
+
 def serialized(item) -> bytes:
     """gRPC's serializer for a stream of frames: an Outgoing's bytes, or a
     Frame's serialization."""

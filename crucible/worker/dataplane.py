@@ -38,7 +38,8 @@ import torch
 
 from crucible import identity, rpc
 from crucible._pb import crucible_pb2 as pb
-from crucible.wire import Outgoing, WireError, encode_frame, frame_nbytes, from_wire, serialized, tokens_from_wire
+from crucible.wire import (Outgoing, WireError, encode_frame, frame_nbytes, from_wire, outgoing, serialized,
+                           tokens_from_wire)
 
 log = logging.getLogger("crucible.dataplane")
 
@@ -393,8 +394,7 @@ class UpstreamStream:
 
     def send(self, frame) -> None:
         """Queue a frame (an ``Outgoing``, or a Frame: serialized here)."""
-        out = frame if isinstance(frame, Outgoing) else encode_frame(frame)
-        _put_bounded(self.out, out, give_up=lambda: self.closed)
+        _put_bounded(self.out, outgoing(frame), give_up=lambda: self.closed)
 
     def finish(self, item) -> None:
         """End the stream (None) or fail it with (code, message); never blocks."""
@@ -433,12 +433,12 @@ class Downstream:
         self.reader.start()
 
     def send(self, frame) -> None:
-        """Queue a frame (an ``Outgoing``, or a Frame: serialized here); waits while the stream is SEND_QUEUE frames behind. A
+        """Queue a frame (an ``Outgoing``, or a Frame: serialized here); waits
+        while the stream is SEND_QUEUE frames behind. A
         frame that finds the queue full once the stream is failed, broken (its
         call ended: the reader saw it) or closed is dropped (the step is
         retried); one that finds room is queued and goes nowhere."""
-        out = frame if isinstance(frame, Outgoing) else encode_frame(frame)
-        _put_bounded(self.q, out, give_up=lambda: self.failed or self.broken or self.closed)
+        _put_bounded(self.q, outgoing(frame), give_up=lambda: self.failed or self.broken or self.closed)
 
     def _requests(self):
         while True:
