@@ -30,7 +30,8 @@ KINDS: dict[str, str] = {
                          "job_info, built, registered, wired, ready, and the total; cpu_s: the CPU seconds it used; loadavg)",
     "stage_lost": "a replacement found no live copy of its stage and no new-enough checkpoint: replica, stage, "
                   "slot_step, reason",
-    "suspect": "a worker's call to a neighbour failed: replica, stage (the neighbour), by, reason",
+    "suspect": "a worker's call to a neighbour failed: replica, stage (the neighbour), by, reason, epoch (the "
+               "stream's route epoch); dropped (why it was not acted on: a stream of an older route)",
     "worker_error": "a worker is dying of an exception: replica, stage, error (its last line)",
     # ---- checkpoints (workers) ----
     "ckpt_persister": "a worker started its persister process: replica, stage, pid",

@@ -5,6 +5,7 @@ Coordinator object without its gRPC server)."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -485,3 +486,96 @@ def test_a_coordinator_that_leaves_tells_no_worker_to_stop(tmp_path, leave):
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
     else:
         assert heartbeat().command == "stop"
+
+
+def _faults(tmp_path) -> list[dict]:
+    return [e for e in map(json.loads, open(tmp_path / "metrics.jsonl")) if e["event"] == "fault"]
+
+
+def test_a_suspicion_about_a_stream_of_an_older_route_is_dropped(tmp_path):
+    """A neighbour closes its streams when its route changes; its successor may
+    see the close before it hears of the change, and report it. That report
+    names the older route epoch: the coordinator drops it (no probe, nobody
+    evicted) and writes why. A report about the current epoch starts a probe."""
+    c, ids = _coordinator(tmp_path)
+    wid, secret = ids[(0, 1)], _secret(c, ids[(0, 1)])
+    try:
+        with c.cv:
+            now_epoch = c.m.route_epoch[0]
+        assert now_epoch > 0
+
+        def suspect(epoch: int, seq: int):
+            ev = {"event": "suspect", "replica": 0, "stage": 0, "by": "r0s1", "reason": "stream from predecessor "
+                  "closed", "epoch": epoch}
+            c.Report(pb.ReportRequest(worker_id=wid, secret=secret, events_json=[json.dumps(ev)], source="s",
+                                      seq=seq), None)
+
+        suspect(now_epoch - 1, 0)
+        with c.cv:
+            assert not c._probing
+        with pytest.raises(ValueError, match="'epoch' must be a whole number"):
+            suspect(-1, 1)
+        with socket.socket() as sock:   # a port nothing listens at
+            sock.bind(("127.0.0.1", 0))
+            closed = sock.getsockname()[1]
+        with c.cv:
+            c.m.workers[ids[(0, 0)]].address = f"127.0.0.1:{closed}"
+        suspect(now_epoch, 1)
+        deadline = time.time() + 10
+        while time.time() < deadline and c.m.workers[ids[(0, 0)]].state != "dead":
+            time.sleep(0.05)
+        assert c.m.workers[ids[(0, 0)]].state == "dead"
+    finally:
+        c.stop()
+    reports = [e for e in map(json.loads, open(tmp_path / "metrics.jsonl")) if e["event"] == "suspect"]
+    assert [("dropped" in e, e["epoch"]) for e in reports] == [(True, now_epoch - 1), (False, now_epoch)]
+    assert f"older than replica 0's {now_epoch:#x}" in reports[0]["dropped"]
+    faults = _faults(tmp_path)       # refused: one probe is proof enough
+    assert [f["worker"] for f in faults] == [ids[(0, 0)]]
+    assert faults[0]["reason"].startswith("probe failed (UNAVAILABLE: ") and "refused" in faults[0]["reason"]
+    assert ", twice" not in faults[0]["reason"], faults[0]["reason"]
+
+
+class _SlowProbes:
+    """A stage's Probe that answers after `delays[i]` seconds on its i-th call."""
+
+    def __init__(self, delays):
+        self.delays, self.calls = list(delays), 0
+
+    def __call__(self, req, context):
+        delay = self.delays[min(self.calls, len(self.delays) - 1)]
+        self.calls += 1
+        time.sleep(delay)
+        return pb.ProbeReply(replica=0, stage=1)
+
+
+@pytest.mark.parametrize("delays, dead", [((1.0, 0.0), False), ((1.0, 1.0), True)])
+def test_a_probe_that_times_out_is_tried_once_more_before_a_worker_is_dead(tmp_path, delays, dead):
+    """A live worker that misses one probe (a late answer on a loaded host, a
+    lost handshake) is probed again on a fresh connection: one miss evicts
+    nobody; two do, and the fault says so. (A refused connection evicts at
+    once: the test above.)"""
+    from crucible.worker.runtime import SERVICE
+
+    probe = _SlowProbes(delays)
+    server, port = rpc.make_server(SERVICE, {"Probe": rpc.unary("Probe", pb.ProbeRequest, pb.ProbeReply, probe)},
+                                   "t", "127.0.0.1:0", max_workers=4)
+    c, ids = _coordinator(tmp_path)
+    try:
+        with c.cv:
+            c.m.workers[ids[(0, 1)]].address = f"127.0.0.1:{port}"
+        t0 = time.time()
+        c._probe(0, 1, "stream to successor: down_error")
+        took = time.time() - t0
+        assert probe.calls == 2
+        assert (c.m.workers[ids[(0, 1)]].state == "dead") is dead
+        assert took < 2 * c.cfg.fault.probe_timeout_s + 1.0
+    finally:
+        c.stop()
+        server.stop(0)
+    faults = _faults(tmp_path)
+    if dead:
+        assert len(faults) == 1 and faults[0]["reason"].startswith("probe failed (DEADLINE_EXCEEDED: ")
+        assert ", twice) after: stream to successor: down_error" in faults[0]["reason"]
+    else:
+        assert not faults

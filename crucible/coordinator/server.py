@@ -28,7 +28,9 @@ Protocol (what a worker can rely on)
   slot. Workers train on without the coordinator; outer rounds they cannot
   reach it for are skipped (``outer.py``, ``abandoned``).
 * **Suspicions**: a worker whose stream to a neighbour fails reports it; a
-  probe that fails evicts the neighbour. A probe that answers contradicts the
+  probe that is refused, or fails twice, evicts the neighbour (a report about
+  a stream of an older route epoch is dropped: that stream was closed for the
+  route change). A probe that answers contradicts the
   suspicion; ``fault.suspicion_limit`` of those about one boundary evict one of
   its ends (``suspicion.py``): a link between two live workers that does not
   work must not stall their replica for ever.
@@ -89,6 +91,7 @@ SERVICE = "crucible.v1.Coordinator"
 MAX_EVENTS_PER_REPORT = 1000
 MAX_EVENT_BYTES = 64 << 10
 STATE_FILE = "coordinator.state.json"
+PROBE_ATTEMPTS = 2     # a probe that fails other than refused is tried again before a worker is dead
 MONITOR_TICK_S = 0.1
 
 
@@ -439,8 +442,16 @@ class Coordinator:
             self.devices[(w.replica, w.stage)] = {k: v for k, v in ev.items()
                                                   if k.startswith(("device", "mem_")) and isinstance(v, (str, int))}
         elif kind == "suspect":
-            self._start_probe(ev.get("replica"), ev.get("stage"), str(ev.get("reason", "")),
-                              reporter=w.stage if ev.get("replica") == w.replica else None)
+            r, epoch = ev.get("replica"), ev.get("epoch")
+            now_epoch = self.m.route_epoch.get(r) if isinstance(r, int) else None
+            if epoch is not None and now_epoch is not None and epoch < now_epoch:
+                # The stream was of an older route: its neighbour closed it on a
+                # route change that the reporter had not heard of yet.
+                ev["dropped"] = f"route epoch {epoch:#x} is older than replica {r}'s {now_epoch:#x}"
+                log.info("suspicion by %s dropped: %s", w.worker_id, ev["dropped"])
+                return
+            self._start_probe(r, ev.get("stage"), str(ev.get("reason", "")),
+                              reporter=w.stage if r == w.replica else None)
         elif kind == "stage_lost" and not self.restart_requested:
             # No live copy of a stage, and its newest checkpoint is older than its last
             # weights: the whole job goes back to the latest checkpoint (every worker is
@@ -547,19 +558,26 @@ class Coordinator:
                     return
                 address, wid = w.address, w.worker_id
             t0 = time.time()
-            try:
-                with rpc.make_channel(address) as ch:
-                    pbg.StageStub(ch).Probe(pb.ProbeRequest(), metadata=rpc.metadata(self.token),
-                                            timeout=self.cfg.fault.probe_timeout_s)
-                if reporter is not None:
-                    with self.cv:
-                        evict = self.suspicions.contradicted(replica, reporter, stage, time.time())
-                        if evict is not None:
-                            self._evict_for_link(replica, reporter, stage, evict)
-                return  # alive: it was a hiccup (or a link between two live workers)
-            except grpc.RpcError as e:
-                why = f"probe failed ({e.code().name}) after: {reason}"
-                refused = e.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (e.details() or "").lower()
+            for attempt in range(PROBE_ATTEMPTS):
+                try:
+                    with rpc.make_channel(address) as ch:
+                        pbg.StageStub(ch).Probe(pb.ProbeRequest(), metadata=rpc.metadata(self.token),
+                                                timeout=self.cfg.fault.probe_timeout_s)
+                    if reporter is not None:
+                        with self.cv:
+                            evict = self.suspicions.contradicted(replica, reporter, stage, time.time())
+                            if evict is not None:
+                                self._evict_for_link(replica, reporter, stage, evict)
+                    return  # alive: it was a hiccup (or a link between two live workers)
+                except grpc.RpcError as e:
+                    why = (f"probe failed ({e.code().name}: {(e.details() or '')[:200]}"
+                           f"{', twice' if attempt else ''}) after: {reason}")
+                    refused = e.code() == grpc.StatusCode.UNAVAILABLE and "refused" in (e.details() or "").lower()
+                # A refused connection is proof (nothing listens at its address);
+                # any other failure, a lost handshake or a late answer on a loaded
+                # host, is tried once more on a fresh connection.
+                if refused or evidence or self.stopping.is_set():
+                    break
             if evidence and not refused:
                 return
             if self.stopping.is_set() or self.restart_requested:
@@ -639,6 +657,8 @@ def _check_fields(ev: dict, i: int) -> None:
         whole("step", 53, required=True)
         whole("tokens", 53)
         whole("epoch", 64)        # a route epoch (uint64)
+    if ev["event"] == "suspect":
+        whole("epoch", 64)
     if ev["event"] in ("step", "eval"):
         loss = ev.get("loss")
         if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool)):

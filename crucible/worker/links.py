@@ -42,7 +42,7 @@ class RouteChanged(Exception):
 
 class Links:
     def __init__(self, replica: int, stage: int, token: str, cfg, decoder: FrameDecoder, inbox: Inbox,
-                 suspect: Callable[[int, str], None], on_epoch: Callable[[int], None],
+                 suspect: Callable[[int, str, int], None], on_epoch: Callable[[int], None],
                  check_stop: Callable[[], None], idle: Callable[[], None],
                  secret: Callable[[], bytes] = lambda: b"", device: torch.device = torch.device("cpu"),
                  stopping: Callable[[], bool] = lambda: False):
@@ -305,7 +305,7 @@ class Links:
         if ev.note in ("down_error", "down_closed"):
             if self.down is not None and ev.epoch == self.down_epoch and not self.down.failed:
                 self.down.failed = True
-                self.suspect(self.down_stage, f"stream to successor: {ev.note}")
+                self.suspect(self.down_stage, f"stream to successor: {ev.note}", ev.epoch)
                 return "neighbour_failed"
             return None
         return "deliver" if ev.note == "up_closed" and epoch is None else None

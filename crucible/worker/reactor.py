@@ -25,7 +25,7 @@ log = logging.getLogger("crucible.worker")
 
 class Reactor:
     def __init__(self, step: StageStep, links: Links, progress: Progress, cfg, report: Callable[[dict], None],
-                 committed: Callable[[int, bool], None], suspect: Callable[[int, str], None], debug, name: str):
+                 committed: Callable[[int, bool], None], suspect: Callable[[int, str, int], None], debug, name: str):
         self.step, self.links, self.progress, self.cfg = step, links, progress, cfg
         self.report, self.committed, self.suspect, self.debug, self.name = report, committed, suspect, debug, name
         self.M = cfg.train.microbatches
@@ -44,7 +44,7 @@ class Reactor:
                     if self.progress.step >= self.cfg.train.steps:
                         return  # stage 0 finished (and evaluated): the stream closes down the route
                     if ev.epoch == self.links.route_epoch():
-                        self.suspect(ev.peer, "stream from predecessor closed")
+                        self.suspect(ev.peer, "stream from predecessor closed", ev.epoch)
                 continue
             handlers[ev.kind](ev)
 

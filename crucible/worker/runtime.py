@@ -267,12 +267,15 @@ class Worker:
     def _report(self, event: dict) -> None:
         self.ctl.report(event)
 
-    def suspect(self, stage: int | None, why: str) -> None:
-        """A data-plane call failed: ask the coordinator to probe that neighbour."""
+    def suspect(self, stage: int | None, why: str, epoch: int) -> None:
+        """A data-plane call failed: ask the coordinator to probe that neighbour.
+        ``epoch``: the route epoch of the stream that failed (the coordinator
+        drops a suspicion of an older route: that stream was closed because the
+        route changed, and this worker had not heard of it yet)."""
         if stage is None:
             return
         self.ctl.report_now({"event": "suspect", "replica": self.replica, "stage": stage, "by": self.name,
-                             "reason": why})
+                             "reason": why, "epoch": int(epoch)})
 
     def report_error(self, exc: BaseException) -> None:
         """Tell the coordinator why this worker is about to die (its status shows
