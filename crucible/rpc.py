@@ -219,9 +219,13 @@ def unary_stream(method: str, request_cls, reply_cls, fn: Callable):
                                                 response_serializer=reply_cls.SerializeToString)
 
 
-def stream_stream(method: str, request_cls, reply_cls, fn: Callable, serializer: Callable | None = None):
+def stream_stream(method: str, request_cls, reply_cls, fn: Callable, serializer: Callable | None = None,
+                  parse: Callable | None = None):
     """`serializer` turns what `fn` yields into bytes (default: the reply's
-    own serialization)."""
+    own serialization); `parse` turns each request's bytes into what `fn`
+    iterates over (default: the request's own parser; it raises protobuf's
+    DecodeError for bytes that are not a request)."""
+    parse = parse or request_cls.FromString
     def handle(raw_iter, context):
         # Requests may be consumed on another thread (a stream reader), where
         # context.abort() cannot be called: a bad message raises BadRequest and
@@ -229,7 +233,7 @@ def stream_stream(method: str, request_cls, reply_cls, fn: Callable, serializer:
         def parsed() -> Iterator:
             for raw in raw_iter:
                 try:
-                    yield request_cls.FromString(raw)
+                    yield parse(raw)
                 except (DecodeError, RuntimeWarning, ValueError, TypeError) as e:
                     raise BadRequest(f"{method}: message is not a valid {request_cls.__name__}: {e}") from None
 

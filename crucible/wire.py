@@ -164,6 +164,83 @@ def serialized(item) -> bytes:
     return item.data if isinstance(item, Outgoing) else item.SerializeToString()
 
 
+def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    n, shift = 0, 0
+    while pos < end and shift < 64:
+        b = buf[pos]
+        pos += 1
+        n |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return n, pos
+        shift += 7
+    raise _Unsplit
+
+
+class _Unsplit(Exception):
+    """Not the wire format parse_frame splits (left to protobuf's parser)."""
+
+
+def _fields(buf: bytes, pos: int, end: int):
+    """(field number, wire type, start of the field, start of its value, end)
+    for each field of the message in buf[pos:end]."""
+    while pos < end:
+        start = pos
+        tag, pos = _read_varint(buf, pos, end)
+        number, kind = tag >> 3, tag & 7
+        if kind == 0:
+            _, pos = _read_varint(buf, pos, end)
+            value = pos
+        elif kind == 2:
+            n, value = _read_varint(buf, pos, end)
+            pos = value + n
+        elif kind in (1, 5):
+            value, pos = pos, pos + (8 if kind == 1 else 4)
+        else:
+            raise _Unsplit      # groups: never in a Frame
+        if pos > end:
+            raise _Unsplit
+        yield number, kind, start, value, pos
+
+
+def _split(raw: bytes) -> tuple[bytes, int, int]:
+    """raw (a serialized Frame) without its tensor's data, and where that data
+    is in raw. Raises _Unsplit where there is no data or raw is not well
+    formed."""
+    header, data, found = [], (0, 0), False
+    for number, kind, start, value, end in _fields(raw, 0, len(raw)):
+        if number != pb.Frame.TENSOR_FIELD_NUMBER or kind != 2:
+            header.append(raw[start:end])
+            continue
+        rest, cut = [], False
+        for inner, ikind, istart, ivalue, iend in _fields(raw, value, end):
+            if inner == pb.Tensor.DATA_FIELD_NUMBER and ikind == 2:
+                data, found, cut = (ivalue, iend), True, True   # (the last occurrence counts)
+            else:
+                rest.append(raw[istart:iend])
+        if not cut:
+            header.append(raw[start:end])
+            continue
+        body = b"".join(rest)
+        header.append(_FRAME_TENSOR_TAG + _varint(len(body)) + body)
+    if not found:
+        raise _Unsplit
+    return b"".join(header), data[0], data[1]
+
+
+def parse_frame(raw: bytes) -> tuple[pb.Frame, memoryview | None]:
+    """A serialized Frame as a receiver takes it: (the frame without its
+    tensor's data, that data as a view into `raw`), not copied on its way to
+    the tensor (protobuf's parser would copy it into the message, and every
+    read of ``tensor.data`` copies it out again). A frame without tensor data:
+    (the frame, None). What is not well formed is left to protobuf's parser,
+    which raises as it would (DecodeError)."""
+    try:
+        header, start, end = _split(raw)
+    except _Unsplit:
+        return pb.Frame.FromString(raw), None
+    return pb.Frame.FromString(header), memoryview(raw)[start:end]
+
+
 def from_wire(msg: pb.Tensor, expect_dtype: torch.dtype, expect_shape: tuple[int, ...],
               what: str = "tensor", codec=None, device=None, side_stream: bool = False,
               data: bytes | None = None) -> torch.Tensor:

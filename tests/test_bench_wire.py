@@ -26,7 +26,7 @@ def test_frames_both_ways(result):
     assert set(frames) == {"1.0", "8.0"}
     for mb, row in frames.items():
         assert row["bytes"] == int(float(mb) * (1 << 20))
-        for k in ("kept_send_ms", "glibc_send_ms", "kept_recv_ms", "glibc_recv_ms"):
+        for k in ("kept_send_ms", "glibc_send_ms", "kept_recv_ms", "glibc_recv_ms", "kept_recv_protobuf_ms"):
             assert positive(row[k]), (mb, k)
         assert row["glibc_faults_per_frame"] >= row["bytes"] / 4096, row
         assert row["kept_faults_per_frame"] < row["glibc_faults_per_frame"] / 20, row

@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -95,3 +97,90 @@ def test_a_frame_serialized_in_two_parts_reads_as_the_frame_built_field_by_field
         assert (out.kind, out.nbytes, out.raw_nbytes) == (pb.Frame.FORWARD, *wire.frame_nbytes(want))
         if t is not None and codec is None:
             assert torch.equal(wire.from_wire(got.tensor, t.dtype, tuple(t.shape)), t)
+
+
+def _frames_to_parse():
+    """Serialized Frames as peers send them (encode_frame, field by field) and
+    as they might (the data in neither or both of two tensor fields)."""
+    import torch
+
+    from crucible import wire
+    from crucible._pb import crucible_pb2 as pb
+    from crucible.compress.activations import make_codec
+
+    g = torch.Generator().manual_seed(1)
+    targets = wire.tokens_to_wire(torch.randint(0, 256, (2, 64), generator=g), 256)
+    out = []
+    for t, codec in [(torch.randn(2, 64, 32, generator=g), None),
+                     (torch.randn(2, 64, 32, generator=g).to(torch.bfloat16), None),
+                     (torch.randn(2, 64, 32, generator=g), make_codec("int8", 32, seed=1)),
+                     (torch.zeros(0, 64, 32), None), (None, None)]:
+        f = pb.Frame(kind=pb.Frame.FORWARD, step=7, micro=1, epoch=3, src_replica=1, src_stage=2, targets=targets,
+                     tokens=targets)
+        out.append(wire.encode_frame(f, t, codec).data)
+        if t is not None:
+            out.append(pb.Frame(kind=pb.Frame.BACKWARD, step=2, loss=1.5, tensor=wire.to_wire(t, codec))
+                       .SerializeToString())
+    a = pb.Frame(kind=pb.Frame.FORWARD, tensor=pb.Tensor(dtype="float32", shape=[2], data=b"\x01" * 8))
+    b = pb.Frame(tensor=pb.Tensor(data=b"\x02" * 8), step=9)
+    out.append(a.SerializeToString() + b.SerializeToString())        # two data fields: the last one counts
+    out.append(pb.Frame(kind=pb.Frame.HELLO, epoch=5, src_stage=1, auth=b"t" * 32).SerializeToString())
+    return out
+
+
+def test_a_frame_parsed_without_copying_its_data_is_the_frame_protobuf_parses():
+    """``wire.parse_frame`` (what a worker's streams parse frames with) gives
+    the tensor's data as a view into the received bytes and the frame without
+    it: put back together, exactly what ``Frame.FromString`` reads, for every
+    way a peer may lay the frame out; a frame without data comes back whole."""
+    from crucible import wire
+    from crucible._pb import crucible_pb2 as pb
+
+    for raw in _frames_to_parse():
+        want = pb.Frame.FromString(raw)
+        frame, data = wire.parse_frame(raw)
+        if data is None:
+            assert not want.tensor.data and frame == want
+            continue
+        assert isinstance(data, memoryview) and data.obj is raw and frame.tensor.data == b""
+        assert bytes(data) == want.tensor.data
+        frame.tensor.data = bytes(data)
+        assert frame == want and frame.SerializeToString() == want.SerializeToString()
+
+
+def test_parse_frame_fails_where_protobuf_fails_and_agrees_where_it_reads():
+    """Truncated and corrupted frames: ``parse_frame`` raises protobuf's
+    DecodeError exactly where ``Frame.FromString`` does (the Pipe answers
+    INVALID_ARGUMENT for both), and reads the same frame where it reads one."""
+    import random
+
+    from google.protobuf.message import DecodeError
+
+    from crucible import wire
+    from crucible._pb import crucible_pb2 as pb
+
+    rng = random.Random(0)
+    tried = failed = 0
+    for raw in _frames_to_parse():
+        cuts = [raw[:n] for n in rng.sample(range(len(raw)), min(len(raw), 40))]
+        flips = []
+        for _ in range(60):
+            b = bytearray(raw)
+            for _ in range(rng.randint(1, 3)):
+                i = rng.randrange(min(len(b), 80)) if rng.random() < 0.8 else rng.randrange(len(b))
+                b[i] = rng.randrange(256)
+            flips.append(bytes(b))
+        for bad in cuts + flips:
+            tried += 1
+            try:
+                want = pb.Frame.FromString(bad)
+            except DecodeError:
+                failed += 1
+                with pytest.raises(DecodeError):
+                    wire.parse_frame(bad)
+                continue
+            frame, data = wire.parse_frame(bad)
+            if data is not None:
+                frame.tensor.data = bytes(data)
+            assert frame == want, bad
+    assert tried > 500 and 0.1 < failed / tried < 0.9, (tried, failed)

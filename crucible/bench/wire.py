@@ -5,12 +5,14 @@ data path, with glibc's allocator as it is and with large buffers kept
 1. **Frames.** In a child process with one thread per allocator setting
    (``CRUCIBLE_MALLOC=glibc`` or not), for each payload size of ``SIZES_MB``:
    a float32 tensor is sent (``wire.encode_frame``: what ``Links`` does
-   before gRPC) and received (``Frame.FromString`` + ``wire.from_wire``: what
+   before gRPC) and received (``wire.parse_frame`` + ``wire.from_wire``: what
    the receiver does after gRPC), ``FRAMES`` times after a warm-up; each
    side's median time per frame and the minor page faults per frame
    (``getrusage``). Interleaved with each frame, the same frame built field
    by field and serialized by protobuf (``wire.to_wire``, ``Frame``,
-   ``SerializeToString``), what workers did before ``encode_frame``. ``ROUNDS`` rounds,
+   ``SerializeToString``), what workers did before ``encode_frame``, and
+   received by protobuf's parser (``Frame.FromString``, the data read out
+   once), what they did before ``parse_frame``. ``ROUNDS`` rounds,
    the two settings in rotated order; a setting's figure is the median over
    rounds, with the spread (max / min - 1), and the kept setting's gain is
    paired round by round (``common.paired_gap``).
@@ -53,8 +55,11 @@ DEFINITIONS = {
                "tensor's header, then the tensor's bytes joined on, one copy)",
     "send_protobuf_ms": "median time to build the same frame field by field and serialize it "
                         "(wire.to_wire, Frame, SerializeToString: what workers did before encode_frame)",
-    "recv_ms": "median time to parse one frame and build its tensor as a worker does (Frame.FromString, "
-               "its tensor's data read once, wire.from_wire, wire.frame_nbytes)",
+    "recv_ms": "median time to parse one frame and build its tensor as a worker does (wire.parse_frame: the "
+               "frame without its data, the data a view into the received bytes; wire.from_wire, "
+               "wire.frame_nbytes)",
+    "recv_protobuf_ms": "median time to parse the same frame by protobuf (Frame.FromString, its tensor's data "
+                        "read once) and build its tensor (what workers did before parse_frame)",
     "faults_per_frame": "minor page faults per frame, send and receive as a worker does (getrusage ru_minflt)",
     "gain": "paired relative difference glibc / kept - 1 over rounds: mean and 95 % half-width",
     "serialize_s": "a stage's time per step in encoding its frames (the worker's own split)",
@@ -75,30 +80,36 @@ def frames_main(sizes: list[float], frames: int) -> int:
         n = int(mb * (1 << 20)) // 4
         t = torch.randn(n // 512 or 1, 512) if n >= 512 else torch.randn(1, n)
         shape = tuple(t.shape)
-        send, recv, send_pb, faults = [], [], [], 0
+        send, recv, send_pb, recv_pb, faults = [], [], [], [], 0
         for i in range(frames + 3):     # 3 to warm up
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             data = wire.encode_frame(pb.Frame(kind=pb.Frame.FORWARD, step=i), t).data
             t1 = time.perf_counter()
-            f = pb.Frame.FromString(data)
-            payload = f.tensor.data
+            f, payload = wire.parse_frame(data)
             got = wire.from_wire(f.tensor, torch.float32, shape, data=payload)
             wire.frame_nbytes(f, payload)
             t2 = time.perf_counter()
             f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            del data, f, payload, got
+            del f, payload, got
             t3 = time.perf_counter()
             other = pb.Frame(kind=pb.Frame.FORWARD, step=i, tensor=wire.to_wire(t)).SerializeToString()
             t4 = time.perf_counter()
-            del other
+            f = pb.Frame.FromString(data)
+            payload = f.tensor.data
+            got = wire.from_wire(f.tensor, torch.float32, shape, data=payload)
+            wire.frame_nbytes(f, payload)
+            t5 = time.perf_counter()
+            del data, other, f, payload, got
             if i >= 3:
                 send.append(t1 - t0)
                 recv.append(t2 - t1)
                 send_pb.append(t4 - t3)
+                recv_pb.append(t5 - t4)
                 faults += f1 - f0
         out["sizes"][str(mb)] = {"send_ms": statistics.median(send) * 1e3, "recv_ms": statistics.median(recv) * 1e3,
                                  "send_protobuf_ms": statistics.median(send_pb) * 1e3,
+                                 "recv_protobuf_ms": statistics.median(recv_pb) * 1e3,
                                  "faults_per_frame": faults / frames, "bytes": t.numel() * 4}
     print(json.dumps(out))
     return 0
@@ -123,7 +134,7 @@ def _frames_summary(rounds: list[dict], sizes) -> dict:
     for mb in sizes:
         k = str(mb)
         row = {"bytes": rounds[0]["kept"]["sizes"][k]["bytes"]}
-        for side in ("send_ms", "send_protobuf_ms", "recv_ms", "faults_per_frame"):
+        for side in ("send_ms", "send_protobuf_ms", "recv_ms", "recv_protobuf_ms", "faults_per_frame"):
             for s in SETTINGS:
                 xs = [r[s]["sizes"][k][side] for r in rounds]
                 row[f"{s}_{side}"] = statistics.median(xs)
@@ -135,6 +146,9 @@ def _frames_summary(rounds: list[dict], sizes) -> dict:
         row["protobuf_vs_encode_frame_send"] = common.paired_gap(
             [r["kept"]["sizes"][k]["send_protobuf_ms"] for r in rounds],
             [r["kept"]["sizes"][k]["send_ms"] for r in rounds])
+        row["protobuf_vs_parse_frame_recv"] = common.paired_gap(
+            [r["kept"]["sizes"][k]["recv_protobuf_ms"] for r in rounds],
+            [r["kept"]["sizes"][k]["recv_ms"] for r in rounds])
         out[k] = row
     return out
 
@@ -225,6 +239,7 @@ def main(args) -> int:
                                               "kept_send_protobuf_ms": big["kept_send_protobuf_ms"],
                                               "glibc_send_ms": big["glibc_send_ms"],
                                               "kept_recv_ms": big["kept_recv_ms"],
+                                              "kept_recv_protobuf_ms": big["kept_recv_protobuf_ms"],
                                               "glibc_recv_ms": big["glibc_recv_ms"]}
     return common.finish(result, errors, args, print_table=_table, round_nd=4)
 
@@ -234,7 +249,8 @@ def _table(r: dict, f) -> None:
     for mb, row in r["frames"].items():
         print(f"  {float(mb):6.2f} MB  send {row['kept_send_ms']:7.2f} | {row['glibc_send_ms']:7.2f}   "
               f"field by field {row['kept_send_protobuf_ms']:7.2f} | {row['glibc_send_protobuf_ms']:7.2f}   "
-              f"recv {row['kept_recv_ms']:7.2f} | {row['glibc_recv_ms']:7.2f}   faults "
+              f"recv {row['kept_recv_ms']:7.2f} | {row['glibc_recv_ms']:7.2f}   "
+              f"by protobuf {row['kept_recv_protobuf_ms']:7.2f} | {row['glibc_recv_protobuf_ms']:7.2f}   faults "
               f"{row['kept_faults_per_frame']:8.0f} | {row['glibc_faults_per_frame']:8.0f}", file=f)
     p = r["summary"]["pipeline"]
     for s in SETTINGS:
@@ -248,10 +264,13 @@ def readme_part(r: dict, name: str = "wire") -> str:
     rows = []
     for mb, row in r["frames"].items():
         g, pg = row["send_ms_gain"], row["protobuf_vs_encode_frame_send"]
+        rg = row.get("protobuf_vs_parse_frame_recv")
+        by_pb = (f"{row['kept_recv_protobuf_ms']:.2f} | {common.fmt_rel(rg['mean'], rg['ci95_halfwidth'], 0)} "
+                 f"({rg['difference']})") if rg else "not measured | -"
         rows.append(f"| {float(mb):g} MB | {row['kept_send_ms']:.2f} | {row['kept_send_protobuf_ms']:.2f} | "
                     f"{common.fmt_rel(pg['mean'], pg['ci95_halfwidth'], 0)} ({pg['difference']}) | "
                     f"{row['glibc_send_ms']:.2f} | "
-                    f"{row['kept_recv_ms']:.2f} | {row['glibc_recv_ms']:.2f} | "
+                    f"{row['kept_recv_ms']:.2f} | {by_pb} | {row['glibc_recv_ms']:.2f} | "
                     f"{row['kept_faults_per_frame']:,.0f} | {row['glibc_faults_per_frame']:,.0f} | "
                     f"{common.fmt_rel(g['mean'], g['ci95_halfwidth'], 0)} ({g['difference']}) |")
     p = r["summary"]["pipeline"]
@@ -269,11 +288,14 @@ def readme_part(r: dict, name: str = "wire") -> str:
         f"{r['settings']['frames']} frames; {_provenance(r)}; `bench/results/{name}.json`): a float32 frame's "
         "time in the data path, kept = large buffers kept on the heap, as every worker does, glibc = "
         f"`{MALLOC_ENV}=glibc`; send = serialized as a worker does (`wire.encode_frame`), field by field = the "
-        "same frame built and serialized by protobuf (as workers did before).",
+        "same frame built and serialized by protobuf (as workers did before); receive = parsed as a worker does "
+        "(`wire.parse_frame`: the tensor's data stays a view into the received bytes) and its tensor built, by "
+        "protobuf = parsed by `Frame.FromString` (as workers did before).",
         "",
         "| frame | send ms, kept | field by field ms, kept | field by field over send | send ms, glibc | "
-        "receive ms, kept | receive ms, glibc | page faults a frame, kept | glibc | glibc's send time over kept's |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "receive ms, kept | by protobuf ms, kept | by protobuf over receive | receive ms, glibc | "
+        "page faults a frame, kept | glibc | glibc's send time over kept's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         line,

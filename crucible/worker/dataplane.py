@@ -38,8 +38,8 @@ import torch
 
 from crucible import identity, rpc
 from crucible._pb import crucible_pb2 as pb
-from crucible.wire import (Outgoing, WireError, encode_frame, frame_nbytes, from_wire, outgoing, serialized,
-                           tokens_from_wire)
+from crucible.wire import (Outgoing, WireError, encode_frame, frame_nbytes, from_wire, outgoing, parse_frame,
+                           serialized, tokens_from_wire)
 
 log = logging.getLogger("crucible.dataplane")
 
@@ -162,8 +162,9 @@ class FrameDecoder:
         self.needs_tokens = needs_tokens     # this stage rebuilds its input from the token ids
         self.send_tokens = send_tokens       # the job ships the token ids with every frame
 
-    def decode_up(self, f) -> Event:
-        """A frame from upstream."""
+    def decode_up(self, f, data=None) -> Event:
+        """A frame from upstream (`data`: its tensor's data, where
+        ``wire.parse_frame`` took it out of the frame)."""
         ev = Event("up", kind=f.kind, step=f.step, micro=f.micro, epoch=f.epoch, sent_at=f.sent_at,
                    recv_at=time.monotonic(), clip_coef=f.clip_coef, snapshot=f.snapshot)
         if f.kind in (K.FORWARD, K.EVAL):
@@ -172,7 +173,7 @@ class FrameDecoder:
             if f.step < 0:
                 raise WireError(f"step {f.step} < 0")
             t0 = time.perf_counter()
-            data = f.tensor.data
+            data = f.tensor.data if data is None else data
             ev.x = from_wire(f.tensor, self.dtype, self.act_shape, "activations", codec=self.fwd_codec,
                              device=self.device, side_stream=self.side_stream, data=data)
             ev.targets = tokens_from_wire(f.targets, self.act_shape[:2], self.vocab)
@@ -191,15 +192,15 @@ class FrameDecoder:
             raise WireError(f"frame kind {f.kind} does not travel downstream")
         return ev
 
-    def decode_down(self, f) -> Event:
-        """A frame from downstream."""
+    def decode_down(self, f, data=None) -> Event:
+        """A frame from downstream (`data`: as decode_up's)."""
         ev = Event("down", kind=f.kind, step=f.step, micro=f.micro, epoch=f.epoch, loss=f.loss,
                    grad_sumsq=f.grad_sumsq, sent_at=f.sent_at, recv_at=time.monotonic())
         if f.kind == K.BACKWARD:
             if not 0 <= f.micro < self.M:
                 raise ValueError(f"BACKWARD micro {f.micro} out of range")
             t0 = time.perf_counter()
-            data = f.tensor.data
+            data = f.tensor.data if data is None else data
             ev.x = from_wire(f.tensor, self.dtype, self.act_shape, "gradient", codec=self.bwd_codec,
                              device=self.device, side_stream=self.side_stream, data=data)
             ev.decode_s = time.perf_counter() - t0
@@ -234,7 +235,8 @@ class StageService:
 
     def handlers(self) -> dict:
         return {
-            "Pipe": rpc.stream_stream("Pipe", pb.Frame, pb.Frame, self.Pipe, serializer=serialized),
+            "Pipe": rpc.stream_stream("Pipe", pb.Frame, pb.Frame, self.Pipe, serializer=serialized,
+                                      parse=parse_frame),
             "Probe": rpc.unary("Probe", pb.ProbeRequest, pb.ProbeReply, self.Probe),
             "PullWeights": rpc.unary_stream("PullWeights", pb.PullRequest, pb.WeightChunk, self.PullWeights),
         }
@@ -284,14 +286,15 @@ class StageService:
                 links = self.links
             if links is None:
                 raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "worker is still building its stage")
-            hello = self._first_frame(frames, stream)
+            first = self._first_frame(frames, stream)
             self._announced(stream)
-            if hello is None:
+            if first is None:
                 return
+            hello, data = first
             if hello.kind != K.HELLO:
                 # Validate the tensor anyway: a malformed tensor is INVALID_ARGUMENT
                 # whatever else is wrong with the frame.
-                self.decoder.decode_up(hello)
+                self.decoder.decode_up(hello, data)
                 raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, "first frame on a Pipe must be HELLO")
             self.check_sender(hello)
             stream.epoch, stream.src_stage = hello.epoch, hello.src_stage
@@ -321,7 +324,7 @@ class StageService:
                 self._unannounced -= 1
 
     def _first_frame(self, frames, stream: "UpstreamStream"):
-        """The stream's first frame, or None. A predecessor sends its HELLO as it
+        """The stream's first frame (with its tensor's data: ``parse_frame``), or None. A predecessor sends its HELLO as it
         opens the stream; one that sends nothing within the bound is ended
         (DEADLINE_EXCEEDED), so idle streams cannot hold the server's threads
         (and starve the coordinator's probes of this worker)."""
@@ -344,8 +347,8 @@ class StageService:
     def _pump(self, frames, stream: "UpstreamStream") -> None:
         """The frames after HELLO, into the inbox (while the stream is current)."""
         links = self.links
-        for f in frames:
-            ev = self.decoder.decode_up(f)
+        for f, data in frames:
+            ev = self.decoder.decode_up(f, data)
             if f.kind == K.HELLO:
                 raise ValueError("HELLO sent twice on one stream")
             if f.epoch != stream.epoch:
@@ -414,7 +417,7 @@ class Downstream:
     """The client side of one Pipe, to this stage's successor in the route."""
 
     def __init__(self, address: str, hello, token: str, max_mb: int, link_mbps: float,
-                 on_event: Callable[..., Any], decode_down: Callable[[Any], Event]):
+                 on_event: Callable[..., Any], decode_down: Callable[..., Event]):
         self.address = address
         self.q: queue.Queue = queue.Queue(maxsize=SEND_QUEUE)
         self.throttle = Throttle(link_mbps)
@@ -427,7 +430,7 @@ class Downstream:
         self.q.put(encode_frame(hello))
         # frames go out as serialized (crucible.wire.encode_frame): their tensors copied once
         pipe = self.channel.stream_stream(f"/{SERVICE}/Pipe", request_serializer=serialized,
-                                          response_deserializer=pb.Frame.FromString)
+                                          response_deserializer=parse_frame)
         self.call = pipe(self._requests(), metadata=rpc.metadata(token))
         self.reader = threading.Thread(target=self._read, daemon=True, name="down-reader")
         self.reader.start()
@@ -451,9 +454,9 @@ class Downstream:
 
     def _read(self) -> None:
         try:
-            for f in self.call:
+            for f, data in self.call:
                 try:
-                    ev = self.decode_down(f)
+                    ev = self.decode_down(f, data)
                 except ValueError as e:
                     self.broken = True
                     self.on_event(Event("notice", note="down_error", epoch=self.epoch))
