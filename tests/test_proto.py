@@ -128,14 +128,20 @@ def _frames_to_parse():
     return out
 
 
-def test_a_frame_parsed_without_copying_its_data_is_the_frame_protobuf_parses():
+def test_a_frame_parsed_without_copying_its_data_is_the_frame_protobuf_parses(monkeypatch):
     """``wire.parse_frame`` (what a worker's streams parse frames with) gives
     the tensor's data as a view into the received bytes and the frame without
     it: put back together, exactly what ``Frame.FromString`` reads, for every
-    way a peer may lay the frame out; a frame without data comes back whole."""
+    way a peer may lay the frame out; a frame without data comes back whole,
+    and so does one under SPLIT_MIN_BYTES."""
     from crucible import wire
     from crucible._pb import crucible_pb2 as pb
 
+    small = _frames_to_parse()[0]
+    assert len(small) < wire.SPLIT_MIN_BYTES
+    frame, data = wire.parse_frame(small)
+    assert data is None and frame == pb.Frame.FromString(small)
+    monkeypatch.setattr(wire, "SPLIT_MIN_BYTES", 0)     # the frames below are small: split them all
     for raw in _frames_to_parse():
         want = pb.Frame.FromString(raw)
         frame, data = wire.parse_frame(raw)
@@ -148,7 +154,7 @@ def test_a_frame_parsed_without_copying_its_data_is_the_frame_protobuf_parses():
         assert frame == want and frame.SerializeToString() == want.SerializeToString()
 
 
-def test_parse_frame_fails_where_protobuf_fails_and_agrees_where_it_reads():
+def test_parse_frame_fails_where_protobuf_fails_and_agrees_where_it_reads(monkeypatch):
     """Truncated and corrupted frames: ``parse_frame`` raises protobuf's
     DecodeError exactly where ``Frame.FromString`` does (the Pipe answers
     INVALID_ARGUMENT for both), and reads the same frame where it reads one."""
@@ -159,6 +165,7 @@ def test_parse_frame_fails_where_protobuf_fails_and_agrees_where_it_reads():
     from crucible import wire
     from crucible._pb import crucible_pb2 as pb
 
+    monkeypatch.setattr(wire, "SPLIT_MIN_BYTES", 0)
     rng = random.Random(0)
     tried = failed = 0
     for raw in _frames_to_parse():
