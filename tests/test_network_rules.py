@@ -559,7 +559,8 @@ def _dial(svc, src_replica: int):
 
     stream = UpstreamStream(queue.Queue(maxsize=4))
     hello = pb.Frame(kind=pb.Frame.HELLO, epoch=1, src_replica=src_replica, src_stage=0)
-    t = threading.Thread(target=svc._read, args=(iter([hello]), stream, "ipv4:127.0.0.1:1"), daemon=True)
+    # (frame, tensor data) as wire.parse_frame hands them to the Pipe
+    t = threading.Thread(target=svc._read, args=(iter([(hello, None)]), stream, "ipv4:127.0.0.1:1"), daemon=True)
     t.start()
     return t, stream
 
