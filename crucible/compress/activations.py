@@ -531,6 +531,14 @@ def _to(t: torch.Tensor, device) -> torch.Tensor:
     return t if device is None else t.to(device, non_blocking=False)
 
 
+def _all_true(*checks) -> list[bool]:
+    """Boolean scalars (None: nothing to check, true) read back in one go: on
+    a GPU, one synchronization for all of a payload's checks."""
+    live = [c for c in checks if c is not None]
+    got = iter(torch.stack(live).tolist() if live else [])
+    return [True if c is None else bool(next(got)) for c in checks]
+
+
 class NoneCodec(Codec):
     """Raw float32: lossless, bitwise."""
 
@@ -615,13 +623,16 @@ class Int8Codec(_ZstdCodec):
         else:
             self._need(body, rows * 4 + rows * d, f"{rows} float32 steps + {rows * d} int8 codes")
             raw = body
-        step = _tensor(raw, np.float32, torch.float32, rows)
-        q = _tensor(raw, np.int8, torch.int8, rows * d, offset=rows * 4)
-        if not bool(torch.isfinite(step).all()) or bool((step < 0).any()):
+        step = _to(_tensor(raw, np.float32, torch.float32, rows), device)
+        q = _to(_tensor(raw, np.int8, torch.int8, rows * d, offset=rows * 4), device)
+        # checked where the data now is (on a GPU: there), read back at once;
+        # min() == -128, not (q == -128).any(): one pass, about 100x quicker on a CPU
+        steps_ok, codes_ok = _all_true(torch.isfinite(step).all() & (step >= 0).all(),
+                                       q.min() > -128 if q.numel() else None)
+        if not steps_ok:
             raise CodecError("int8 payload has non-finite or negative steps")
-        if bool((q == -128).any()):
+        if not codes_ok:
             raise CodecError("int8 payload has code -128 (the encoder uses -127..127)")
-        step, q = _to(step, device), _to(q, device)
         return q.view(rows, d).float().mul_(step[:, None])
 
 
@@ -670,15 +681,17 @@ class Int4Codec(_ZstdCodec):
             body = memoryview(_zstd_decompress(body, 2 * ns + nb))
         else:
             self._need(body, 2 * ns + nb, f"{ns} bf16 steps + {nb} packed bytes")
-        bits = _tensor(body, np.int16, torch.int16, ns)
-        packed = _tensor(body, np.uint8, torch.uint8, nb, offset=2 * ns)
+        bits = _to(_tensor(body, np.int16, torch.int16, ns), device)
+        packed = _to(_tensor(body, np.uint8, torch.uint8, nb, offset=2 * ns), device)
         step = _bits_to_f32(bits)
-        if not bool(torch.isfinite(step).all()) or bool((bits < 0).any()):
-            raise CodecError("int4 payload has non-finite or negative steps")
         lo, hi = packed & 0xF, packed >> 4
-        if bool((lo == 0).any()) or bool((hi == 0).any()):
+        # checked where the data now is, read back at once (a code -8 is a zero nibble)
+        steps_ok, codes_ok = _all_true(torch.isfinite(step).all() & (bits >= 0).all(),
+                                       torch.minimum(lo, hi).min() > 0 if nb else None)
+        if not steps_ok:
+            raise CodecError("int4 payload has non-finite or negative steps")
+        if not codes_ok:
             raise CodecError("int4 payload has code -8 (the encoder uses -7..7)")
-        step, lo, hi = _to(step, device), _to(lo, device), _to(hi, device)
         q = torch.stack([lo, hi], dim=1).view(rows, self.groups, self.group)
         out = q.float().sub_(8).mul_(step.view(rows, self.groups, 1)).view(rows, self.padded)
         if self.padded != self.d_model:
