@@ -63,27 +63,32 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return buf
 
 
-def _payload(t: torch.Tensor, codec) -> tuple[pb.Tensor, bytes | memoryview]:
-    """A tensor's header (everything but its bytes) and its bytes: a codec's
-    payload, or a view of the host tensor's memory (no copy on a CPU; on a GPU
-    this thread's pinned buffer, valid until its next copy)."""
+def _payload(t: torch.Tensor, codec) -> tuple[pb.Tensor, list]:
+    """A tensor's header (everything but its bytes) and its bytes, as parts to
+    join: a codec's payload (``encode_parts``), or a view of the host tensor's
+    memory (no copy on a CPU; on a GPU this thread's pinned buffer). Views are
+    valid until this thread's next copy: join them first."""
     t = t.detach()
     raw = t.numel() * t.element_size()
     if codec is not None:
         return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), codec=codec.name, raw_nbytes=raw), \
-            codec.encode(t)
+            codec.encode_parts(t)
     if t.device.type != "cpu":
         t = _to_host(t)
     t = t.contiguous()
     data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-    return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), raw_nbytes=raw), data
+    return pb.Tensor(dtype=NAMES[t.dtype], shape=list(t.shape), raw_nbytes=raw), [data]
+
+
+def _nbytes(parts: list) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
 
 
 def to_wire(t: torch.Tensor, codec=None) -> pb.Tensor:
     """A codec encodes where `t` is (on a GPU: quantize there, copy the compact
     payload); a raw tensor is copied to host whole."""
-    msg, data = _payload(t, codec)
-    msg.data = bytes(data)
+    msg, parts = _payload(t, codec)
+    msg.data = b"".join(parts)
     return msg
 
 
@@ -144,13 +149,14 @@ def encode_frame(frame: pb.Frame, tensor: torch.Tensor | None = None, codec=None
     if tensor is None:
         frame.sent_at = time.monotonic()
         return Outgoing(frame.kind, frame.SerializeToString(), nbytes, raw)
-    header, data = _payload(tensor, codec)
+    header, parts = _payload(tensor, codec)
     frame.tensor.CopyFrom(header)
     frame.sent_at = time.monotonic()
-    inner = _TENSOR_DATA_TAG + _varint(len(data))
-    prefix = _FRAME_TENSOR_TAG + _varint(len(inner) + len(data)) + inner
-    return Outgoing(frame.kind, b"".join((frame.SerializeToString(), prefix, data)),
-                    nbytes + len(data), raw + header.raw_nbytes)
+    n = _nbytes(parts)
+    inner = _TENSOR_DATA_TAG + _varint(n)
+    prefix = _FRAME_TENSOR_TAG + _varint(len(inner) + n) + inner
+    return Outgoing(frame.kind, b"".join((frame.SerializeToString(), prefix, *parts)),
+                    nbytes + n, raw + header.raw_nbytes)
 
 
 def outgoing(frame) -> Outgoing:

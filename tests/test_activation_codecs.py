@@ -60,9 +60,9 @@ def rebuild(payload: bytes, body, *, codec_id=None, params=None, shape=None) -> 
     """A payload with a new body (and optionally header fields) and a valid CRC."""
     h = read_header(payload)
     dtype_code = A._DTYPE_CODES[h.src_dtype]
-    return A._assemble(h.codec_id if codec_id is None else codec_id, dtype_code,
-                       h.params if params is None else params,
-                       h.shape if shape is None else shape, bytes(body))
+    return b"".join(A._assemble(h.codec_id if codec_id is None else codec_id, dtype_code,
+                                h.params if params is None else params,
+                                h.shape if shape is None else shape, bytes(body)))
 
 
 def int8_raw(payload: bytes) -> bytes:

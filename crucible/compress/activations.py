@@ -162,6 +162,7 @@ import torch.nn.functional as F
 import zstandard
 
 from crucible.compress.specs import CODECS, COEF_DTYPES, check_int4_group, parse_spec  # noqa: F401
+from crucible.wire import _to_host
 from crucible.subspace import shared_projection, projection, validate_rank as _validate_rank  # noqa: F401
 
 __all__ = [
@@ -272,10 +273,13 @@ def _tensor(buf, np_dtype, torch_dtype, count: int, offset: int = 0) -> torch.Te
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous tensor, on host, without a copy when possible."""
+    """The bytes of a contiguous tensor, on host, without a copy when possible.
+    From a GPU, through this thread's reused pinned buffer of that shape
+    (``crucible.wire``): valid until this thread's next copy of the same shape,
+    which is after ``encode`` has joined them (or its caller, ``encode_parts``'s)."""
     t = t.detach()
     if t.device.type != "cpu":
-        t = t.cpu()
+        t = _to_host(t.contiguous())
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
@@ -320,8 +324,9 @@ def _describe(codec_id: int, params: tuple[int, int, int]) -> str:
 
 
 def _assemble(codec_id: int, src_dtype_code: int, params: tuple[int, int, int],
-              shape: tuple[int, ...], body) -> bytes:
-    """Header + body. `body` is a bytes-like object or a list of them."""
+              shape: tuple[int, ...], body) -> list:
+    """[header, *body]: `body` is a bytes-like object or a list of them, not
+    joined here (the caller joins them once, with whatever goes around them)."""
     parts = body if isinstance(body, (list, tuple)) else [body]
     body_len = sum(memoryview(p).nbytes for p in parts)
     fixed = _FIXED.pack(MAGIC, VERSION, codec_id, src_dtype_code, len(shape),
@@ -330,7 +335,7 @@ def _assemble(codec_id: int, src_dtype_code: int, params: tuple[int, int, int],
     crc = zlib.crc32(dims, zlib.crc32(fixed))
     for p in parts:
         crc = zlib.crc32(p, crc)
-    return b"".join([fixed, _CRC.pack(crc), dims, *parts])
+    return [fixed + _CRC.pack(crc) + dims, *parts]
 
 
 def read_header(payload) -> PayloadHeader:
@@ -468,6 +473,13 @@ class Codec:
     # -- encode --------------------------------------------------------------
     def encode(self, t: torch.Tensor) -> bytes:
         """Compress `t` [..., d_model] into a self-describing payload."""
+        return b"".join(self.encode_parts(t))
+
+    def encode_parts(self, t: torch.Tensor) -> list:
+        """``encode``'s payload as bytes-like parts to join, in order: the
+        caller copies them once, where they go (``crucible.wire.encode_frame``:
+        into the frame). Parts may view this thread's reused host buffers: join
+        them before this thread encodes again."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"encode needs a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPE_CODES:
