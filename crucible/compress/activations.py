@@ -162,7 +162,7 @@ import torch.nn.functional as F
 import zstandard
 
 from crucible.compress.specs import CODECS, COEF_DTYPES, check_int4_group, parse_spec  # noqa: F401
-from crucible.wire import _to_host
+from crucible.wire import _pinned, _to_host
 from crucible.subspace import shared_projection, projection, validate_rank as _validate_rank  # noqa: F401
 
 __all__ = [
@@ -264,12 +264,15 @@ def _np_view(buf, dtype, count: int, offset: int = 0) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
 
 
-def _tensor(buf, np_dtype, torch_dtype, count: int, offset: int = 0) -> torch.Tensor:
-    """A fresh writable torch tensor holding `count` items of `buf` (one memcpy)."""
-    out = torch.empty(count, dtype=torch_dtype)
+def _tensor(buf, np_dtype, torch_dtype, count: int, offset: int = 0, device=None) -> torch.Tensor:
+    """A fresh writable torch tensor holding `count` items of `buf` (one memcpy),
+    on `device` (default: the CPU). For a GPU, through this thread's reused
+    pinned buffer (``crucible.wire``), copied to the device before returning."""
+    cuda = device is not None and device.type == "cuda"
+    out = _pinned((count,), torch_dtype) if cuda else torch.empty(count, dtype=torch_dtype)
     if count:
         out.numpy()[:] = _np_view(buf, np_dtype, count, offset)
-    return out
+    return out.to(device) if cuda else _to(out, device)
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
@@ -563,10 +566,7 @@ class NoneCodec(Codec):
     def _decode_body(self, body, rows, device):
         n = rows * self.d_model
         self._need(body, 4 * n, f"{n} float32 values")
-        out = torch.empty(n, dtype=torch.float32)
-        if n:
-            memoryview(out.numpy()).cast("B")[:] = body
-        return _to(out, device).view(rows, self.d_model)
+        return _tensor(body, np.float32, torch.float32, n, device=device).view(rows, self.d_model)
 
 
 class _ZstdCodec(Codec):
@@ -595,11 +595,11 @@ class Bf16Codec(_ZstdCodec):
     def _decode_body(self, body, rows, device):
         n = rows * self.d_model
         raw = _zstd_decompress(body, 2 * n)
-        pairs = torch.empty((n, 2), dtype=torch.uint8)
-        if n:
-            pairs.numpy()[:] = _np_view(raw, np.uint8, 2 * n).reshape(2, n).T
-        out = _to(pairs, device).view(torch.bfloat16).float()
-        return out.view(rows, self.d_model)
+        planes = _tensor(raw, np.uint8, torch.uint8, 2 * n, device=device).view(2, n)
+        # the planes joined by shifts where they are (a strided interleave of
+        # the bytes on the CPU was 4x slower)
+        bits = planes[1].to(torch.int16).bitwise_left_shift_(8).bitwise_or_(planes[0].to(torch.int16))
+        return bits.view(torch.bfloat16).float().view(rows, self.d_model)
 
 
 class Int8Codec(_ZstdCodec):
@@ -635,8 +635,8 @@ class Int8Codec(_ZstdCodec):
         else:
             self._need(body, rows * 4 + rows * d, f"{rows} float32 steps + {rows * d} int8 codes")
             raw = body
-        step = _to(_tensor(raw, np.float32, torch.float32, rows), device)
-        q = _to(_tensor(raw, np.int8, torch.int8, rows * d, offset=rows * 4), device)
+        step = _tensor(raw, np.float32, torch.float32, rows, device=device)
+        q = _tensor(raw, np.int8, torch.int8, rows * d, offset=rows * 4, device=device)
         # checked where the data now is (on a GPU: there), read back at once;
         # min() == -128, not (q == -128).any(): one pass, about 100x quicker on a CPU
         steps_ok, codes_ok = _all_true(torch.isfinite(step).all() & (step >= 0).all(),
@@ -693,8 +693,8 @@ class Int4Codec(_ZstdCodec):
             body = memoryview(_zstd_decompress(body, 2 * ns + nb))
         else:
             self._need(body, 2 * ns + nb, f"{ns} bf16 steps + {nb} packed bytes")
-        bits = _to(_tensor(body, np.int16, torch.int16, ns), device)
-        packed = _to(_tensor(body, np.uint8, torch.uint8, nb, offset=2 * ns), device)
+        bits = _tensor(body, np.int16, torch.int16, ns, device=device)
+        packed = _tensor(body, np.uint8, torch.uint8, nb, offset=2 * ns, device=device)
         step = _bits_to_f32(bits)
         lo, hi = packed & 0xF, packed >> 4
         # checked where the data now is, read back at once (a code -8 is a zero nibble)
@@ -765,10 +765,10 @@ class SubspaceCodec(Codec):
         n = rows * self.rank
         self._need(body, n * self._width, f"{n} {self.dtype} coefficients")
         if self._width == 2:
-            c = _tensor(body, np.int16, torch.int16, n).view(self._tdtype)
+            c = _tensor(body, np.int16, torch.int16, n, device=device).view(self._tdtype)
         else:
-            c = _tensor(body, np.float32, torch.float32, n)
-        c = _to(c, device).float().view(rows, self.rank)
+            c = _tensor(body, np.float32, torch.float32, n, device=device)
+        c = c.float().view(rows, self.rank)
         if not bool(torch.isfinite(c).all()):
             raise CodecError("subspace payload has non-finite coefficients")
         return c @ self.basis(c.device).T
