@@ -40,3 +40,27 @@ def test_the_pipeline_runs_both_ways(result):
     p = result["summary"]["pipeline"]
     assert positive(p["kept"]["tokens_per_s_median"]) and positive(p["glibc"]["tokens_per_s_median"])
     assert p["kept_vs_glibc_tokens_per_s"]["n"] == 1
+
+
+def test_codecs_sent_and_received(result):
+    codecs = result["codecs"]
+    st = result["settings"]["codecs"]
+    assert set(codecs) == {f"{c}/{d}" for c in st["codecs"] for d in st["dtypes"]}
+    n = 1
+    for d in st["shape"]:
+        n *= d
+    for k, row in codecs.items():
+        assert positive(row["send_ms"]) and positive(row["recv_ms"]), k
+        spec, dtype = k.rsplit("/", 1)
+        assert row["raw_bytes"] == n * (4 if dtype == "float32" else 2), k
+        if spec == "raw":
+            assert row["payload_bytes"] == row["raw_bytes"], k
+        else:   # every codec sends fewer bytes than float32 (bf16 input: than bf16, but for bf16's own zstd)
+            assert row["payload_bytes"] < n * 4, k
+    assert "| `int8:zstd=0` | bfloat16 |" in wire_readme(result)
+
+
+def wire_readme(result) -> str:
+    from crucible.bench.wire import readme_part
+
+    return readme_part(result)

@@ -23,6 +23,18 @@ data path, with glibc's allocator as it is and with large buffers kept
    ``WARMUP`` steps. On the CPU the step is mostly compute, so tokens/s may
    not tell the settings apart ("within noise"); the serialization time is the
    direct measure.
+3. **Codecs.** In a child process with large buffers kept, for each codec of
+   ``CODECS`` and each input dtype (float32; bfloat16, a ``train.precision =
+   bf16`` boundary): a tensor of ``CODEC_SHAPE`` (a microbatch boundary of the
+   ``gpt-200m`` preset the GPU benchmark trains) sent with the codec
+   (``wire.encode_frame``) and received (``wire.parse_frame`` +
+   ``wire.from_wire``), ``FRAMES`` times after a warm-up; median ms per frame
+   over ``ROUNDS`` rounds (interleaved with part 1's). ``raw`` is the frame
+   without a codec (the tensor's own bytes). On a CPU the codec's arithmetic
+   runs here too; on a GPU it runs on the device and only the host's part
+   (copies, zstd, CRC, checks) stays. The data is Gaussian with a spread
+   that varies by column, not a trained model's activations (zstd does
+   better on those).
 """
 
 from __future__ import annotations
@@ -47,6 +59,9 @@ SETTINGS = ("kept", "glibc")          # kept: procs.keep_large_buffers(); glibc:
 MODEL = ["model.n_layer=2", "model.d_model=512", "model.n_head=8", "train.seq_len=512", "train.batch_size=16",
          "train.microbatches=4"]
 STEPS, WARMUP, REPEATS = 12, 4, 3
+CODECS = ("raw", "bf16", "int8", "int8:zstd=0", "int4", "subspace")
+CODEC_DTYPES = ("float32", "bfloat16")
+CODEC_SHAPE = (4, 512, 1024)
 QUICK = {"sizes": (1.0, 8.0), "frames": 5, "rounds": 2, "steps": 5, "warmup": 2, "repeats": 1,
          "model": ["model.n_layer=2", "model.d_model=256", "model.n_head=4", "train.seq_len=256",
                    "train.batch_size=8", "train.microbatches=2", "data.max_bytes=2000000"]}
@@ -63,6 +78,9 @@ DEFINITIONS = {
     "faults_per_frame": "minor page faults per frame, send and receive as a worker does (getrusage ru_minflt)",
     "gain": "paired relative difference glibc / kept - 1 over rounds: mean and 95 % half-width",
     "serialize_s": "a stage's time per step in encoding its frames (the worker's own split)",
+    "codecs": "per codec and input dtype, a CODEC_SHAPE frame: send_ms (wire.encode_frame with the codec), "
+              "recv_ms (wire.parse_frame and wire.from_wire with the codec, tensor built), median over rounds of "
+              "each round's median; payload_bytes: the tensor's bytes on the wire; raw = no codec",
 }
 
 
@@ -113,6 +131,62 @@ def frames_main(sizes: list[float], frames: int) -> int:
                                  "faults_per_frame": faults / frames, "bytes": t.numel() * 4}
     print(json.dumps(out))
     return 0
+
+
+def codecs_main(specs: list[str], frames: int) -> int:
+    """(child) Time frames sent and received with each codec; one JSON line."""
+    import torch
+
+    from crucible import procs, wire
+    from crucible._pb import crucible_pb2 as pb
+    from crucible.compress.activations import make_codec
+
+    torch.set_num_threads(1)
+    kept = procs.keep_large_buffers()
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(CODEC_SHAPE, generator=g) * torch.linspace(0.1, 3.0, CODEC_SHAPE[-1])
+    out = {"kept": kept, "codecs": {}}
+    for spec in specs:
+        codec = None if spec == "raw" else make_codec(spec, CODEC_SHAPE[-1], seed=0)
+        for dname in CODEC_DTYPES:
+            dtype = wire.DTYPES[dname]
+            x = base.to(dtype)
+            send, recv, nbytes = [], [], 0
+            for i in range(frames + 3):     # 3 to warm up
+                t0 = time.perf_counter()
+                data = wire.encode_frame(pb.Frame(kind=pb.Frame.FORWARD, step=i), x, codec).data
+                t1 = time.perf_counter()
+                f, payload = wire.parse_frame(data)
+                wire.from_wire(f.tensor, dtype, CODEC_SHAPE, codec=codec, data=payload)
+                t2 = time.perf_counter()
+                nbytes = len(payload) if payload is not None else len(f.tensor.data)
+                del data, f, payload
+                if i >= 3:
+                    send.append(t1 - t0)
+                    recv.append(t2 - t1)
+            out["codecs"][f"{spec}/{dname}"] = {"send_ms": statistics.median(send) * 1e3,
+                                                "recv_ms": statistics.median(recv) * 1e3,
+                                                "payload_bytes": nbytes, "raw_bytes": x.numel() * x.element_size()}
+    print(json.dumps(out))
+    return 0
+
+
+def run_codecs(specs, frames: int, what: str) -> dict:
+    argv = [sys.executable, "-m", "crucible.bench.wire", "--codecs", ",".join(specs), "--frames", str(frames)]
+    return common.child_json(argv, 300.0, what, env=_env("kept"))
+
+
+def _codecs_summary(rounds: list[dict]) -> dict:
+    out = {}
+    for k in rounds[0]["codecs"]:
+        xs = [r["codecs"][k] for r in rounds if k in r["codecs"]]
+        row = {"payload_bytes": xs[0]["payload_bytes"], "raw_bytes": xs[0]["raw_bytes"]}
+        for side in ("send_ms", "recv_ms"):
+            vals = [x[side] for x in xs]
+            row[side], row[f"{side}_spread"], row[f"{side}_by_round"] = statistics.median(vals), \
+                common.spread(vals), vals
+        out[k] = row
+    return out
 
 
 def _env(setting: str) -> dict:
@@ -196,8 +270,10 @@ def main(args) -> int:
         "definitions": DEFINITIONS,
         "config": common.full_config(pipeline.BASE_OVERRIDES + model),
     }
+    result["settings"]["codecs"] = {"codecs": list(CODECS), "dtypes": list(CODEC_DTYPES), "shape": list(CODEC_SHAPE),
+                                    "frames": frames, "rounds": rounds_n, "allocator": "kept"}
     errors: list[str] = []
-    rounds = []
+    rounds, codec_rounds = [], []
     for i in range(rounds_n):
         got = {}
         for s in common.rotated(list(SETTINGS), i):
@@ -211,7 +287,14 @@ def main(args) -> int:
                 got[s] = r
         if len(got) == 2:
             rounds.append(got)
+        common.progress(f"codecs round {i + 1}/{rounds_n}")
+        r = run_codecs(CODECS, frames, f"codecs round {i + 1}")
+        if "error" in r:
+            errors.append(r["error"])
+        else:
+            codec_rounds.append(r)
     result["frames"] = _frames_summary(rounds, sizes) if rounds else {}
+    result["codecs"] = _codecs_summary(codec_rounds) if codec_rounds else {}
     runs = []
     workdir = tempfile.mkdtemp(prefix="crucible-bench-wire-")
     try:
@@ -284,6 +367,7 @@ def readme_part(r: dict, name: str = "wire") -> str:
               f"{p['glibc']['serialize_s_median']:.3f} s with glibc's defaults"
             + (f" ({sg['difference']})" if sg else "") + ".")
     return "\n".join([
+        _codecs_part(r) if r.get("codecs") else "",
         f"`crucible bench wire` (one thread; median over {r['settings']['rounds']} interleaved rounds of "
         f"{r['settings']['frames']} frames; {_provenance(r)}; `bench/results/{name}.json`): a float32 frame's "
         "time in the data path, kept = large buffers kept on the heap, as every worker does, glibc = "
@@ -302,12 +386,44 @@ def readme_part(r: dict, name: str = "wire") -> str:
     ]) + "\n"
 
 
+def _pm(spread: float | None) -> str:
+    return "" if spread is None else f" (±{spread * 50:.0f}%)"
+
+
+def _codecs_part(r: dict) -> str:
+    """The codec table: a frame's send and receive time per codec and dtype."""
+    st = r["settings"]["codecs"]
+    rows = []
+    for k, row in r["codecs"].items():
+        spec, dtype = k.rsplit("/", 1)
+        rows.append(f"| `{spec}` | {dtype} | {row['payload_bytes'] / 1e6:.2f} | "
+                    f"{row['raw_bytes'] / row['payload_bytes']:.1f}x | "
+                    f"{row['send_ms']:.2f}{_pm(row['send_ms_spread'])} | "
+                    f"{row['recv_ms']:.2f}{_pm(row['recv_ms_spread'])} |")
+    return "\n".join([
+        f"A frame of `{list(st['shape'])}` (a microbatch boundary of the `gpt-200m` preset) sent with each codec "
+        "(`wire.encode_frame`) and received (`wire.parse_frame`, `wire.from_wire`: the tensor built), on this CPU, "
+        f"one thread (median over {st['rounds']} rounds of {st['frames']} frames' medians, ± half the spread "
+        "between rounds; Gaussian data with a spread by column, which zstd compresses less than a trained "
+        "model's activations; on a GPU the codec's arithmetic runs on the device and only the copies, zstd, "
+        "the CRC and the checks stay on the host):",
+        "",
+        "| codec | input | MB on the wire | vs input | send ms | receive ms |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ])
+
+
 def _entry(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m crucible.bench.wire",
                                  description="the child of `crucible bench wire`: time frames, print JSON")
     ap.add_argument("--frames", type=int, default=FRAMES)
     ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES_MB))
+    ap.add_argument("--codecs", help="time frames with these codecs (comma-separated; raw: none) instead")
     a = ap.parse_args(argv)
+    if a.codecs:
+        return codecs_main(a.codecs.split(","), a.frames)
     return frames_main([float(s) for s in a.sizes.split(",")], a.frames)
 
 
