@@ -5,7 +5,9 @@
 # .gpu-wheels/ along. Results go to $OUT (default ./gpu-out):
 #
 #   launch/gpu-check.sh tests   the GPU suite (pytest -m gpu tests/test_gpu.py, in four groups at once):
-#                               gpu-tests.log, gpu-tests-N.log and gpu-tests-N.xml per group
+#                               gpu-tests.log, gpu-tests-N.log and gpu-tests-N.xml per group, and
+#                               gpu-suite.json (commit, versions, GPU; each test's outcome: commit it
+#                               as bench/results/gpu-suite.json)
 #   launch/gpu-check.sh bench   crucible bench gpu --json: gpu.json (commit it as bench/results/gpu.json)
 #   launch/gpu-check.sh demo    crucible launch --device cuda, 2 x 3 with outer sync, an inner worker
 #                               SIGKILLed by --chaos: demo.log, demo-summary.json, demo-events.jsonl
@@ -71,6 +73,29 @@ phase_tests() {
     local rc=0
     for p in "${pids[@]}"; do wait "$p" || rc=$?; done
     cat "$OUT"/gpu-tests-*.log >"$OUT/gpu-tests.log"
+    # the result file (commit it as bench/results/gpu-suite.json): each test's outcome from the junit files
+    "$PY" - "$OUT" "$DEV" "${TESTS_TIMEOUT:-480}" "${groups[@]}" >"$OUT/gpu-suite.json" <<'PYEOF'
+import glob, json, os, sys, xml.etree.ElementTree as ET
+from crucible.bench import common
+out, dev, timeout, groups = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+tests = []
+for path in sorted(glob.glob(os.path.join(out, "gpu-tests-*.xml"))):
+    for case in ET.parse(path).getroot().iter("testcase"):
+        bad = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        row = {"test": case.get("name"), "outcome": {"failure": "failed", "error": "error", "skipped": "skipped",
+                                                     None: "passed"}[None if bad is None else bad.tag],
+               "seconds": round(float(case.get("time") or 0), 1)}
+        if bad is not None and bad.tag != "skipped":
+            row["failure"] = (bad.get("message") or "")[:2000]
+        tests.append(row)
+count = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
+print(json.dumps({"bench": "gpu-suite", "command": f"launch/gpu-check.sh tests (device {dev})",
+                  "environment": common.environment(),
+                  "config": {"command": "pytest -v -m gpu tests/test_gpu.py -k GROUP -p no:cacheprovider, groups at once",
+                             "groups": groups, "timeout_s": timeout,
+                             "env": {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}},
+                  "summary": count, "tests": tests}, indent=1))
+PYEOF
     grep -hE "(PASSED|FAILED|ERROR|SKIPPED)( |$)" "$OUT"/gpu-tests-*.log | grep "::" || true
     grep -hE "^=+ .*(passed|failed|error).* in " "$OUT"/gpu-tests-*.log
     echo "tests: exit $rc"
