@@ -8,9 +8,13 @@ least its own size in pages each time.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from conftest import bench_smoke, positive, run_bench
+
+from crucible.bench.wire import readme_part
 
 pytestmark = bench_smoke
 
@@ -46,9 +50,7 @@ def test_codecs_sent_and_received(result):
     codecs = result["codecs"]
     st = result["settings"]["codecs"]
     assert set(codecs) == {f"{c}/{d}" for c in st["codecs"] for d in st["dtypes"]}
-    n = 1
-    for d in st["shape"]:
-        n *= d
+    n = math.prod(st["shape"])
     for k, row in codecs.items():
         assert positive(row["send_ms"]) and positive(row["recv_ms"]), k
         spec, dtype = k.rsplit("/", 1)
@@ -57,10 +59,4 @@ def test_codecs_sent_and_received(result):
             assert row["payload_bytes"] == row["raw_bytes"], k
         else:   # every codec sends fewer bytes than float32 (bf16 input: than bf16, but for bf16's own zstd)
             assert row["payload_bytes"] < n * 4, k
-    assert "| `int8:zstd=0` | bfloat16 |" in wire_readme(result)
-
-
-def wire_readme(result) -> str:
-    from crucible.bench.wire import readme_part
-
-    return readme_part(result)
+    assert "| `int8:zstd=0` | bfloat16 |" in readme_part(result)

@@ -50,6 +50,7 @@ import tempfile
 import time
 
 from crucible.bench import common
+from crucible.config import MODEL_PRESETS
 from crucible.procs import MALLOC_ENV
 
 SIZES_MB = (0.25, 1.0, 4.0, 8.0, 16.0)
@@ -61,7 +62,8 @@ MODEL = ["model.n_layer=2", "model.d_model=512", "model.n_head=8", "train.seq_le
 STEPS, WARMUP, REPEATS = 12, 4, 3
 CODECS = ("raw", "bf16", "int8", "int8:zstd=0", "int4", "subspace")
 CODEC_DTYPES = ("float32", "bfloat16")
-CODEC_SHAPE = (4, 512, 1024)
+# a microbatch boundary of the GPU benchmark's model: batch 32 / 8 microbatches, seq 512, gpt-200m's width
+CODEC_SHAPE = (32 // 8, 512, MODEL_PRESETS["gpt-200m"]["d_model"])
 QUICK = {"sizes": (1.0, 8.0), "frames": 5, "rounds": 2, "steps": 5, "warmup": 2, "repeats": 1,
          "model": ["model.n_layer=2", "model.d_model=256", "model.n_head=4", "train.seq_len=256",
                    "train.batch_size=8", "train.microbatches=2", "data.max_bytes=2000000"]}
@@ -183,8 +185,9 @@ def _codecs_summary(rounds: list[dict]) -> dict:
         row = {"payload_bytes": xs[0]["payload_bytes"], "raw_bytes": xs[0]["raw_bytes"]}
         for side in ("send_ms", "recv_ms"):
             vals = [x[side] for x in xs]
-            row[side], row[f"{side}_spread"], row[f"{side}_by_round"] = statistics.median(vals), \
-                common.spread(vals), vals
+            row[side] = statistics.median(vals)
+            row[f"{side}_spread"] = common.spread(vals)
+            row[f"{side}_by_round"] = vals
         out[k] = row
     return out
 

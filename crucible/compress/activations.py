@@ -162,7 +162,7 @@ import torch.nn.functional as F
 import zstandard
 
 from crucible.compress.specs import CODECS, COEF_DTYPES, check_int4_group, parse_spec  # noqa: F401
-from crucible.wire import _pinned, _to_host
+from crucible.wire import _nbytes, _pinned, _to_host
 from crucible.subspace import shared_projection, projection, validate_rank as _validate_rank  # noqa: F401
 
 __all__ = [
@@ -272,7 +272,7 @@ def _tensor(buf, np_dtype, torch_dtype, count: int, offset: int = 0, device=None
     out = _pinned((count,), torch_dtype) if cuda else torch.empty(count, dtype=torch_dtype)
     if count:
         out.numpy()[:] = _np_view(buf, np_dtype, count, offset)
-    return out.to(device) if cuda else _to(out, device)
+    return _to(out, device)
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
@@ -281,9 +281,7 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     (``crucible.wire``): valid until this thread's next copy of the same shape,
     which is after ``encode`` has joined them (or its caller, ``encode_parts``'s)."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = _to_host(t.contiguous())
-    t = t.contiguous()
+    t = _to_host(t) if t.device.type != "cpu" else t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
@@ -331,7 +329,7 @@ def _assemble(codec_id: int, src_dtype_code: int, params: tuple[int, int, int],
     """[header, *body]: `body` is a bytes-like object or a list of them, not
     joined here (the caller joins them once, with whatever goes around them)."""
     parts = body if isinstance(body, (list, tuple)) else [body]
-    body_len = sum(memoryview(p).nbytes for p in parts)
+    body_len = _nbytes(parts)
     fixed = _FIXED.pack(MAGIC, VERSION, codec_id, src_dtype_code, len(shape),
                         params[0], params[1], params[2], body_len)
     dims = struct.pack(f"<{len(shape)}I", *shape)
@@ -597,7 +595,7 @@ class Bf16Codec(_ZstdCodec):
         raw = _zstd_decompress(body, 2 * n)
         planes = _tensor(raw, np.uint8, torch.uint8, 2 * n, device=device).view(2, n)
         # the planes joined by shifts where they are (a strided interleave of
-        # the bytes on the CPU was 4x slower)
+        # the bytes on the CPU made the decode twice as slow)
         bits = planes[1].to(torch.int16).bitwise_left_shift_(8).bitwise_or_(planes[0].to(torch.int16))
         return bits.view(torch.bfloat16).float().view(rows, self.d_model)
 
