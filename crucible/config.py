@@ -73,6 +73,9 @@ class JobConfig:
     # otherwise) or "cuda:N" (every worker on GPU N). `worker --device`
     # overrides it for one worker.
     device: str = "cpu"
+    # CUDA MPS for workers that share a GPU ("on": `crucible launch` runs an
+    # MPS control daemon of its own for them; "off"). See crucible/mps.py.
+    mps: str = "off"
 
 
 @dataclass
@@ -350,6 +353,9 @@ class Config:
         need, m = self._need, self.model
         need(self.job.replicas >= 1, "job.replicas", "must be >= 1")
         need(_device_ok(self.job.device), "job.device", "must be cpu, cuda or cuda:N")
+        need(self.job.mps in ("off", "on"), "job.mps", "must be off or on")
+        need(self.job.mps == "off" or self.job.device.startswith("cuda"), "job.mps",
+             f"on needs job.device cuda or cuda:N, not {self.job.device!r}")
         need(not m.preset or m.preset in MODEL_PRESETS, "model.preset", f"must be one of {', '.join(MODEL_PRESETS)}")
         need(self.job.stages >= 1, "job.stages", "must be >= 1")
         need(m.d_model >= 1, "model.d_model", "must be >= 1")

@@ -139,6 +139,7 @@ class Launcher:
         self.last_status: dict | None = None
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}
+        self.mps = None                   # crucible.mps.Mps, with job.mps=on
 
     # ---- processes ------------------------------------------------------
 
@@ -149,6 +150,8 @@ class Launcher:
         env["MKL_NUM_THREADS"] = "1"
         env[procs.PARENT_ENV] = str(os.getpid())
         env["PYTHONUNBUFFERED"] = "1"
+        if self.mps is not None:
+            env.update(self.mps.env)
         return env
 
     def _bind_host(self) -> str:
@@ -290,6 +293,8 @@ class Launcher:
         R, S = self.cfg.job.replicas, self.cfg.job.stages
         print(f"crucible: run directory {self.run_dir}", flush=True)
         try:
+            if self.cfg.job.mps == "on":
+                self._start_mps()
             offset = metrics.size(self.run_dir)
             self.addr = self._start_coordinator("resume" if self.args.resume else "fresh")
             self.came_up = True
@@ -307,11 +312,28 @@ class Launcher:
             if self.stopping or self.failure:   # a final checkpoint before everything stops
                 preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint)
             self._stop_all()
+            if self.mps is not None:
+                self.mps.stop()
             if (self.failure or self.stopping) and not self.finished and self.came_up:   # after the final checkpoint
                 ending = "failed (see above)" if self.failure else \
                     f"interrupted by {signal.Signals(self.stopping).name}"
                 print(self._summary(ending), flush=True)
                 print(self._resume_hint(), flush=True)
+
+    def _start_mps(self) -> None:
+        """job.mps=on: this launch's own MPS control daemon, checked with one
+        CUDA client, before any worker starts (crucible.mps)."""
+        from crucible.mps import Mps, MpsError
+
+        self.mps = Mps()
+        try:
+            servers = self.mps.start(os.path.join(self.run_dir, "logs", "mps.log"))
+        except MpsError as e:
+            self.mps = None
+            raise LaunchFailed(str(e)) from None
+        print(f"crucible: CUDA MPS on for the workers (server {servers or '?'}; pipe directory "
+              f"{self.mps.env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
+        self.mps_warned = False
 
     def _say_where_it_resumes(self, offset: int, wait_s: float = 3.0) -> None:
         """The coordinator's choice of checkpoint, on the terminal: the step it
@@ -390,6 +412,10 @@ class Launcher:
                 last_status = now
                 self.last_status = client.get(timeout=1.0) or self.last_status
             self._chaos_tick(now)
+            if self.mps is not None and not self.mps_warned and not self.mps.alive():
+                self.mps_warned = True
+                print(f"crucible: the MPS control daemon exited ({exits.describe(self.mps.proc.returncode)}; "
+                      f"log: {self.mps.log_path}); workers started from now on run without MPS", flush=True)
             if self.last_status is not None and now - last_print >= (1.0 if tty else 5.0):
                 last_print = now
                 self._show_progress(tty)

@@ -164,7 +164,7 @@ def test_targets_and_render(result):
 
 
 def test_plan_default_is_the_issue_s_configuration():
-    p = gpu.plan("cuda:0", quick=False)
+    p = gpu.plan("cuda:0", quick=False, mps=False)
     ov = gpu.base_overrides(p)
     for o in ("model.preset=gpt-200m", "train.seq_len=512", "train.batch_size=32", "train.microbatches=8",
               "job.device=cuda:0"):
@@ -191,6 +191,32 @@ def test_plan_default_is_the_issue_s_configuration():
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head) == (16, 1024, 16)
     assert cfg.checkpoint.enable_checkpointing and cfg.train.precision == "bf16"
     assert gpu.plan("cpu", quick=True)["stage_counts"] == [1, 2]
+    assert not gpu.plan("cpu", quick=False)["mps"] and not gpu.plan("cuda:0", quick=True)["mps"]
+
+
+def test_mps_variant_where_the_binary_is():
+    """With MPS (nvidia-cuda-mps-control on PATH) the S = 4 bf16 run once more
+    with job.mps=on, compared with the same run without, and counted for the
+    tokens target as none+mps."""
+    p = gpu.plan("cuda:0", quick=False, mps=True)
+    vs = gpu.variants(p)
+    (m,) = [v for v in vs if v.get("mps")]
+    assert m["name"] == "S4_bf16_none_mps" and m["versus_mps"] == "S4_bf16_none"
+    assert "job.mps=on" in gpu.variant_overrides(p, m)
+    assert sum("job.mps=on" in gpu.variant_overrides(p, v) for v in vs) == 1
+    assert vs[-1]["checkpointing"]                       # the checkpointing run stays last (summarise reads it)
+    from crucible.config import Config
+
+    assert Config.load(None, gpu.variant_overrides(p, m)).job.mps == "on"
+    # the summary and the target, from made-up runs of the two (no process)
+    runs = {"S4_bf16_none": 100.0, "S4_bf16_none_mps": 130.0}
+    table = {n: {"relative_to_plain": t / 125.0} for n, t in runs.items()}
+    reps = {n: [t] for n, t in runs.items()} | {"plain_bf16": [125.0]}
+    t = gpu.targets(p, vs, table, runs, {}, {}, {"variant": "x", "stall_over_floor": None,
+                                                "stall_incl_queued_over_floor": None, "saves": 0}, reps)
+    tp = t["tokens_ge_0.8x_plain"]
+    assert tp["per_codec"]["none+mps"]["ratio"] == pytest.approx(1.04) and tp["best_codec"] == "none+mps"
+    assert tp["per_codec"]["none"]["ratio"] == pytest.approx(0.8)
 
 
 def test_peak_table_and_mfu():

@@ -29,6 +29,8 @@ def test_toml_and_overrides(tmp_path):
     ("checkpoint.enable_checkpointing=maybe", "bad value for 'checkpoint.enable_checkpointing'"),
     ("model.n_head=3", "bad value for 'model.n_head'"),
     ("net.overlap_copies=yes", "bad value for 'net.overlap_copies'"),
+    ("job.mps=yes", "bad value for 'job.mps': must be off or on"),
+    ("job.mps=on", "bad value for 'job.mps': on needs job.device cuda or cuda:N, not 'cpu' (got 'on')"),
     ("noequals", "must look like section.key=value"),
     ("data.max_bytes=-5", "bad value for 'data.max_bytes': must be >= 1"),
     ("data.max_bytes=0", "bad value for 'data.max_bytes': must be >= 1"),

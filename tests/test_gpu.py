@@ -12,7 +12,9 @@ GPU before a GPU run; ``launch/gpu-check.sh`` runs it on one).
 * ``crucible launch --device``: outer sync (SparseLoCo and DiLoCo), a killed
   inner worker skipped then replaced from its peer, and both replicas'
   θ_global equal at the end; ``status`` shows each worker's device;
-* every copy of a stage lost: rebuilt from a checkpoint and the outer rounds since.
+* every copy of a stage lost: rebuilt from a checkpoint and the outer rounds since;
+* ``job.mps=on`` (where the MPS binary is): a killed stage's neighbours on the
+  same MPS server train on, and the daemon ends with the job.
 """
 
 from __future__ import annotations
@@ -160,3 +162,31 @@ def test_launch_on_the_device_with_a_killed_inner_worker(mode, start_job):
 
 def test_every_copy_of_a_stage_lost_on_the_device_is_rebuilt_from_a_checkpoint(start_job):
     every_copy_lost_is_rebuilt(start_job, (f"job.device={DEVICE}",))
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not __import__("shutil").which("nvidia-cuda-mps-control"),
+                    reason="CUDA MPS needs a GPU and nvidia-cuda-mps-control on PATH")
+def test_mps_job_survives_a_killed_stage_and_quits_its_daemon(start_job):
+    """job.mps=on: three stages on one GPU through the launch's own MPS daemon;
+    an inner worker SIGKILLed is skipped and replaced while its neighbours,
+    clients of the same MPS server, train on (the same pids before and after);
+    the daemon and its directory are gone when the job ends."""
+    steps = 120
+    job = start_job(["--replicas", "1", "--stages", "3", "--steps", str(steps), "--respawn-delay", "0.5",
+                     "--device", "cuda:0"],
+                    TINY + ["job.mps=on", "net.link_mbps=4", "fault.heartbeat_timeout_s=10",
+                            "fault.rpc_timeout_s=20"], name="mps")
+    st = job.wait_for(lambda s: s if s["replicas"][0]["step"] >= 8 else None, 300, "training under MPS")
+    pids = {w["stage"]: w["pid"] for w in st["workers"]}
+    os.kill(pids[1], signal.SIGKILL)
+    job.wait_for(lambda s: [e for e in job.events("route_change") if e["routes"].get("0") == [0, 2]], 60,
+                 "stage 1 skipped")
+    assert job.wait(600) == 0, job.output()
+    out = job.output()
+    assert "CUDA MPS on for the workers" in out, out
+    assert [e for e in job.events("replacement_ready") if e["stage"] == 1]
+    # the one fault is the killed worker's: its neighbours on the same MPS server lived on
+    dead = [(e["stage"], e["pid"]) for e in job.events("fault") if e.get("kind") == "worker_dead"]
+    assert dead == [(1, pids[1])], dead
+    pipe = out.split("pipe directory ", 1)[1].split(")", 1)[0]
+    assert not os.path.exists(pipe), f"the MPS pipe directory {pipe} outlived the job"

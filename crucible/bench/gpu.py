@@ -34,6 +34,10 @@ group at the end; every variant ``--repeats`` times, interleaved):
    on the compute thread, against the same run with the default (on a GPU:
    sends on the outbox's thread and a side CUDA stream); the ratio of their
    tokens/s is ``summary.overlap``.
+   Where ``nvidia-cuda-mps-control`` is on PATH (not with ``--quick``): the
+   same S = max bf16 run with ``job.mps=on`` (``crucible.mps``: the stages'
+   kernels side by side instead of time-sliced), ``summary.mps``; it counts
+   for the tokens target as ``none+mps``.
 5. S = max in bf16, codec none, with continuous checkpointing at
    ``minimum_interval_s = 0`` (saves back to back; one committed checkpoint
    kept): the snapshot stall every worker reports (``snapshot`` events:
@@ -143,10 +147,17 @@ DEFINITIONS = {
 # settings
 
 
-def plan(device: str, quick: bool) -> dict:
-    """What one invocation runs: the model, the grid, steps and warmup per precision."""
+def plan(device: str, quick: bool, mps: bool | None = None) -> dict:
+    """What one invocation runs: the model, the grid, steps and warmup per
+    precision. `mps`: whether to run the S = max bf16 job under CUDA MPS too
+    (default: on a GPU, where the MPS binary is on PATH)."""
     small = quick or device == "cpu"
+    if mps is None:
+        from crucible.mps import BINARY
+
+        mps = str(device).startswith("cuda") and not quick and shutil.which(BINARY) is not None
     p = {
+        "mps": bool(mps),
         "device": device,
         "size": SMOKE_SIZE if small else GPU_SIZE,
         "data": ["data.max_bytes=2000000" if small else "data.max_bytes=8000000"],
@@ -185,6 +196,11 @@ def variants(p: dict) -> list[dict]:
                             "checkpointing": False, "steps": p["steps"][prec][0], "warmup": p["steps"][prec][1]})
     S = max(p["stage_counts"])
     prec = "bf16" if "bf16" in p["precisions"] else p["precisions"][0]
+    if p.get("mps"):
+        # the stages' kernels side by side on the one GPU (crucible/mps.py), against the same run without
+        out.append({"name": f"S{S}_{prec}_none_mps", "stages": S, "precision": prec, "codec": "none",
+                    "checkpointing": False, "mps": True, "versus_mps": f"S{S}_{prec}_none",
+                    "steps": p["steps"][prec][0], "warmup": p["steps"][prec][1]})
     # what the overlapped sends give: the same run with every send on the compute thread
     out.append({"name": f"S{S}_{prec}_none_no_overlap", "stages": S, "precision": prec, "codec": "none",
                 "checkpointing": False, "overlap": "off", "versus": f"S{S}_{prec}_none",
@@ -213,6 +229,7 @@ def variant_overrides(p: dict, v: dict) -> list[str]:
     ov = base_overrides(p) + [f"train.precision={v['precision']}",
                               f"compress.forward={v['codec']}", f"compress.backward={v['codec']}"]
     ov += [f"net.overlap_copies={v['overlap']}"] if v.get("overlap") else []
+    ov += ["job.mps=on"] if v.get("mps") else []
     return ov + (CKPT_OVERRIDES if v["checkpointing"] else [])
 
 
@@ -459,6 +476,8 @@ def main(args) -> int:
                      "stage_counts": p["stage_counts"], "steps_warmup": p["steps"],
                      "ckpt_variant": {"steps_warmup": p["ckpt_steps"], "overrides": CKPT_OVERRIDES},
                      "repeats": repeats, "launch_args": LAUNCH_ARGS, "overrides": base_overrides(p),
+                     "mps": p["mps"] if p["mps"] or not device.startswith("cuda") or quick else
+                     "not run: nvidia-cuda-mps-control is not on PATH",
                      "variants": [v["name"] for v in vs]},
         "targets_stated": TARGETS,
         "definitions": DEFINITIONS,
@@ -533,6 +552,7 @@ def summarise(result: dict, p: dict, vs: list[dict], every: dict, peak_given: st
         table[v["name"]] = {
             "stages": v["stages"], "precision": v["precision"], "codec": v["codec"],
             "checkpointing": v["checkpointing"], "overlap_copies": v.get("overlap", "auto"),
+            "mps": bool(v.get("mps")),
             "tokens_per_s": t, "tokens_per_s_spread": spreads.get(v["name"]),
             "relative_to_plain": t / plain if t and plain else None,
             "mfu": mfu(params, t, peak, v["precision"]),
@@ -585,8 +605,17 @@ def summarise(result: dict, p: dict, vs: list[dict], every: dict, peak_given: st
     overlap["verdict"] = (None if overlap["tokens_ratio"] is None or noise is None else
                           "within noise" if abs(overlap["tokens_ratio"] - 1) <= noise else
                           "faster with overlap" if overlap["tokens_ratio"] > 1 else "slower with overlap")
+    mps = None
+    for v in (v for v in vs if v.get("mps")):
+        on, off = v["name"], v["versus_mps"]
+        ratio = tps[on] / tps[off] if tps.get(on) and tps.get(off) else None
+        noise = _noise(ratio, reps.get(on, []), reps.get(off, [])) \
+            if ratio is not None and len(reps.get(on, [])) > 1 else None
+        mps = {"with": on, "without": off, "tokens_ratio": ratio, "noise": noise,
+               "verdict": None if ratio is None or noise is None else "within noise" if abs(ratio - 1) <= noise
+               else "faster with MPS" if ratio > 1 else "slower with MPS"}
     result["summary"] = common.round_floats({
-        "variants": table, "plain": plains, "checkpoint": ckpt_sum, "overlap": overlap, "params": params,
+        "variants": table, "plain": plains, "checkpoint": ckpt_sum, "overlap": overlap, "mps": mps, "params": params,
         "peak_tflops": peak, "peak_source": peak_source,
     })
     result["targets"] = common.round_floats(targets(p, vs, table, tps, spreads, every, ckpt_sum, result["repeats"]))
@@ -611,6 +640,15 @@ def targets(p: dict, vs: list[dict], table: dict, tps: dict, spreads: dict, ever
             else None
         per_codec[codec] = {"variant": name, "ratio": ratio, "noise": noise,
                             "verdict": common.verdict(-ratio, -TARGETS["tokens_vs_plain_min"], noise)}
+    # ... and the same job with job.mps=on (a setting a user can pick: it counts for the verdict)
+    for v in (v for v in vs if v.get("mps") and v["stages"] == S and v["precision"] == prec):
+        row = table.get(v["name"])
+        if row and row["relative_to_plain"] is not None:
+            ratio = row["relative_to_plain"]
+            noise = _noise(ratio, reps.get(v["name"], []), reps.get(f"plain_{prec}", [])) \
+                if len(reps.get(v["name"], [])) > 1 else None
+            per_codec[f"{v['codec']}+mps"] = {"variant": v["name"], "ratio": ratio, "noise": noise,
+                                              "verdict": common.verdict(-ratio, -TARGETS["tokens_vs_plain_min"], noise)}
     best = max(per_codec, key=lambda c: per_codec[c]["ratio"]) if per_codec else None
     out["tokens_ge_0.8x_plain"] = {"per_codec": per_codec, "best_codec": best,
                                    "verdict": per_codec[best]["verdict"] if best else None}
@@ -669,6 +707,10 @@ def _print_table(result: dict, f) -> None:
     ov = s.get("overlap") or {}
     print(f"overlapped sends: {ov.get('with')} / {ov.get('without')} tokens/s = {_f(ov.get('tokens_ratio'), '.2f')}x "
           f"({ov.get('verdict') or 'one run: no noise figure'})", file=f)
+    mp = s.get("mps")
+    if mp:
+        print(f"CUDA MPS: {mp['with']} / {mp['without']} tokens/s = {_f(mp.get('tokens_ratio'), '.2f')}x "
+              f"({mp.get('verdict') or 'one run: no noise figure'})", file=f)
     for k, t in (result.get("targets") or {}).items():
         if isinstance(t, dict) and "verdict" in t:
             print(f"target {k}: {t['verdict']}", file=f)
@@ -726,6 +768,10 @@ def readme_part(r: dict, name: str = "gpu") -> str:
     lines.append(f"* Sends overlapped with compute (`net.overlap_copies`): {_f(ov.get('tokens_ratio'), '.2f')}x the "
                  f"tokens/s of the same run with every send on the compute thread "
                  f"({ov.get('verdict') or 'one run: no noise figure'}).")
+    mp = s.get("mps")
+    if mp:
+        lines.append(f"* CUDA MPS (`job.mps=on`): {_f(mp.get('tokens_ratio'), '.2f')}x the tokens/s of the same "
+                     f"run with the stages time-sliced ({mp.get('verdict') or 'one run: no noise figure'}).")
     if t.get("note"):
         lines.append(f"* Note: {t['note']}.")
     for e in r.get("errors") or []:

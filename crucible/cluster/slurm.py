@@ -654,6 +654,9 @@ def cmd_up(args) -> int:
             overrides.append(f"{key}={val}")
     config = os.path.abspath(args.config) if args.config else ""
     cfg = Config.load(config or None, overrides)   # a bad key fails here, named
+    if cfg.job.mps == "on":
+        raise SystemExit("crucible slurm up: job.mps=on is for crucible launch on one machine; under Slurm "
+                         "ask the site's MPS for the slots (--worker-sbatch=--gres=mps:N) and leave job.mps off")
     _refuse_if_up(run_dir, args.run_dir)
     _prepare_run_dir(run_dir, args.resume)
     run = _new_run(args, run_dir, cfg, config, overrides)
