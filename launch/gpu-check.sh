@@ -23,7 +23,8 @@
 # (the smoke run before spending GPU time). Every phase is bounded
 # (TESTS_TIMEOUT, BENCH_TIMEOUT, DEMO_TIMEOUT seconds). Measured on one H200
 # (2026-12-04): the machine started in about 30 s; `checks` took 90-120 s;
-# the bench's 12 launches took about 7 minutes (14 now: about 8). With a
+# the bench's 12 launches took about 7 minutes (15 now, with S4_bf16_none_mps where
+# nvidia-cuda-mps-control is on PATH: about 8.5). With a
 # session's 15 minutes of device time and 10 a command: `bench` as one call
 # (BENCH_TIMEOUT=540, the call's timeout 570), then `checks` as the next.
 set -uo pipefail
@@ -42,9 +43,10 @@ elif [ -x .venv/bin/python ] && [ "$DEV" = cpu ]; then
 fi
 export PYTHONUNBUFFERED=1
 "$PY" - >"$OUT/env.json" <<'PYEOF'
-import json, platform, torch
+import json, platform, shutil, torch
 info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "mps_control": shutil.which("nvidia-cuda-mps-control")}   # job.mps=on's daemon (bench, suite)
 print(json.dumps(info))
 PYEOF
 cat "$OUT/env.json"
