@@ -258,6 +258,13 @@ class OuterRelay:
         self.rounds: dict[tuple[int, int], Round] = {}     # open (or being sealed) rounds
         self.store = RoundStore(os.path.join(coord.run_dir, "outer"))
         self.ahead_logged: set[tuple[str, int, int]] = set()
+        self.waiting_ahead = 0      # calls in _wait_ahead: a heartbeat's steps wake them (``stepped``)
+
+    def stepped(self) -> None:
+        """Under the lock: a heartbeat moved a worker's step; calls waiting for
+        the steps to catch up look again now, not at their next poll."""
+        if self.waiting_ahead:
+            self.c.cv.notify_all()
 
     def forget_abandoned(self, manifest: dict | None) -> None:
         """A job starting over (``--resume`` from the checkpoint ``manifest``,
@@ -433,13 +440,17 @@ class OuterRelay:
                         req.round - limit + LEAD_ROUNDS, s, limit)
             self.c.metrics.write({"event": "outer_ahead", "worker": w.worker_id, "replica": w.replica,
                                   "stage": req.stage, "round": req.round, "limit": limit, "step": s})
-        while req.round > limit:
-            if not context.is_active() or self.c.stopping.is_set() or time.monotonic() > t_end:
-                raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE,
-                                   f"round {req.round} of stage {req.stage} is more than {LEAD_ROUNDS} rounds "
-                                   f"past step {s} (at most round {limit} yet); ask again")
-            self.c.cv.wait(0.5)      # (heartbeats do not notify: look again)
-            limit, s = self._lead(w, req.step)
+        self.waiting_ahead += 1
+        try:
+            while req.round > limit:
+                if not context.is_active() or self.c.stopping.is_set() or time.monotonic() > t_end:
+                    raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE,
+                                       f"round {req.round} of stage {req.stage} is more than {LEAD_ROUNDS} rounds "
+                                       f"past step {s} (at most round {limit} yet); ask again")
+                self.c.cv.wait(0.5)      # (woken by a heartbeat's step: ``stepped``; else look again)
+                limit, s = self._lead(w, req.step)
+        finally:
+            self.waiting_ahead -= 1
 
     def exchange(self, req: pb.OuterRequest, context) -> pb.OuterReply:
         c = self.c

@@ -318,7 +318,10 @@ class Coordinator:
         with self.cv:
             w = self.member(req.worker_id)
             self._own(w, req.secret, "Heartbeat")
+            before = w.step
             what = self.m.heartbeat(w, req.step, req.state, time.time())
+            if w.step > before:
+                self.outer.stepped()
             if what == "left":
                 if not self._ending():
                     self._declare_dead(w, f"it left ({left_status(req.state)})")
@@ -428,6 +431,7 @@ class Coordinator:
             self.links.observe(w.replica, w.stage, ev)
         if kind == "step" and w.stage == 0:
             rep.step = int(ev.get("step", rep.step)) + 1
+            self.outer.stepped()
             if isinstance(ev.get("epoch"), int) and self.m.death_bounded(w.replica, rep.step - 1, ev["epoch"]):
                 self.state_file.put(self.m.to_dict())
             rep.loss = ev.get("loss")
