@@ -140,6 +140,7 @@ class Launcher:
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}
         self.mps = None                   # crucible.mps.Mps, with job.mps=on
+        self.mps_warned = False           # (its daemon's death, said once)
 
     # ---- processes ------------------------------------------------------
 
@@ -293,8 +294,8 @@ class Launcher:
         R, S = self.cfg.job.replicas, self.cfg.job.stages
         print(f"crucible: run directory {self.run_dir}", flush=True)
         try:
-            if self.cfg.job.mps == "on":
-                self._start_mps()
+            if self.cfg.job.mps == "on" and not self._start_mps():
+                return exits.interrupted(self.stopping)       # a signal while MPS was being set up
             offset = metrics.size(self.run_dir)
             self.addr = self._start_coordinator("resume" if self.args.resume else "fresh")
             self.came_up = True
@@ -320,20 +321,25 @@ class Launcher:
                 print(self._summary(ending), flush=True)
                 print(self._resume_hint(), flush=True)
 
-    def _start_mps(self) -> None:
+    def _start_mps(self) -> bool:
         """job.mps=on: this launch's own MPS control daemon, checked with one
-        CUDA client, before any worker starts (crucible.mps)."""
-        from crucible.mps import Mps, MpsError
+        CUDA client, before any worker starts (crucible.mps). False when a
+        signal asked the launcher to stop meanwhile."""
+        from crucible.mps import Mps, MpsError, MpsStopped
 
         self.mps = Mps()
         try:
-            servers = self.mps.start(os.path.join(self.run_dir, "logs", "mps.log"))
+            servers = self.mps.start(os.path.join(self.run_dir, "logs", "mps.log"),
+                                     stopped=lambda: bool(self.stopping))
+        except MpsStopped:
+            self.mps = None
+            return False
         except MpsError as e:
             self.mps = None
             raise LaunchFailed(str(e)) from None
-        print(f"crucible: CUDA MPS on for the workers (server {servers or '?'}; pipe directory "
+        print(f"crucible: CUDA MPS on for the workers (server {servers}; pipe directory "
               f"{self.mps.env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
-        self.mps_warned = False
+        return True
 
     def _say_where_it_resumes(self, offset: int, wait_s: float = 3.0) -> None:
         """The coordinator's choice of checkpoint, on the terminal: the step it

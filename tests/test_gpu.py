@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import pytest
 import torch
@@ -169,7 +170,8 @@ def test_every_copy_of_a_stage_lost_on_the_device_is_rebuilt_from_a_checkpoint(s
 def test_mps_job_survives_a_killed_stage_and_quits_its_daemon(start_job):
     """job.mps=on: three stages on one GPU through the launch's own MPS daemon;
     an inner worker SIGKILLed is skipped and replaced while its neighbours,
-    clients of the same MPS server, train on (the same pids before and after);
+    clients of the same MPS server (every worker is one), train on (no other
+    worker declared dead);
     the daemon and its directory are gone when the job ends."""
     steps = 120
     job = start_job(["--replicas", "1", "--stages", "3", "--steps", str(steps), "--respawn-delay", "0.5",
@@ -178,6 +180,15 @@ def test_mps_job_survives_a_killed_stage_and_quits_its_daemon(start_job):
                             "fault.rpc_timeout_s=20"], name="mps")
     st = job.wait_for(lambda s: s if s["replicas"][0]["step"] >= 8 else None, 300, "training under MPS")
     pids = {w["stage"]: w["pid"] for w in st["workers"]}
+    # every worker is a client of the launch's MPS server
+    pipe = job.output().split("pipe directory ", 1)[1].split(")", 1)[0]
+
+    def ask(cmd: str) -> list[str]:
+        return subprocess.run(["nvidia-cuda-mps-control"], input=cmd + "\n", capture_output=True, text=True,
+                              timeout=10, env=dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe)).stdout.split()
+
+    clients = {int(c) for server in ask("get_server_list") for c in ask(f"get_client_list {server}") if c.isdigit()}
+    assert set(pids.values()) <= clients, (pids, clients)
     os.kill(pids[1], signal.SIGKILL)
     job.wait_for(lambda s: [e for e in job.events("route_change") if e["routes"].get("0") == [0, 2]], 60,
                  "stage 1 skipped")
@@ -188,5 +199,4 @@ def test_mps_job_survives_a_killed_stage_and_quits_its_daemon(start_job):
     # the one fault is the killed worker's: its neighbours on the same MPS server lived on
     dead = [(e["stage"], e["pid"]) for e in job.events("fault") if e.get("kind") == "worker_dead"]
     assert dead == [(1, pids[1])], dead
-    pipe = out.split("pipe directory ", 1)[1].split(")", 1)[0]
     assert not os.path.exists(pipe), f"the MPS pipe directory {pipe} outlived the job"

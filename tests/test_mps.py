@@ -37,12 +37,14 @@ FAKE = textwrap.dedent("""\
         if os.environ.get("FAKE_MPS_FAIL"):
             print("cannot start: " + os.environ["FAKE_MPS_FAIL"], flush=True)
             sys.exit(3)
+        if os.environ.get("FAKE_MPS_PIDFILE"):
+            with open(os.environ["FAKE_MPS_PIDFILE"], "w") as f:
+                f.write(str(os.getpid()))
+        time.sleep(float(os.environ.get("FAKE_MPS_SLOW", "0")))     # (not answering yet)
         with open(os.path.join(pipe, "daemon.env"), "w") as f:
             json.dump({{k: v for k, v in os.environ.items() if k.startswith("CUDA_MPS")}}, f)
-        for path in (pidfile, os.environ.get("FAKE_MPS_PIDFILE")):
-            if path:
-                with open(path, "w") as f:
-                    f.write(str(os.getpid()))
+        with open(pidfile, "w") as f:
+            f.write(str(os.getpid()))
         while not os.path.exists(quitfile):
             time.sleep(0.05)
         print("quit", flush=True)
@@ -52,7 +54,7 @@ FAKE = textwrap.dedent("""\
         sys.exit(1)
     cmd = sys.stdin.read().strip()
     if cmd == "get_server_list":
-        print("4242")
+        print("" if os.environ.get("FAKE_MPS_NO_SERVER") else "4242")
     elif cmd == "quit":
         open(quitfile, "w").close()
     else:
@@ -69,8 +71,10 @@ def fake(tmp_path):
     return str(path)
 
 
-def _probe(code: str) -> list[str]:
-    return [sys.executable, "-c", code]
+def _probe(code: str, binary: str) -> list[str]:
+    """A client that runs `code` in place of the CUDA part of mps.PROBE, then
+    the probe's own question to the daemon (its servers)."""
+    return [sys.executable, "-c", f"import subprocess, sys; {code}; {mps.PROBE[mps.PROBE.index('out = '):]}", binary]
 
 
 def _alive(pid: int) -> bool:
@@ -91,7 +95,7 @@ def test_daemon_starts_with_its_own_directory_answers_a_client_and_quits(fake, t
     m = mps.Mps(fake)
     log = str(tmp_path / "mps.log")
     # the probe is a client: it sees the daemon's pipe directory
-    probe = _probe("import os, sys; sys.exit(0 if os.path.isdir(os.environ['CUDA_MPS_PIPE_DIRECTORY']) else 5)")
+    probe = _probe("import os; assert os.path.isdir(os.environ['CUDA_MPS_PIPE_DIRECTORY'])", fake)
     try:
         assert m.start(log, probe=probe) == "4242"
         assert m.alive()
@@ -110,12 +114,16 @@ def test_daemon_starts_with_its_own_directory_answers_a_client_and_quits(fake, t
         assert "quit" in f.read()
 
 
-@pytest.mark.parametrize("case", ["probe fails", "daemon fails", "no binary"])
+@pytest.mark.parametrize("case", ["probe fails", "no server", "daemon fails", "no binary"])
 def test_a_failure_is_one_line_and_leaves_nothing_running(fake, tmp_path, monkeypatch, case):
     log = str(tmp_path / "mps.log")
     probe = None
     if case == "probe fails":
-        probe = _probe("import sys; print('RuntimeError: CUDA error: MPS client failed to connect'); sys.exit(1)")
+        probe = _probe("print('RuntimeError: CUDA error: MPS client failed to connect'); raise SystemExit(1)", fake)
+        m = mps.Mps(fake)
+    elif case == "no server":       # a client that ran on a plain context: the daemon never saw it
+        monkeypatch.setenv("FAKE_MPS_NO_SERVER", "1")
+        probe = _probe("pass", fake)
         m = mps.Mps(fake)
     elif case == "daemon fails":
         monkeypatch.setenv("FAKE_MPS_FAIL", "no GPU")
@@ -129,6 +137,7 @@ def test_a_failure_is_one_line_and_leaves_nothing_running(fake, tmp_path, monkey
     assert "\n" not in msg and msg.startswith("job.mps=on: ")
     expected = {"probe fails": "a CUDA process failed through the MPS daemon: RuntimeError: CUDA error: MPS "
                                "client failed to connect",
+                "no server": "a CUDA process ran, but not through an MPS server (the daemon lists none",
                 "daemon fails": f"{mps.BINARY} exited with status 3 at start",
                 "no binary": f"{mps.BINARY} is not on PATH"}[case]
     assert expected in msg, msg
@@ -146,7 +155,7 @@ def test_the_daemon_dies_with_a_sigkilled_launcher(fake, tmp_path):
         sys.path.insert(0, {ROOT!r})
         from crucible import mps
         m = mps.Mps({fake!r})
-        m.start({str(tmp_path / "mps.log")!r}, probe=[sys.executable, "-c", "pass"])
+        m.start({str(tmp_path / "mps.log")!r}, probe=[sys.executable, "-c", "print('servers: 1')"])
         print(m.env["CUDA_MPS_PIPE_DIRECTORY"], flush=True)
         time.sleep(300)
     """))
@@ -204,6 +213,7 @@ def test_launch_whose_cuda_client_fails_through_the_daemon_stops_in_one_line(fak
     env = child_env()
     env["PATH"] = os.path.dirname(fake) + os.pathsep + env["PATH"]
     env["FAKE_MPS_PIDFILE"] = str(tmp_path / "daemon.pid")
+    env["CUDA_VISIBLE_DEVICES"] = ""             # (a CUDA torch with a GPU fails too)
     run = tmp_path / "run"
     done = subprocess.run(crucible_cmd("launch", "--no-check", "--run-dir", str(run), "job.device=cuda",
                                        "job.mps=on"),
@@ -220,3 +230,37 @@ def test_launch_whose_cuda_client_fails_through_the_daemon_stops_in_one_line(fak
     assert not (run / "coordinator.addr").exists() and not (run / "logs" / "coordinator.log").exists()
     with open(run / "logs" / "mps.log") as f:
         assert "quit" in f.read()                               # told to quit, not killed
+
+
+def test_ctrl_c_while_the_daemon_starts_stops_the_launch_and_the_daemon(fake, tmp_path):
+    """A Ctrl-C (SIGINT to the launcher's process group) while the daemon is
+    not answering yet: the launch ends as interrupted (130), no worker or
+    coordinator started, the daemon (in its own session: the group's SIGINT
+    does not reach it) stopped by the launcher."""
+    env = child_env()
+    env["PATH"] = os.path.dirname(fake) + os.pathsep + env["PATH"]
+    env["FAKE_MPS_PIDFILE"] = str(tmp_path / "daemon.pid")
+    env["FAKE_MPS_SLOW"] = "60"
+    run = tmp_path / "run"
+    p = subprocess.Popen(crucible_cmd("launch", "--no-check", "--run-dir", str(run), "job.device=cuda", "job.mps=on"),
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, start_new_session=True)
+    try:
+        t_end = time.monotonic() + 30
+        while not (tmp_path / "daemon.pid").exists() and time.monotonic() < t_end and p.poll() is None:
+            time.sleep(0.05)
+        assert (tmp_path / "daemon.pid").exists(), p.communicate(timeout=10)
+        time.sleep(0.3)
+        daemon = int((tmp_path / "daemon.pid").read_text())
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=20)
+        assert p.returncode == 130, (out, err)
+        assert "Traceback" not in err and "failed" not in err, err
+        assert not _alive(daemon), "the MPS daemon outlived the interrupted launch"
+        assert not (run / "logs" / "coordinator.log").exists()
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=10)

@@ -710,11 +710,17 @@ def _print_table(result: dict, f) -> None:
     mp = s.get("mps")
     if mp:
         print(f"CUDA MPS: {mp['with']} / {mp['without']} tokens/s = {_f(mp.get('tokens_ratio'), '.2f')}x "
-              f"({mp.get('verdict') or 'one run: no noise figure'})", file=f)
+              f"({_mps_words(mp)})", file=f)
     for k, t in (result.get("targets") or {}).items():
         if isinstance(t, dict) and "verdict" in t:
             print(f"target {k}: {t['verdict']}", file=f)
     print("", file=f)
+
+
+def _mps_words(mp: dict) -> str:
+    if mp.get("tokens_ratio") is None:
+        return "not measured: a run of the two failed or was not reached (errors)"
+    return mp.get("verdict") or "one run: no noise figure"
 
 
 def _int8_others(ser: dict) -> str:
@@ -771,7 +777,7 @@ def readme_part(r: dict, name: str = "gpu") -> str:
     mp = s.get("mps")
     if mp:
         lines.append(f"* CUDA MPS (`job.mps=on`): {_f(mp.get('tokens_ratio'), '.2f')}x the tokens/s of the same "
-                     f"run with the stages time-sliced ({mp.get('verdict') or 'one run: no noise figure'}).")
+                     f"run with the stages time-sliced ({_mps_words(mp)}).")
     if t.get("note"):
         lines.append(f"* Note: {t['note']}.")
     for e in r.get("errors") or []:
