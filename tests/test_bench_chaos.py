@@ -55,7 +55,7 @@ def test_settings_and_provenance(result):
     assert not any(o.startswith("outer.H=") for o in st["overrides"])
     assert result["config"] == full_config(st["overrides"])
     assert result["config"]["outer"]["H"] == Config().outer.H == st["outer_H"]
-    assert result["config"]["job"] == {"replicas": 2, "stages": 3, "device": "cpu"}
+    assert result["config"]["job"] == {"replicas": 2, "stages": 3, "device": "cpu", "mps": "off"}
     assert {"repeats", "goodput_vs_failure_free", "heldout_vs_failure_free", "route_change_s", "next_step_s",
             "verdicts", "skip_vs_wait_goodput"} <= set(result["definitions"])
 

@@ -27,7 +27,7 @@ def test_provenance_and_settings(result):
     assert env["commit"] and env["torch"] and env["python"] and positive(env["cores"]) and env["loadavg_start"]
     st = result["settings"]
     assert (st["replicas"], st["stages"], st["steps"], st["repeats"]) == (2, 4, 20, 1)
-    assert result["config"]["job"] == {"replicas": 2, "stages": 4, "device": "cpu"}
+    assert result["config"]["job"] == {"replicas": 2, "stages": 4, "device": "cpu", "mps": "off"}
 
 
 def test_throughput_and_losses_against_the_reference(result):
