@@ -108,10 +108,10 @@ class Mps:
         if not self.binary:
             raise MpsError(f"job.mps=on: {BINARY} is not on PATH (it comes with the NVIDIA driver's "
                            f"utilities); set job.mps=off")
-        # short, whatever TMPDIR is: the pipes are unix sockets (108 bytes a path)
-        self.dir = tempfile.mkdtemp(prefix="crucible-mps-", dir="/tmp" if os.path.isdir("/tmp") else None)
         self.log_path = log_path
         try:
+            # short, whatever TMPDIR is: the pipes are unix sockets (108 bytes a path)
+            self.dir = tempfile.mkdtemp(prefix="crucible-mps-", dir="/tmp" if os.path.isdir("/tmp") else None)
             for sub in ("pipe", "log"):
                 os.makedirs(os.path.join(self.dir, sub))
             with open(log_path, "ab") as log:
@@ -138,19 +138,24 @@ class Mps:
                              text=True, env=dict(os.environ, **self.env), start_new_session=True)
         t_end = time.monotonic() + PROBE_TIMEOUT_S
         try:
-            while p.poll() is None:
+            while True:
+                try:
+                    out, _ = p.communicate(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
                 if stopped():
                     raise MpsStopped("stopped while checking MPS")
                 if time.monotonic() > t_end:
                     raise MpsError(f"job.mps=on: a CUDA process did not start through the MPS daemon in "
                                    f"{PROBE_TIMEOUT_S:.0f}s (log: {self.log_path})")
-                time.sleep(0.05)
-            out = p.stdout.read()
         finally:
             if p.poll() is None:
-                p.kill()
-            p.wait()
-            p.stdout.close()
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)     # (with its control-pipe child)
+                except ProcessLookupError:
+                    pass
+                p.communicate()
         if p.returncode != 0:
             raise MpsError(f"job.mps=on: a CUDA process failed through the MPS daemon: "
                            f"{_last_line(out) or f'exit {p.returncode}'} (log: {self.log_path})")

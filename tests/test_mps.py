@@ -14,6 +14,7 @@ runs in the GPU suite (tests/test_gpu.py, skipped without the binary).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,8 +132,11 @@ def test_a_failure_is_one_line_and_leaves_nothing_running(fake, tmp_path, monkey
     else:
         monkeypatch.setenv("PATH", str(tmp_path / "empty"))
         m = mps.Mps()
-    with pytest.raises(mps.MpsError) as e:
-        m.start(log, probe=probe)
+    try:
+        with pytest.raises(mps.MpsError) as e:
+            m.start(log, probe=probe)
+    finally:
+        m.stop()                                     # (had it started after all)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("job.mps=on: ")
     expected = {"probe fails": "a CUDA process failed through the MPS daemon: RuntimeError: CUDA error: MPS "
@@ -161,6 +165,7 @@ def test_the_daemon_dies_with_a_sigkilled_launcher(fake, tmp_path):
     """))
     p = subprocess.Popen([sys.executable, str(holder)], stdout=subprocess.PIPE, text=True, env=child_env(),
                          start_new_session=True)
+    pipe = ""
     try:
         pipe = p.stdout.readline().strip()
         assert pipe, "the holder did not start its daemon"
@@ -179,6 +184,8 @@ def test_the_daemon_dies_with_a_sigkilled_launcher(fake, tmp_path):
         except ProcessLookupError:
             pass
         p.wait(timeout=10)
+        if pipe:                                     # (the killed holder never removed it)
+            shutil.rmtree(os.path.dirname(pipe), ignore_errors=True)
 
 
 def test_launch_refuses_mps_without_a_gpu_in_one_line(tmp_path):
@@ -250,8 +257,10 @@ def test_ctrl_c_while_the_daemon_starts_stops_the_launch_and_the_daemon(fake, tm
         while not (tmp_path / "daemon.pid").exists() and time.monotonic() < t_end and p.poll() is None:
             time.sleep(0.05)
         assert (tmp_path / "daemon.pid").exists(), p.communicate(timeout=10)
-        time.sleep(0.3)
+        while not (tmp_path / "daemon.pid").read_text().strip() and time.monotonic() < t_end:
+            time.sleep(0.05)                         # (written, maybe not yet flushed)
         daemon = int((tmp_path / "daemon.pid").read_text())
+        time.sleep(0.3)
         os.killpg(p.pid, signal.SIGINT)
         out, err = p.communicate(timeout=20)
         assert p.returncode == 130, (out, err)
