@@ -25,7 +25,7 @@ import pytest
 
 from conftest import ROOT, child_env, crucible_cmd
 
-from crucible import mps
+from crucible import mps, procs
 
 # The stand-in: `-f` writes its pid and environment into the pipe directory and
 # runs until a `quit` command; without arguments it sends stdin's command.
@@ -76,6 +76,14 @@ def _probe(code: str, binary: str) -> list[str]:
     """A client that runs `code` in place of the CUDA part of mps.PROBE, then
     the probe's own question to the daemon (its servers)."""
     return [sys.executable, "-c", f"import subprocess, sys; {code}; {mps.PROBE[mps.PROBE.index('out = '):]}", binary]
+
+
+def _launch_env(fake: str, tmp_path) -> dict:
+    """A child's environment with the stand-in first on PATH, writing its pid to tmp_path/daemon.pid."""
+    env = child_env()
+    env["PATH"] = os.path.dirname(fake) + os.pathsep + env["PATH"]
+    env["FAKE_MPS_PIDFILE"] = str(tmp_path / "daemon.pid")
+    return env
 
 
 def _alive(pid: int) -> bool:
@@ -179,11 +187,7 @@ def test_the_daemon_dies_with_a_sigkilled_launcher(fake, tmp_path):
             time.sleep(0.05)
         assert not _alive(daemon), "the MPS daemon outlived its launcher"
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait(timeout=10)
+        procs.kill_group(p)
         if pipe:                                     # (the killed holder never removed it)
             shutil.rmtree(os.path.dirname(pipe), ignore_errors=True)
 
@@ -217,9 +221,7 @@ def test_launch_whose_cuda_client_fails_through_the_daemon_stops_in_one_line(fak
     """The launcher's side: job.mps=on starts the daemon before any worker,
     checks one CUDA client through it (here a CPU torch: it fails), and stops
     with that cause in one line, the daemon gone, no coordinator started."""
-    env = child_env()
-    env["PATH"] = os.path.dirname(fake) + os.pathsep + env["PATH"]
-    env["FAKE_MPS_PIDFILE"] = str(tmp_path / "daemon.pid")
+    env = _launch_env(fake, tmp_path)
     env["CUDA_VISIBLE_DEVICES"] = ""             # (a CUDA torch with a GPU fails too)
     run = tmp_path / "run"
     done = subprocess.run(crucible_cmd("launch", "--no-check", "--run-dir", str(run), "job.device=cuda",
@@ -244,9 +246,7 @@ def test_ctrl_c_while_the_daemon_starts_stops_the_launch_and_the_daemon(fake, tm
     not answering yet: the launch ends as interrupted (130), no worker or
     coordinator started, the daemon (in its own session: the group's SIGINT
     does not reach it) stopped by the launcher."""
-    env = child_env()
-    env["PATH"] = os.path.dirname(fake) + os.pathsep + env["PATH"]
-    env["FAKE_MPS_PIDFILE"] = str(tmp_path / "daemon.pid")
+    env = _launch_env(fake, tmp_path)
     env["FAKE_MPS_SLOW"] = "60"
     run = tmp_path / "run"
     p = subprocess.Popen(crucible_cmd("launch", "--no-check", "--run-dir", str(run), "job.device=cuda", "job.mps=on"),
@@ -268,8 +268,4 @@ def test_ctrl_c_while_the_daemon_starts_stops_the_launch_and_the_daemon(fake, tm
         assert not _alive(daemon), "the MPS daemon outlived the interrupted launch"
         assert not (run / "logs" / "coordinator.log").exists()
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait(timeout=10)
+        procs.kill_group(p)

@@ -439,6 +439,17 @@ def one_variant(workdir: str, p: dict, v: dict) -> dict:
 # ---------------------------------------------------------------------------
 
 
+def _versus(on: str, off: str, tps: dict, reps: dict, what: str) -> dict:
+    """Run `on` against the same run without `what` (`off`): the tokens/s
+    ratio, its noise, and the verdict (None with one repeat)."""
+    ratio = tps[on] / tps[off] if tps.get(on) and tps.get(off) else None
+    noise = _noise(ratio, reps.get(on, []), reps.get(off, [])) \
+        if ratio is not None and len(reps.get(on, [])) > 1 else None
+    verdict = (None if ratio is None or noise is None else "within noise" if abs(ratio - 1) <= noise else
+               f"faster with {what}" if ratio > 1 else f"slower with {what}")
+    return {"with": on, "without": off, "tokens_ratio": ratio, "noise": noise, "verdict": verdict}
+
+
 def _noise(value: float | None, *xss: list[float]) -> float | None:
     """``value`` times the largest relative spread of the repeats (None with one repeat)."""
     sp = [common.spread(xs) for xs in xss if xs]
@@ -598,22 +609,8 @@ def summarise(result: dict, p: dict, vs: list[dict], every: dict, peak_given: st
     copy = (ck.get("copy_s") or {}).get("p50")
     ckpt_sum["copy_over_floor"] = copy / job_floor if copy is not None and job_floor else None
     off, on = next((v["name"], v["versus"]) for v in vs if v.get("overlap") == "off")
-    noise = _noise(tps[on] / tps[off], reps.get(on, []), reps.get(off, [])) \
-        if tps.get(on) and tps.get(off) and len(reps.get(on, [])) > 1 else None
-    overlap = {"with": on, "without": off, "tokens_ratio": tps[on] / tps[off] if tps.get(on) and tps.get(off) else None,
-               "noise": noise}
-    overlap["verdict"] = (None if overlap["tokens_ratio"] is None or noise is None else
-                          "within noise" if abs(overlap["tokens_ratio"] - 1) <= noise else
-                          "faster with overlap" if overlap["tokens_ratio"] > 1 else "slower with overlap")
-    mps = None
-    for v in (v for v in vs if v.get("mps")):
-        on, off = v["name"], v["versus_mps"]
-        ratio = tps[on] / tps[off] if tps.get(on) and tps.get(off) else None
-        noise = _noise(ratio, reps.get(on, []), reps.get(off, [])) \
-            if ratio is not None and len(reps.get(on, [])) > 1 else None
-        mps = {"with": on, "without": off, "tokens_ratio": ratio, "noise": noise,
-               "verdict": None if ratio is None or noise is None else "within noise" if abs(ratio - 1) <= noise
-               else "faster with MPS" if ratio > 1 else "slower with MPS"}
+    overlap = _versus(on, off, tps, reps, "overlap")
+    mps = next((_versus(v["name"], v["versus_mps"], tps, reps, "MPS") for v in vs if v.get("mps")), None)
     result["summary"] = common.round_floats({
         "variants": table, "plain": plains, "checkpoint": ckpt_sum, "overlap": overlap, "mps": mps, "params": params,
         "peak_tflops": peak, "peak_source": peak_source,
@@ -629,26 +626,20 @@ def targets(p: dict, vs: list[dict], table: dict, tps: dict, spreads: dict, ever
                  "note": None if S == 4 and str(p["device"]).startswith("cuda") and not p.get("quick") else
                  "the targets are stated for S = 4 on one H200; these verdicts are of this run's settings"}
     # 1. S stages in bf16 against the plain bf16 process, per codec; the faster codec's verdict
+    # (and the same job with job.mps=on: a setting a user can pick, it counts for the verdict)
+    runs = [(codec, f"S{S}_{prec}_{label(codec)}") for codec in p["codecs"][prec]]
+    runs += [(f"{v['codec']}+mps", v["name"]) for v in vs if v.get("mps") and v["stages"] == S
+             and v["precision"] == prec]
     per_codec = {}
-    for codec in p["codecs"][prec]:
-        name = f"S{S}_{prec}_{label(codec)}"
+    for key, name in runs:
         row = table.get(name)
         if not row or row["relative_to_plain"] is None:
             continue
         ratio = row["relative_to_plain"]
         noise = _noise(ratio, reps.get(name, []), reps.get(f"plain_{prec}", [])) if len(reps.get(name, [])) > 1 \
             else None
-        per_codec[codec] = {"variant": name, "ratio": ratio, "noise": noise,
-                            "verdict": common.verdict(-ratio, -TARGETS["tokens_vs_plain_min"], noise)}
-    # ... and the same job with job.mps=on (a setting a user can pick: it counts for the verdict)
-    for v in (v for v in vs if v.get("mps") and v["stages"] == S and v["precision"] == prec):
-        row = table.get(v["name"])
-        if row and row["relative_to_plain"] is not None:
-            ratio = row["relative_to_plain"]
-            noise = _noise(ratio, reps.get(v["name"], []), reps.get(f"plain_{prec}", [])) \
-                if len(reps.get(v["name"], [])) > 1 else None
-            per_codec[f"{v['codec']}+mps"] = {"variant": v["name"], "ratio": ratio, "noise": noise,
-                                              "verdict": common.verdict(-ratio, -TARGETS["tokens_vs_plain_min"], noise)}
+        per_codec[key] = {"variant": name, "ratio": ratio, "noise": noise,
+                          "verdict": common.verdict(-ratio, -TARGETS["tokens_vs_plain_min"], noise)}
     best = max(per_codec, key=lambda c: per_codec[c]["ratio"]) if per_codec else None
     out["tokens_ge_0.8x_plain"] = {"per_codec": per_codec, "best_codec": best,
                                    "verdict": per_codec[best]["verdict"] if best else None}
