@@ -306,7 +306,9 @@ def _decode(msg: pb.Tensor, data: bytes, dtype: torch.dtype, shape: tuple[int, .
         # on the receiving thread, off the compute thread: through a pinned buffer to the GPU
         buf = _pinned(shape, dtype)
         buf.view(-1).view(torch.uint8).numpy()[:] = memoryview(data)
-        return buf.to(device)
+        t = buf.to(device, non_blocking=True)
+        torch.cuda.current_stream(torch.device(device)).synchronize()   # the one wait: buf is reused
+        return t
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
 
 

@@ -634,23 +634,43 @@ def test_int4_bad_steps_and_codes_refused(spec):
         struct.pack_into("<H", bad, 2 * 5, bits)    # NaN, inf, -1.0 as bf16
         with pytest.raises(CodecError, match=what):
             c.decode(wrap(bad), t.shape)
-    bad = raw.copy()
-    bad[2 * 16 * c.groups + 3] = 0x80               # low nibble 0 = code -8
-    with pytest.raises(CodecError, match="-8"):
-        c.decode(wrap(bad), t.shape)
+    for at, byte in [(3, 0x80), (len(raw) - 2 * 16 * c.groups - 1, 0x08)]:   # low, then high nibble 0 = code -8
+        bad = raw.copy()
+        bad[2 * 16 * c.groups + at] = byte
+        with pytest.raises(CodecError, match="-8"):
+            c.decode(wrap(bad), t.shape)
     if not c.zstd:
         with pytest.raises(CodecError, match="body"):
             c.decode(rebuild(p, body[:-2]), t.shape)
 
 
-def test_subspace_non_finite_coefficients_refused():
-    c = make_codec("subspace", D)
+@pytest.mark.parametrize("dtype,fmt,values", [("bf16", "<H", (0x7FC0, 0x7F80, 0xFF80)),
+                                               ("fp16", "<e", (math.nan, math.inf, -math.inf)),
+                                               ("fp32", "<f", (math.nan, math.inf, -math.inf))])
+def test_subspace_non_finite_coefficients_refused(dtype, fmt, values):
+    c = make_codec(f"subspace:dtype={dtype}", D)
     t = rand((2, 8, D))
     p = c.encode(t)
-    bad = bytearray(body_of(p))
-    struct.pack_into("<H", bad, 6, 0x7FC0)          # a bf16 NaN
-    with pytest.raises(CodecError, match="non-finite"):
-        c.decode(rebuild(p, bad), t.shape)
+    for v in values:
+        bad = bytearray(body_of(p))
+        struct.pack_into(fmt, bad, 3 * struct.calcsize(fmt), v)
+        with pytest.raises(CodecError, match="non-finite"):
+            c.decode(rebuild(p, bad), t.shape)
+    c.decode(p, t.shape)
+
+
+def test_zero_nibble_scan_matches_a_byte_by_byte_scan():
+    # int4's decode scans 8 bytes at a time: every byte value at every
+    # position, in arrays whose length and start are not multiples of 8
+    from crucible.compress.activations import _has_zero_nibble
+    for b in range(256):
+        want = (b & 0x0F) == 0 or (b & 0xF0) == 0
+        for n in (1, 8, 11, 17):
+            for pos in range(n):
+                a = np.full(n + 1, 0x11, np.uint8)
+                a[1 + pos] = b
+                assert _has_zero_nibble(a[1:]) == want, (b, n, pos)
+    assert not _has_zero_nibble(np.zeros(0, np.uint8))
 
 
 def test_header_fields_refused():

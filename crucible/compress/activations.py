@@ -267,12 +267,54 @@ def _np_view(buf, dtype, count: int, offset: int = 0) -> np.ndarray:
 def _tensor(buf, np_dtype, torch_dtype, count: int, offset: int = 0, device=None) -> torch.Tensor:
     """A fresh writable torch tensor holding `count` items of `buf` (one memcpy),
     on `device` (default: the CPU). For a GPU, through this thread's reused
-    pinned buffer (``crucible.wire``), copied to the device before returning."""
+    pinned buffer (``crucible.wire``), its copy to the device queued on the
+    current stream, not waited for: ``Codec.decode`` waits once, at its end,
+    before the buffer can be reused."""
     cuda = device is not None and device.type == "cuda"
     out = _pinned((count,), torch_dtype) if cuda else torch.empty(count, dtype=torch_dtype)
     if count:
         out.numpy()[:] = _np_view(buf, np_dtype, count, offset)
     return _to(out, device)
+
+
+def _host_parts(*ts: torch.Tensor) -> list[memoryview]:
+    """The bytes of contiguous tensors of one device, in order, on host: on a
+    CPU views of their memory; from a GPU one copy of them all, joined there
+    first (one wait for the device, not one a tensor), through this thread's
+    reused pinned buffer (see ``_host_bytes``)."""
+    if ts[0].device.type == "cpu":
+        return [_host_bytes(t) for t in ts]
+    flat = [t.detach().reshape(-1).view(torch.uint8) for t in ts]
+    whole = _host_bytes(torch.cat(flat))
+    out, pos = [], 0
+    for f in flat:
+        out.append(whole[pos:pos + f.numel()])
+        pos += f.numel()
+    return out
+
+
+def _finite(buf, dtype: torch.dtype, count: int, offset: int = 0) -> bool:
+    """Whether `count` values of `dtype` in host memory `buf` are all finite
+    (read where they are: on the host, without a wait for a GPU)."""
+    if dtype == torch.bfloat16:             # numpy has no bf16: an exponent of all ones
+        bits = _np_view(buf, np.uint16, count, offset)
+        return not bool(((bits & 0x7F80) == 0x7F80).any())
+    return bool(np.isfinite(_np_view(buf, _NP_FLOATS[dtype], count, offset)).all())
+
+
+_NP_FLOATS = {torch.float32: np.float32, torch.float16: np.float16}
+
+
+def _has_zero_nibble(a: np.ndarray) -> bool:
+    """Whether any of the bytes of uint8 array `a` has a zero nibble: 8 bytes
+    at a time, ``(v - 0x11..) & ~v & 0x88..`` (nonzero where a nibble is zero;
+    a borrow only ever sets a bit above a nibble that is zero itself)."""
+    n8 = a.size // 8 * 8
+    v = a[:n8].view(np.uint64) if a[:n8].flags.aligned else a[:n8].copy().view(np.uint64)
+    if bool(((v - np.uint64(0x1111111111111111)) & ~v & np.uint64(0x8888888888888888)).any()):
+        return True
+    tail = a[n8:]
+    return bool(((tail & 0x0F) == 0).any() or ((tail & 0xF0) == 0).any())
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
@@ -284,7 +326,7 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     t = _to_host(t) if t.device.type != "cpu" else t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _bits_to_f32(bits16: torch.Tensor) -> torch.Tensor:
@@ -529,7 +571,14 @@ class Codec:
             raise CodecError(f"expected shape {list(expected)} does not end in d_model={self.d_model}")
         rows = math.prod(expected[:-1])
         body = mv[hdr.header_nbytes:]
-        out = self._decode_body(body, rows, torch.device(device) if device is not None else None)
+        dev = torch.device(device) if device is not None else None
+        try:
+            out = self._decode_body(body, rows, dev)
+        finally:
+            if dev is not None and dev.type == "cuda":
+                # the one wait of a decode on a GPU: its copies (from this
+                # thread's reused pinned buffers) and kernels are done
+                torch.cuda.current_stream(dev).synchronize()
         return out.view(expected)
 
     def _decode_body(self, body: memoryview, rows: int, device) -> torch.Tensor:
@@ -541,15 +590,8 @@ class Codec:
 
 
 def _to(t: torch.Tensor, device) -> torch.Tensor:
-    return t if device is None else t.to(device, non_blocking=False)
-
-
-def _all_true(*checks) -> list[bool]:
-    """Boolean scalars (None: nothing to check, true) read back in one go: on
-    a GPU, one synchronization for all of a payload's checks."""
-    live = [c for c in checks if c is not None]
-    got = iter(torch.stack(live).tolist() if live else [])
-    return [True if c is None else bool(next(got)) for c in checks]
+    # from pinned memory (``_tensor``): queued, waited for by ``Codec.decode``
+    return t if device is None else t.to(device, non_blocking=True)
 
 
 class NoneCodec(Codec):
@@ -617,14 +659,15 @@ class Int8Codec(_ZstdCodec):
 
     def _encode_body(self, x):
         absmax = x.abs().amax(dim=1) if x.numel() else x.new_zeros(x.shape[0])
-        if not bool(torch.isfinite(absmax).all()):
-            raise CodecError("int8 cannot encode non-finite values (NaN/inf in the tensor)")
-        step = _ceil_step_f32(absmax, 127)
+        step = _ceil_step_f32(absmax, 127)      # non-finite exactly where absmax is
         div = torch.where(step > 0, step, torch.ones_like(step))
         q = torch.round(x / div[:, None]).clamp_(-127, 127).to(torch.int8)
-        # steps then codes, joined where they are (one copy to host from a GPU)
-        buf = _host_bytes(torch.cat([step.view(torch.uint8), q.view(-1).view(torch.uint8)]))
-        return _zstd_compress(buf, self.level) if self.zstd else buf
+        # steps then codes (from a GPU: one copy to host, the only wait), the
+        # steps checked there
+        parts = _host_parts(step, q)
+        if not _finite(parts[0], torch.float32, x.shape[0]):
+            raise CodecError("int8 cannot encode non-finite values (NaN/inf in the tensor)")
+        return _zstd_compress(b"".join(parts), self.level) if self.zstd else parts
 
     def _decode_body(self, body, rows, device):
         d = self.d_model
@@ -633,16 +676,16 @@ class Int8Codec(_ZstdCodec):
         else:
             self._need(body, rows * 4 + rows * d, f"{rows} float32 steps + {rows * d} int8 codes")
             raw = body
-        step = _tensor(raw, np.float32, torch.float32, rows, device=device)
-        q = _tensor(raw, np.int8, torch.int8, rows * d, offset=rows * 4, device=device)
-        # checked where the data now is (on a GPU: there), read back at once;
-        # min() == -128, not (q == -128).any(): one pass, about 100x quicker on a CPU
-        steps_ok, codes_ok = _all_true(torch.isfinite(step).all() & (step >= 0).all(),
-                                       q.min() > -128 if q.numel() else None)
-        if not steps_ok:
+        # checked on the host before the copy (from a GPU nothing is read
+        # back); min() == -128, not (q == -128).any(): one pass
+        steps = _np_view(raw, np.float32, rows)
+        if not (_finite(raw, torch.float32, rows) and bool((steps >= 0).all())):
             raise CodecError("int8 payload has non-finite or negative steps")
-        if not codes_ok:
+        if rows * d and int(_np_view(raw, np.int8, rows * d, offset=rows * 4).min()) == -128:
             raise CodecError("int8 payload has code -128 (the encoder uses -127..127)")
+        # steps and codes in one copy to the device
+        t = _tensor(raw, np.uint8, torch.uint8, rows * 4 + rows * d, device=device)
+        step, q = t[:rows * 4].view(torch.float32), t[rows * 4:].view(torch.int8)
         return q.view(rows, d).float().mul_(step[:, None])
 
 
@@ -673,14 +716,14 @@ class Int4Codec(_ZstdCodec):
             x = F.pad(x, (0, self.padded - d))
         xg = x.view(rows, self.groups, self.group)
         absmax = xg.abs().amax(dim=2) if x.numel() else x.new_zeros(rows, self.groups)
-        if not bool(torch.isfinite(absmax).all()):
-            raise CodecError("int4 cannot encode non-finite values (NaN/inf in the tensor)")
-        bits = _ceil_step_bf16(absmax, 7)
+        bits = _ceil_step_bf16(absmax, 7)       # non-finite exactly where absmax is
         step = _bits_to_f32(bits)
         div = torch.where(step > 0, step, torch.ones_like(step))
         q = torch.round(xg / div[..., None]).clamp_(-7, 7).add_(8).to(torch.uint8).view(-1, 2)
         packed = q[:, 0] | (q[:, 1] << 4)
-        parts = [_host_bytes(bits), _host_bytes(packed)]
+        parts = _host_parts(bits, packed)       # checked on the host, as int8's
+        if not _finite(parts[0], torch.bfloat16, rows * self.groups):
+            raise CodecError("int4 cannot encode non-finite values (NaN/inf in the tensor)")
         if self.zstd:
             return _zstd_compress(b"".join(parts), self.level)
         return parts
@@ -691,17 +734,15 @@ class Int4Codec(_ZstdCodec):
             body = memoryview(_zstd_decompress(body, 2 * ns + nb))
         else:
             self._need(body, 2 * ns + nb, f"{ns} bf16 steps + {nb} packed bytes")
-        bits = _tensor(body, np.int16, torch.int16, ns, device=device)
-        packed = _tensor(body, np.uint8, torch.uint8, nb, offset=2 * ns, device=device)
-        step = _bits_to_f32(bits)
-        lo, hi = packed & 0xF, packed >> 4
-        # checked where the data now is, read back at once (a code -8 is a zero nibble)
-        steps_ok, codes_ok = _all_true(torch.isfinite(step).all() & (bits >= 0).all(),
-                                       torch.minimum(lo, hi).min() > 0 if nb else None)
-        if not steps_ok:
+        # checked on the host before the copy, as int8's (a code -8 is a zero nibble)
+        if not (_finite(body, torch.bfloat16, ns) and bool((_np_view(body, np.int16, ns) >= 0).all())):
             raise CodecError("int4 payload has non-finite or negative steps")
-        if not codes_ok:
+        if nb and _has_zero_nibble(_np_view(body, np.uint8, nb, offset=2 * ns)):
             raise CodecError("int4 payload has code -8 (the encoder uses -7..7)")
+        t = _tensor(body, np.uint8, torch.uint8, 2 * ns + nb, device=device)   # one copy to the device
+        step = _bits_to_f32(t[:2 * ns].view(torch.int16))
+        packed = t[2 * ns:]
+        lo, hi = packed & 0xF, packed >> 4
         q = torch.stack([lo, hi], dim=1).view(rows, self.groups, self.group)
         out = q.float().sub_(8).mul_(step.view(rows, self.groups, 1)).view(rows, self.padded)
         if self.padded != self.d_model:
@@ -754,22 +795,22 @@ class SubspaceCodec(Codec):
 
     def _encode_body(self, x):
         c = (x @ self.basis(x.device)).to(self._tdtype)
-        if not bool(torch.isfinite(c).all()):
+        buf = _host_bytes(c)                    # checked on the host (from a GPU: one wait, the copy's)
+        if not _finite(buf, self._tdtype, c.numel()):
             raise CodecError(f"subspace coefficients are not finite in {self.dtype} "
                              "(NaN/inf input, or overflow: use dtype=bf16)")
-        return _host_bytes(c)
+        return buf
 
     def _decode_body(self, body, rows, device):
         n = rows * self.rank
         self._need(body, n * self._width, f"{n} {self.dtype} coefficients")
+        if not _finite(body, self._tdtype, n):   # on the host, before the copy
+            raise CodecError("subspace payload has non-finite coefficients")
         if self._width == 2:
             c = _tensor(body, np.int16, torch.int16, n, device=device).view(self._tdtype)
         else:
             c = _tensor(body, np.float32, torch.float32, n, device=device)
-        c = c.float().view(rows, self.rank)
-        if not bool(torch.isfinite(c).all()):
-            raise CodecError("subspace payload has non-finite coefficients")
-        return c @ self.basis(c.device).T
+        return c.float().view(rows, self.rank) @ self.basis(c.device).T
 
 
 # ------------------------------------------------------------------ make_codec
