@@ -71,3 +71,34 @@ def test_revisions_runs_each_side_from_its_own_tree(tmp_path):
         assert x["head_vs_base"]["difference"] == "within noise"     # one round: nothing to tell them apart
     assert _git("worktree", "list") == before                # the base's worktree is gone
     assert "head vs base" in revisions.readme_part(r)
+
+
+def test_codec_rows_flatten_the_codec_childs_result_and_render_in_ms():
+    child = {"kept": True, "codecs": {"int8/float32": {"send_ms": 10.5, "recv_ms": 5.25, "payload_bytes": 1,
+                                                       "raw_bytes": 8}}}
+    assert revisions.codec_times(child) == {"int8/float32 send_ms": 10.5, "int8/float32 recv_ms": 5.25}
+    rounds = [{"base": {"int8/float32 recv_ms": 6.0 + i}, "head": {"int8/float32 recv_ms": 3.0 + i / 2}}
+              for i in range(3)]
+    r = {"base": {"rev": "abc", "commit": "abc1234567"}, "environment": {"commit": "def", "date": "2026-12-06"},
+         "settings": {"compare": "codecs", "unit": "ms", "shape": [4, 512, 1024], "frames": 20, "rounds": 3},
+         "summary": revisions.summarise(rounds)}
+    assert r["summary"]["verdict"] == "lower"
+    part = revisions.readme_part(r, "revisions_codecs")
+    assert "--compare codecs" in part and "| codec/dtype, side | base ms | head ms |" in part
+    assert "| int8/float32 recv_ms | 7.00 | 3.50 |" in part and "bench/results/revisions_codecs.json" in part
+
+
+@bench_smoke
+def test_revisions_compares_the_codecs_from_each_tree(tmp_path):
+    base, head = _git("rev-parse", "HEAD~1"), _git("rev-parse", "HEAD")
+    before = _git("worktree", "list")
+    r = run_bench("revisions", tmp_path / "codecs.json", TIMEOUT_S, extra=("--base", "HEAD~1", "--compare", "codecs"))
+    assert r["errors"] == [] and r["settings"]["compare"] == "codecs" and r["settings"]["unit"] == "ms"
+    by_side = {run["side"]: run for run in r["runs"]}
+    assert by_side["base"]["commit"] == base and by_side["head"]["commit"].startswith(head)
+    v = r["summary"]["variants"]
+    assert set(v) == {f"{c}/{d} {side}" for c in ("raw", "int8") for d in ("float32", "bfloat16")
+                      for side in ("send_ms", "recv_ms")}
+    for k, x in v.items():
+        assert positive(x["base_median"]) and positive(x["head_median"]), k
+    assert _git("worktree", "list") == before

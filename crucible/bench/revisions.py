@@ -1,5 +1,6 @@
 """``crucible bench revisions --base REV``: the CPU pipeline at two revisions
-of the code, interleaved.
+of the code, interleaved (``--compare codecs``: the activation codecs' frame
+times instead).
 
 What a change to the worker's data path owes the CPU path (issue 12: "the CPU
 stays as it is, its benchmarks within noise"). Each round runs ``crucible
@@ -12,6 +13,14 @@ over the rounds and the head's gap to the base, paired round by round
 "within noise" when the interval holds 0). Both sides run with this
 checkout's Python and packages, so the base must take the same ``bench
 pipeline`` command line; the worktree is removed at the end.
+
+``--compare codecs`` runs ``crucible bench wire``'s codec child instead (a
+``[4, 512, 1024]`` frame per codec and input dtype, sent with
+``wire.encode_frame`` and received with ``wire.parse_frame`` and
+``wire.from_wire``, one thread, the median of 20 frames) from both trees, in
+the same rotated rounds (default 4), and pairs each codec's send and receive
+milliseconds; the base must have that child (``python -m crucible.bench.wire
+--codecs``, since a585742).
 """
 
 from __future__ import annotations
@@ -23,10 +32,13 @@ import subprocess
 import sys
 import tempfile
 
-from crucible.bench import common
+from crucible.bench import common, wire
 
 ROOT = common.ROOT
 PIPELINE_TIMEOUT_S = 900.0      # one full `bench pipeline --repeats 1` takes about 2 minutes on 2 cores
+COMPARE = ("pipeline", "codecs")
+CODEC_FRAMES = {False: 20, True: 5}          # by --quick
+QUICK_CODECS = ("raw", "int8")
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
@@ -50,6 +62,12 @@ def run_pipeline(tree: str, quick: bool, what: str) -> dict:
     env = common.child_env(PYTHONPATH=tree + (os.pathsep + os.environ["PYTHONPATH"]
                                               if os.environ.get("PYTHONPATH") else ""))
     return common.child_json(argv, PIPELINE_TIMEOUT_S, what, env=env, cwd=tree)
+
+
+def codec_times(r: dict) -> dict:
+    """The codec child's result as one flat row: ``<codec>/<dtype> send_ms``
+    and ``... recv_ms`` -> milliseconds."""
+    return {f"{k} {side}": v[side] for k, v in (r.get("codecs") or {}).items() for side in ("send_ms", "recv_ms")}
 
 
 def summarise(rounds: list[dict]) -> dict:
@@ -85,13 +103,25 @@ def main(args) -> int:
         print(f"crucible bench revisions: {base_rev!r} is not a commit of this checkout ({ROOT})", file=sys.stderr)
         return exits.USAGE
     quick = bool(getattr(args, "quick", False))
-    n = getattr(args, "repeats", None) or (1 if quick else 3)
+    compare = getattr(args, "compare", None) or "pipeline"
+    n = getattr(args, "repeats", None) or (1 if quick else 3 if compare == "pipeline" else 4)
+    if compare == "pipeline":
+        settings = {"compare": compare, "bench": "pipeline --json --repeats 1" + (" --quick" if quick else ""),
+                    "unit": "tokens/s"}
+    else:
+        specs = QUICK_CODECS if quick else wire.CODECS
+        settings = {"compare": compare, "bench": f"python -m crucible.bench.wire --codecs {','.join(specs)} "
+                                                 f"--frames {CODEC_FRAMES[quick]}",
+                    "unit": "ms", "codecs": list(specs), "dtypes": list(wire.CODEC_DTYPES),
+                    "shape": list(wire.CODEC_SHAPE), "frames": CODEC_FRAMES[quick], "threads": 1}
     result: dict = {
         "bench": "revisions", "quick": quick, "environment": common.environment(),
-        "settings": {"bench": "pipeline --json --repeats 1" + (" --quick" if quick else ""), "rounds": n,
-                     "order": "rotated each round"},
+        "settings": {**settings, "rounds": n, "order": "rotated each round"},
         "base": {"rev": base_rev, "commit": base}, "head": {"commit": common.git_commit(), "tree": ROOT},
     }
+    if compare == "codecs":
+        result["definitions"] = {"send_ms, recv_ms": "per round, the median over the frames of wire.encode_frame / "
+                                                     "wire.parse_frame + wire.from_wire with the codec (CPU)"}
     errors: list[str] = []
     rounds, runs = [], []
     tree = tempfile.mkdtemp(prefix="crucible-base-")
@@ -104,17 +134,27 @@ def main(args) -> int:
         for i in range(n):
             got = {}
             for side in common.rotated(["base", "head"], i):
-                common.progress(f"round {i + 1}/{n}: bench pipeline at the {side} ({trees[side]})")
-                r = run_pipeline(trees[side], quick, f"round {i + 1} {side}: bench pipeline")
+                common.progress(f"round {i + 1}/{n}: {compare} at the {side} ({trees[side]})")
+                if compare == "pipeline":
+                    r = run_pipeline(trees[side], quick, f"round {i + 1} {side}: bench pipeline")
+                else:
+                    load = os.getloadavg()
+                    r = wire.run_codecs(specs, CODEC_FRAMES[quick], f"round {i + 1} {side}: codecs", tree=trees[side])
                 if "error" in r:
                     errors.append(r["error"])
                     continue
-                got[side] = (r.get("summary") or {}).get("tokens_per_s") or {}
-                env = r.get("environment") or {}
-                runs.append({"round": i + 1, "side": side, "commit": env.get("commit"),
-                             "loadavg_start": env.get("loadavg_start"),
-                             "loadavg_end": env.get("loadavg_end"), "tokens_per_s": got[side],
-                             "contended": (r.get("summary") or {}).get("contended")})
+                if compare == "pipeline":
+                    got[side] = (r.get("summary") or {}).get("tokens_per_s") or {}
+                    env = r.get("environment") or {}
+                    runs.append({"round": i + 1, "side": side, "commit": env.get("commit"),
+                                 "loadavg_start": env.get("loadavg_start"),
+                                 "loadavg_end": env.get("loadavg_end"), "tokens_per_s": got[side],
+                                 "contended": (r.get("summary") or {}).get("contended")})
+                else:
+                    got[side] = codec_times(r)
+                    runs.append({"round": i + 1, "side": side, "commit": _tree_commit(tree) if side == "base" else result["head"]["commit"],
+                                 "loadavg_start": [round(x, 2) for x in load],
+                                 "loadavg_end": [round(x, 2) for x in os.getloadavg()], "ms": got[side]})
             if len(got) == 2:
                 rounds.append(got)
     finally:
@@ -126,6 +166,15 @@ def main(args) -> int:
     return common.finish(result, errors, args, print_table=_table, round_nd=4)
 
 
+def _tree_commit(tree: str) -> str | None:
+    """The commit a source tree is at (the codec child does not say)."""
+    try:
+        r = subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() or None if r.returncode == 0 else None
+
+
 def _rows(s: dict) -> list[tuple[str, dict, str, str]]:
     """Per variant of a summary: its name, its entry, the head's gap (mean ±
     half-width) and whether it is told apart from noise."""
@@ -133,28 +182,39 @@ def _rows(s: dict) -> list[tuple[str, dict, str, str]]:
              v["head_vs_base"]["difference"]) for k, v in s["variants"].items()]
 
 
+def _unit(r: dict) -> str:
+    return r["settings"].get("unit", "tokens/s")
+
+
+def _num(x: float, unit: str) -> str:
+    return f"{x:,.2f}" if unit == "ms" else f"{x:,.0f}"
+
+
 def _table(r: dict, f) -> None:
-    s = r["summary"]
+    s, unit = r["summary"], _unit(r)
     print(f"head {str(r['head']['commit'])[:10]} against base {r['base']['commit'][:10]} "
           f"({r['settings']['rounds']} rounds):", file=f)
     for k, v, gap, diff in _rows(s):
-        print(f"  {k:10s} base {v['base_median']:10,.0f}  head {v['head_median']:10,.0f} tokens/s  {gap} ({diff})",
-              file=f)
+        print(f"  {k:24s} base {_num(v['base_median'], unit):>10s}  head {_num(v['head_median'], unit):>10s} {unit}"
+              f"  {gap} ({diff})", file=f)
     print(f"verdict: {s['verdict']}", file=f)
 
 
 def readme_part(r: dict, name: str = "revisions") -> str:
     from crucible.bench.readme import _provenance
 
-    s = r["summary"]
-    rows = [f"| {k} | {v['base_median']:,.0f} | {v['head_median']:,.0f} | {gap} | {diff} |"
+    s, unit = r["summary"], _unit(r)
+    rows = [f"| {k} | {_num(v['base_median'], unit)} | {_num(v['head_median'], unit)} | {gap} | {diff} |"
             for k, v, gap, diff in _rows(s)]
+    codecs = r["settings"].get("compare") == "codecs"
+    what = (f"a `{r['settings']['shape']}` frame sent and received with each codec on the CPU, one thread, the "
+            f"median of {r['settings']['frames']} frames a round," if codecs else "`bench pipeline` on the CPU")
     return "\n".join([
-        f"`crucible bench revisions --base {r['base']['rev']}` (`bench pipeline` on the CPU at "
+        f"`crucible bench revisions --base {r['base']['rev']}{' --compare codecs' if codecs else ''}` ({what} at "
         f"`{r['base']['commit'][:10]}` and at the head, {r['settings']['rounds']} interleaved rounds; the gap is "
         f"paired round by round, mean ± 95 % half-width; {_provenance(r)}; `bench/results/{name}.json`):",
         "",
-        "| variant | base tokens/s | head tokens/s | head vs base | |",
+        f"| {'codec/dtype, side' if codecs else 'variant'} | base {unit} | head {unit} | head vs base | |",
         "|---|---|---|---|---|",
         *rows,
         "",

@@ -173,9 +173,14 @@ def codecs_main(specs: list[str], frames: int) -> int:
     return 0
 
 
-def run_codecs(specs, frames: int, what: str) -> dict:
+def run_codecs(specs, frames: int, what: str, tree: str | None = None) -> dict:
+    """The codec child, from this checkout or from the source tree `tree`
+    (its package first on the path: ``bench revisions --compare codecs``)."""
     argv = [sys.executable, "-m", "crucible.bench.wire", "--codecs", ",".join(specs), "--frames", str(frames)]
-    return common.child_json(argv, 300.0, what, env=_env("kept"))
+    env = _env("kept")
+    if tree is not None:
+        env["PYTHONPATH"] = tree + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return common.child_json(argv, 300.0, what, env=env, cwd=tree)
 
 
 def _codecs_summary(rounds: list[dict]) -> dict:
