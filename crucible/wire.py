@@ -50,9 +50,31 @@ def _per_thread(kind: str, key, make):
 
 def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A page-locked host buffer of this shape and dtype, reused by this thread
-    (a GPU copies to and from pinned memory about 4x faster than pageable)."""
+    (a GPU copies to and from pinned memory about 4x faster than pageable).
+    Not handed out while a copy this thread queued from its buffers without
+    waiting (``copies_queued``) may still read them."""
+    pending = _queued()
+    for ev in pending:
+        ev.synchronize()             # (long done, as a rule: the frame before's)
+    pending.clear()
     shape = tuple(shape)
     return _per_thread("pinned", (shape, dtype), lambda: torch.empty(shape, dtype=dtype, pin_memory=True))
+
+
+def copies_queued(device: torch.device) -> None:
+    """A copy from this thread's pinned buffers to `device` was just queued on
+    the current stream, maybe not waited for: this thread's next ``_pinned``
+    waits for it (an event recorded now)."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    _queued().append(ev)
+
+
+def _queued() -> list:
+    q = getattr(_local, "queued", None)
+    if q is None:
+        q = _local.queued = []
+    return q
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -286,15 +308,18 @@ def from_wire(msg: pb.Tensor, expect_dtype: torch.dtype, expect_shape: tuple[int
         raise WireError(f"{what}: {len(data)} bytes for {msg.dtype} {list(shape)} (needs {nbytes})")
     cuda = device is not None and torch.device(device).type == "cuda"
     if cuda and side_stream:
-        return _beside(torch.device(device), lambda: _decode(msg, data, dtype, shape, nbytes, what, codec, device))
+        return _beside(torch.device(device),
+                       lambda: _decode(msg, data, dtype, shape, nbytes, what, codec, device, wait=False))
     return _decode(msg, data, dtype, shape, nbytes, what, codec, device)
 
 
 def _decode(msg: pb.Tensor, data: bytes, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, what: str,
-            codec, device) -> torch.Tensor:
+            codec, device, wait: bool = True) -> torch.Tensor:
+    """`wait` False: on a GPU, the copy and kernels are queued, not waited
+    for (``_beside``)."""
     if msg.codec:
         try:
-            t = codec.decode(data, shape, device=device)
+            t = codec.decode(data, shape, device=device, wait=wait)
         except ValueError as e:
             raise WireError(f"{what}: payload does not decode: {e}") from None
         if t.dtype != torch.float32 or tuple(t.shape) != shape:
@@ -307,21 +332,33 @@ def _decode(msg: pb.Tensor, data: bytes, dtype: torch.dtype, shape: tuple[int, .
         buf = _pinned(shape, dtype)
         buf.view(-1).view(torch.uint8).numpy()[:] = memoryview(data)
         t = buf.to(device, non_blocking=True)
-        torch.cuda.current_stream(torch.device(device)).synchronize()   # the one wait: buf is reused
+        copies_queued(torch.device(device))
+        if wait:
+            torch.cuda.current_stream(torch.device(device)).synchronize()
         return t
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
 
 
 def _beside(device: torch.device, make) -> torch.Tensor:
-    """Run `make` (copies and kernels that build a tensor on `device`) on this
-    thread's side stream and wait for it; the tensor is then handed to the
-    compute stream (``record_stream``: its memory is not reused until the
-    compute stream's work queued before it is freed is done)."""
+    """Queue `make` (copies and kernels that build a tensor on `device`) on
+    this thread's side stream, without waiting for it: the compute stream
+    waits for it on the device (``wait_event``, queued now, before the tensor
+    reaches the compute thread, so all that thread queues after it runs after
+    the tensor is made), and the tensor is handed to the compute stream
+    (``record_stream``: its memory is not reused until the compute stream's
+    work queued before it is freed is done). Nothing on this thread waits for
+    the GPU, but for the previous frame's copies when it reuses their pinned
+    buffers (``_pinned``). The compute thread queues its work on the default
+    stream (as the outbox and the stats assume too)."""
+    assert device.index is not None, device      # (a bare "cuda" is GPU 0 on a new thread)
     side = _per_thread("streams", device, lambda: torch.cuda.Stream(device))
     with torch.cuda.device(device), torch.cuda.stream(side):
         t = make()
-    side.synchronize()
-    t.record_stream(torch.cuda.default_stream(device))
+        made = torch.cuda.Event()
+        made.record(side)
+    compute = torch.cuda.default_stream(device)
+    compute.wait_event(made)
+    t.record_stream(compute)
     return t
 
 

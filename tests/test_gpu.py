@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -68,13 +69,15 @@ def test_codecs_on_the_device_match_the_cpu(spec):
         assert torch.equal(back.cpu(), codec.decode(on_cpu, x.shape)), (spec, dtype)
 
 
-@pytest.mark.parametrize("spec", ["none", "int8"])
+@pytest.mark.parametrize("spec", ["none", "int8", "int8:zstd=0", "int4", "bf16", "subspace"])
 def test_sends_and_receives_on_side_streams_see_the_compute_stream_s_data(spec):
     """The outbox (overlap on) waits for the compute stream's kernels before it
-    copies on its side stream, and a receive on the receiving thread's side
-    stream hands over finished data: the bytes and tensors equal the CPU's."""
+    copies on its side stream, and receives on another thread's side stream,
+    queued there without a wait, are ordered before the compute stream's use
+    of them: the bytes and tensors equal the CPU's."""
     from crucible._pb import crucible_pb2 as pb
     from crucible.compress.activations import make_codec
+    from crucible import wire
     from crucible.wire import encode_frame, from_wire, to_wire
     from crucible.worker.outbox import Outbox
 
@@ -99,10 +102,27 @@ def test_sends_and_receives_on_side_streams_see_the_compute_stream_s_data(spec):
         box.close()
     want = [to_wire(y.cpu(), codec) for y in ys]
     assert [m.SerializeToString() for m in sent] == [m.SerializeToString() for m in want]
-    for m in sent:
-        got = from_wire(m, torch.float32, (2, 256, 256), codec=codec, device=dev, side_stream=True)
-        assert got.device.type == dev.type
-        assert torch.equal((got * 1).cpu(), from_wire(m, torch.float32, (2, 256, 256), codec=codec))
+    # as a receiving thread does: frame after frame through its pinned buffers,
+    # nothing waited for; the tensors are read here, on the compute stream. On
+    # a GPU the receiver's side stream is held up before each frame's copy, so
+    # its pinned buffer would be refilled, or the tensor read, before the copy
+    # ran without the waits on the device and for the buffers.
+    got = []
+
+    def receive():
+        for m in sent:
+            if dev.type == "cuda":
+                side = wire._per_thread("streams", dev, lambda: torch.cuda.Stream(dev))
+                with torch.cuda.device(dev), torch.cuda.stream(side):
+                    torch.cuda._sleep(20_000_000)       # (cycles: about 10 ms)
+            got.append(from_wire(m, torch.float32, (2, 256, 256), codec=codec, device=dev, side_stream=True))
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    receiver.join(60)
+    assert not receiver.is_alive() and len(got) == len(sent)
+    for m, t in zip(sent, got):
+        assert t.device.type == dev.type
+        assert torch.equal((t * 1).cpu(), from_wire(m, torch.float32, (2, 256, 256), codec=codec))
 
 
 @pytest.mark.parametrize("extra", [(), ("train.precision=bf16", "train.activation_checkpointing=true")],

@@ -119,6 +119,10 @@ PEAK_TFLOPS = (
 
 DEFINITIONS = {
     **{k: v for k, v in pipeline.DEFINITIONS.items() if k not in ("loopback_MBps",)},
+    "serialize_s": pipeline.DEFINITIONS["serialize_s"] + "; on a GPU, a send from its data ready on the device to "
+                   "its frame queued (the codec's kernels and the one copy out included), a receive on the host "
+                   "only (its copy in and the codec's kernels are queued on a side stream that the compute "
+                   "stream waits for on the device, not on the host)",
     "variant": "S<stages>_<precision>_<codec> (the codec in both directions; int8raw: int8:zstd=0, the quantize "
                "on the device without the CPU's zstd pass); _ckpt: with continuous checkpointing at "
                "minimum_interval_s = 0",

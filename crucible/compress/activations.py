@@ -162,7 +162,7 @@ import torch.nn.functional as F
 import zstandard
 
 from crucible.compress.specs import CODECS, COEF_DTYPES, check_int4_group, parse_spec  # noqa: F401
-from crucible.wire import _nbytes, _pinned, _to_host
+from crucible.wire import _nbytes, _pinned, _to_host, copies_queued
 from crucible.subspace import shared_projection, projection, validate_rank as _validate_rank  # noqa: F401
 
 __all__ = [
@@ -268,13 +268,16 @@ def _tensor(buf, np_dtype, torch_dtype, count: int, offset: int = 0, device=None
     """A fresh writable torch tensor holding `count` items of `buf` (one memcpy),
     on `device` (default: the CPU). For a GPU, through this thread's reused
     pinned buffer (``crucible.wire``), its copy to the device queued on the
-    current stream, not waited for: ``Codec.decode`` waits once, at its end,
-    before the buffer can be reused."""
+    current stream, not waited for here (``Codec.decode`` says who waits)."""
     cuda = device is not None and device.type == "cuda"
     out = _pinned((count,), torch_dtype) if cuda else torch.empty(count, dtype=torch_dtype)
     if count:
         out.numpy()[:] = _np_view(buf, np_dtype, count, offset)
-    return _to(out, device)
+    if not cuda:
+        return out
+    t = out.to(device, non_blocking=True)
+    copies_queued(device)            # the buffer is not reused before this copy is done
+    return t
 
 
 def _host_parts(*ts: torch.Tensor) -> list[memoryview]:
@@ -547,12 +550,16 @@ class Codec:
         raise NotImplementedError
 
     # -- decode --------------------------------------------------------------
-    def decode(self, payload, expected_shape, *, device=None) -> torch.Tensor:
+    def decode(self, payload, expected_shape, *, device=None, wait: bool = True) -> torch.Tensor:
         """Payload -> float32 contiguous tensor of exactly `expected_shape`.
 
         Raises ``CodecError`` for anything but a well-formed payload of this
-        codec, with these parameters, of this shape. `device` (default CPU) is
-        where the result is built; compact data is moved there first.
+        codec, with these parameters, of this shape (checked on the host,
+        before anything is copied). `device` (default CPU) is where the result
+        is built; compact data is moved there first. On a GPU the copy and
+        the kernels are queued on the current stream; with `wait` (the
+        default) the decode waits for them, else not (this thread's pinned
+        buffers then wait for the copy before their next use: ``crucible.wire``).
         """
         hdr = read_header(payload)
         mv = memoryview(payload).cast("B") if not isinstance(payload, bytes) else memoryview(payload)
@@ -575,10 +582,8 @@ class Codec:
         try:
             out = self._decode_body(body, rows, dev)
         finally:
-            if dev is not None and dev.type == "cuda":
-                # the one wait of a decode on a GPU: its copies (from this
-                # thread's reused pinned buffers) and kernels are done
-                torch.cuda.current_stream(dev).synchronize()
+            if wait and dev is not None and dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()   # the one wait: its copies and kernels are done
         return out.view(expected)
 
     def _decode_body(self, body: memoryview, rows: int, device) -> torch.Tensor:
@@ -587,11 +592,6 @@ class Codec:
     def _need(self, body: memoryview, n: int, what: str) -> None:
         if body.nbytes != n:
             raise CodecError(f"{self.kind} body is {body.nbytes} bytes, {what} needs {n}")
-
-
-def _to(t: torch.Tensor, device) -> torch.Tensor:
-    # from pinned memory (``_tensor``): queued, waited for by ``Codec.decode``
-    return t if device is None else t.to(device, non_blocking=True)
 
 
 class NoneCodec(Codec):
@@ -781,7 +781,10 @@ class SubspaceCodec(Codec):
         p = self._P.get(dev)
         if p is None:
             p = shared_projection(self.d_model, self.rank, self.seed).to(dev)
-            self._P[dev] = p
+            if dev.type == "cuda":
+                # made on this thread's stream, read from others' (without record_stream: it is never freed)
+                torch.cuda.current_stream(dev).synchronize()
+            p = self._P.setdefault(dev, p)
         return p
 
     def out_of_span(self, t: torch.Tensor) -> float:
