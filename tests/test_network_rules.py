@@ -601,3 +601,54 @@ def test_a_pipe_to_a_worker_that_never_gets_wired_is_refused_after_the_bound(mon
     assert not t.is_alive()
     code, msg = stream.out.get_nowait()
     assert code == grpc.StatusCode.UNAVAILABLE and "still building" in msg
+
+
+def test_a_call_waiting_for_its_replicas_steps_goes_on_at_the_heartbeat_that_brings_them(tmp_path, monkeypatch):
+    """A round asked for ahead of its replica's steps waits for them; the
+    heartbeat that moves the steps wakes it (``OuterRelay.stepped``), not the
+    next poll: with the poll at 30 s, the call leaves its wait within seconds
+    of the beat, and the round goes ahead."""
+    import time
+
+    from crucible.coordinator import outer as relay
+    from test_membership import _Ctx, _secret
+
+    monkeypatch.setattr(relay, "AHEAD_POLL_S", 30.0)
+    monkeypatch.setattr(relay, "WAIT_S", 25.0)
+    c, ids = _coordinator(tmp_path)
+    a, wid = _dense([1.0, 0.0, 0.0, 0.0]), ids[(0, 0)]
+    result = {}
+
+    def ask():      # round 12: 3 rounds past the bound at step 0 (H = 2)
+        try:
+            result["reply"] = c.outer.exchange(pb.OuterRequest(worker_id=wid, stage=0, round=12, payload=a,
+                                                               mode="diloco", numel=4, step=0), _Ctx())
+        except BaseException as e:      # (told in the asserts below)
+            result["error"] = e
+
+    def waiting() -> int:
+        with c.cv:
+            return c.outer.waiting_ahead
+
+    t = threading.Thread(target=ask)
+    try:
+        t.start()
+        deadline = time.monotonic() + 10
+        while waiting() != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waiting() == 1, result
+        time.sleep(0.2)
+        assert waiting() == 1 and not result            # still held back: nothing moved the steps
+        t0 = time.monotonic()
+        c.Heartbeat(pb.HeartbeatRequest(worker_id=wid, step=6, state="alive", secret=_secret(c, wid)), None)
+        while waiting() and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        woke = time.monotonic() - t0
+        assert waiting() == 0 and woke < 5, (woke, result)    # not the 30 s poll
+        out, errors = _exchange_all(c, ids, 0, 12, {1: a})
+        t.join(30)
+        assert not t.is_alive() and "error" not in result, result
+        assert list(result["reply"].contributors) == [0, 1] == list(out[1].contributors) and not errors
+    finally:
+        c.stop()
+        t.join(30)

@@ -91,6 +91,7 @@ WAIT_S = 20.0               # longest a call waits for its round before the work
 ROUND_FILE = struct.Struct("<I")   # length of the JSON header that starts a round file
 EVENT_FLUSH_S = 5.0         # longest a round waits for its event to reach the metrics file
 LEAD_ROUNDS = 10            # how many rounds past its replica's steps a worker may open one
+AHEAD_POLL_S = 0.5          # a call waiting for its replica's steps looks again (a step wakes it sooner)
 AHEAD_LOGGED = 1024         # (worker, stage, round) kept to log a call too far ahead once; cleared when full
 
 
@@ -447,7 +448,7 @@ class OuterRelay:
                     raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE,
                                        f"round {req.round} of stage {req.stage} is more than {LEAD_ROUNDS} rounds "
                                        f"past step {s} (at most round {limit} yet); ask again")
-                self.c.cv.wait(0.5)      # (woken by a heartbeat's step: ``stepped``; else look again)
+                self.c.cv.wait(AHEAD_POLL_S)     # (woken by a heartbeat's step: ``stepped``; else look again)
                 limit, s = self._lead(w, req.step)
         finally:
             self.waiting_ahead -= 1
