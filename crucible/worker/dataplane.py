@@ -38,7 +38,7 @@ import torch
 
 from crucible import identity, rpc
 from crucible._pb import crucible_pb2 as pb
-from crucible.wire import (Outgoing, WireError, encode_frame, frame_nbytes, from_wire, outgoing, parse_frame,
+from crucible.wire import (WireError, encode_frame, frame_nbytes, from_wire, outgoing, parse_frame,
                            serialized, tokens_from_wire)
 
 log = logging.getLogger("crucible.dataplane")
@@ -449,7 +449,7 @@ class Downstream:
             if f is None:
                 return
             if f.kind in (K.FORWARD, K.EVAL):
-                self.throttle.wait(f.nbytes if isinstance(f, Outgoing) else frame_nbytes(f)[0])
+                self.throttle.wait(f.nbytes)     # (everything queued is an Outgoing: ``send``, the hello)
             yield f
 
     def _read(self) -> None:
