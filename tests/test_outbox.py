@@ -128,6 +128,7 @@ def test_a_send_blocked_on_a_full_stream_returns_when_the_successor_is_killed(tm
     instead of waiting for the compute thread (the one flush holds) to notice
     (before, flush waited for ever)."""
     from crucible._pb import crucible_pb2 as pb
+    from crucible.wire import outgoing
     from crucible.worker.dataplane import Downstream
     from conftest import ROOT, child_env
 
@@ -152,10 +153,11 @@ def test_a_send_blocked_on_a_full_stream_returns_when_the_successor_is_killed(tm
         down = Downstream(f"127.0.0.1:{port}", pb.Frame(kind=pb.Frame.HELLO, epoch=1), "t", 64, 0.001,
                           lambda ev, *_: events.append(ev), lambda f: f)
         frame = pb.Frame(kind=pb.Frame.FORWARD, epoch=1, tensor=pb.Tensor(data=b"x" * 4096))
+        queued = outgoing(frame)                   # what ``send`` queues (an Outgoing, the stream's form)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:         # fill until it stays full (the stream takes one frame
             while not down.q.full():               # into its 30 s wait; only this thread puts)
-                down.q.put_nowait(frame)
+                down.q.put_nowait(queued)
             time.sleep(0.5)
             if down.q.full():
                 break
