@@ -107,7 +107,7 @@ class Driver:
             with st.computing(self.step.device):
                 loss, _ = self.step.loss_backward(m, self.step.forward(m, xs[m]), ys[m])
             losses.append(loss)
-        return losses
+        return [self.step.loss_value(t) for t in losses]     # read once every microbatch is queued
 
     def _pipelined(self, step: int, epoch: int, xs, ys, st: StepStats) -> tuple[list[float], float]:
         """1F1B (or GPipe) over the route; returns the losses and the sum of

@@ -234,7 +234,8 @@ class Links:
                 g: torch.Tensor | None = None, **kw) -> None:
         """Answer upstream on the stream of `epoch` (None: whatever stream is
         attached now). A stream that is gone (the route moved on, the
-        predecessor died) drops the answer: upstream retries the step."""
+        predecessor died) drops the answer: upstream retries the step. A
+        callable in `kw` is the field's value, read as the frame is built."""
         with self.cv:
             up = self.upstream
         if up is None or (epoch is not None and up.epoch != epoch):
@@ -243,7 +244,7 @@ class Links:
 
         def send() -> None:
             t0 = time.perf_counter()
-            f = self.frame(kind, step, micro, up.epoch, **kw)
+            f = self.frame(kind, step, micro, up.epoch, **{k: v() if callable(v) else v for k, v in kw.items()})
             out = encode_frame(f, g.to(self.decoder.dtype) if g is not None else None, self.decoder.bwd_codec)
             st.sent(out, time.perf_counter() - t0)
             up.send(out)

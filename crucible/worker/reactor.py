@@ -65,7 +65,9 @@ class Reactor:
                 loss, grad = self.step.loss_backward(ev.micro, h, ev.targets)
                 sumsq = self._last_micro(ev, 0.0)
         if last:
-            self.links.send_up(self.st, K.BACKWARD, ev.step, ev.micro, ev.epoch, grad, loss=loss, grad_sumsq=sumsq)
+            # the loss is read as the frame is built (after the outbox's wait for this backward)
+            self.links.send_up(self.st, K.BACKWARD, ev.step, ev.micro, ev.epoch, grad,
+                               loss=lambda: self.step.loss_value(loss), grad_sumsq=sumsq)
         else:
             self.links.send_down(self.st, K.FORWARD, ev.step, ev.micro, h, targets_msg=ev.targets_msg,
                                  tokens_msg=ev.tokens_msg)

@@ -7,6 +7,7 @@ pipeline bitwise equal to it::
 
     h = step.forward(m, x)                 # every stage, every microbatch m
     loss, g = step.loss_backward(m, h, y)  # the last stage of the route: loss and its backward at once
+    value = step.loss_value(loss)          # (read later: on a GPU, reading it waits for the device)
     g = step.backward(m, grad)             # the other stages, microbatches in order 0..M-1
     sumsq = step.grad_sumsq()              # after the last microbatch: this stage's part of the global norm
     lr = step.commit(s, coef)              # COMMIT(s, coef): clip, AdamW, zero the gradients
@@ -77,13 +78,21 @@ class StageStep:
     def has(self, micro: int) -> bool:
         return micro in self.saved
 
-    def loss_backward(self, micro: int, h: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
-        """The last stage: this microbatch's loss (unscaled) and its backward,
-        scaled by 1/M; returns (loss, the input's gradient)."""
+    def loss_backward(self, micro: int, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last stage: this microbatch's loss and its backward, scaled by
+        1/M; returns (the loss as a tensor, not read: ``loss_value``, the
+        input's gradient). Nothing here waits for a GPU."""
         loss = self._loss(h, targets) / self.M
         loss.backward()
         x, _ = self.saved.pop(micro)
-        return float(loss.detach()) * self.M, (x.grad if x is not None else None)
+        return loss.detach(), (x.grad if x is not None else None)
+
+    def loss_value(self, loss: torch.Tensor) -> float:
+        """A microbatch's loss (unscaled) from what ``loss_backward`` returned;
+        on a GPU this waits for it, so it is read where a wait costs nothing:
+        on the outbox's thread as its BACKWARD frame is built, or once the
+        step's work is all queued."""
+        return float(loss) * self.M
 
     def backward(self, micro: int, grad: torch.Tensor) -> torch.Tensor | None:
         x, h = self.saved.pop(micro)
