@@ -642,6 +642,27 @@ def test_nesterov_matches_torch_sgd_and_resumes():
         outer.step(mine, torch.zeros(3))
 
 
+def test_diloco_state_restored_from_host_memory_keeps_its_momentum_where_theta_global_is():
+    """A shard is read into host memory; on a GPU θ_global is on the device,
+    and the momentum buffer must follow it (it stayed on the CPU, and the next
+    outer round failed on a GPU). A model on the meta device stands in for one
+    off the host."""
+    from crucible.config import Config
+    from crucible.worker.outer import OuterState
+
+    cfg = Config.load(None, ["outer.mode=diloco"])
+    src = OuterState(torch.nn.Linear(3, 2), cfg.outer, replicas=2)
+    src.nesterov.step(src.theta_global, torch.ones_like(src.theta_global))
+    dst = OuterState(torch.nn.Linear(3, 2, device="meta"), cfg.outer, replicas=2)
+    dst.load_state_dict(src.state_dict())
+    assert dst.theta_global.device.type == "meta"
+    assert dst.nesterov.buf is not None and dst.nesterov.buf.device == dst.theta_global.device
+    # on the host, bitwise the saved buffer
+    back = OuterState(torch.nn.Linear(3, 2), cfg.outer, replicas=2)
+    back.load_state_dict(src.state_dict())
+    assert same_bits(back.nesterov.buf, src.nesterov.buf)
+
+
 def test_outer_sgd_expression():
     g = torch.Generator().manual_seed(12)
     theta = torch.randn(1000, generator=g)
