@@ -94,3 +94,15 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (so a wall-clock split is true); no-op on a CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (token ids, targets) on ``device`` without waiting for it.
+    A copy from pageable memory to a GPU makes the host wait for every kernel
+    already queued on the stream (the previous microbatch's backward); through
+    page-locked memory the copy is only queued, and PyTorch's caching host
+    allocator keeps the page-locked block until the copy is done. Off a GPU
+    it is ``t.to(device)``."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

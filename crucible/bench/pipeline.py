@@ -284,7 +284,7 @@ def plain_main(steps: int, warmup: int, overrides: list[str]) -> int:
         losses = []
         for xm, ym in zip(x.chunk(M), y.chunk(M)):
             with devices.autocast(t.precision, device):
-                loss = model.loss(model(xm.to(device)), ym.to(device)) / M
+                loss = model.loss(model(devices.to_device(xm, device)), devices.to_device(ym, device)) / M
             loss.backward()
             # kept on the device and read once per step: a float() here would
             # wait for the GPU after every microbatch, which a stage does not do

@@ -52,18 +52,18 @@ class StageStep:
         """Token ids as they are; an activation (float32, or bfloat16 off a bf16
         boundary) as a float32 tensor on the device: the residual stream."""
         if self.first:
-            return x.to(self.device)
+            return devices.to_device(x, self.device)
         return x.to(self.device, torch.float32)
 
     def _run(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
         with devices.autocast(self.precision, self.device):
             if self.needs_tokens:
-                return self.model(x, tokens=tokens.to(self.device))
+                return self.model(x, tokens=devices.to_device(tokens, self.device))
             return self.model(x)
 
     def _loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with devices.autocast(self.precision, self.device):
-            return self.model.loss(h, targets.to(self.device))
+            return self.model.loss(h, devices.to_device(targets, self.device))
 
     def forward(self, micro: int, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Stage 0 takes token ids; the others an activation, whose gradient
@@ -81,7 +81,8 @@ class StageStep:
     def loss_backward(self, micro: int, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last stage: this microbatch's loss and its backward, scaled by
         1/M; returns (the loss as a tensor, not read: ``loss_value``, the
-        input's gradient). Nothing here waits for a GPU."""
+        input's gradient). Nothing here waits for a GPU (the targets are copied
+        to it through page-locked memory: ``devices.to_device``)."""
         loss = self._loss(h, targets) / self.M
         loss.backward()
         x, _ = self.saved.pop(micro)
