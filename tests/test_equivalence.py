@@ -56,14 +56,7 @@ def test_pipeline_equals_single_process(stages, ref, start_job):
     job = start_job(["--replicas", "1", "--stages", str(stages), "--steps", "1", "--respawn-delay", "-1"],
                     _cfg_overrides(stages), name=f"s{stages}")
     assert job.wait(120) == 0, job.output()
-    dumps = sorted(glob.glob(os.path.join(job.run_dir, "debug", "grads_r0s*_step0.pt")))
-    assert len(dumps) == stages, job.output()
-    grads, losses = {}, None
-    for path in dumps:
-        d = torch.load(path)
-        grads.update(d["grads"])
-        if d["losses"] is not None:
-            losses = d["losses"]
+    losses, grads = _dumped(job, stages)
     ref_losses, ref_grads = ref
     assert losses == ref_losses  # python floats of the float32 losses: bitwise
     assert sorted(grads) == sorted(ref_grads)

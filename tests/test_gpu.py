@@ -19,6 +19,7 @@ GPU before a GPU run; ``launch/gpu-check.sh`` runs it on one).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -69,12 +70,21 @@ def test_codecs_on_the_device_match_the_cpu(spec):
         assert torch.equal(back.cpu(), codec.decode(on_cpu, x.shape)), (spec, dtype)
 
 
+def _sleep_on(stream, cycles: int) -> None:
+    """Hold a CUDA stream up (about 10 ms per 20M cycles); nothing on a CPU."""
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(cycles)
+
+
 @pytest.mark.parametrize("spec", ["none", "int8", "int8:zstd=0", "int4", "bf16", "subspace"])
 def test_sends_and_receives_on_side_streams_see_the_compute_stream_s_data(spec):
     """The outbox (overlap on) waits for the compute stream's kernels before it
     copies on its side stream, and receives on another thread's side stream,
     queued there without a wait, are ordered before the compute stream's use
-    of them: the bytes and tensors equal the CPU's."""
+    of them and not freed under it: the bytes and tensors equal the CPU's (the
+    subspace codec's matmuls: the same device's, synchronously, since a GPU
+    sums in another order than the CPU)."""
     from crucible._pb import crucible_pb2 as pb
     from crucible.compress.activations import make_codec
     from crucible import wire
@@ -82,17 +92,23 @@ def test_sends_and_receives_on_side_streams_see_the_compute_stream_s_data(spec):
     from crucible.worker.outbox import Outbox
 
     dev = torch.device(_first_device())
+    cuda = dev.type == "cuda"
+    compute = torch.cuda.default_stream(dev) if cuda else None
     codec = None if spec == "none" else make_codec(spec, 256, seed=3)
+    exact = spec != "subspace"
     box = Outbox(dev, overlap=True)
     try:
         g = torch.Generator().manual_seed(2)
-        a = torch.randn(512, 256, generator=g)
-        b = torch.randn(256, 256, generator=g) / 16
+        a = torch.randn(512, 256, generator=g).to(dev)
+        b = (torch.randn(256, 256, generator=g) / 16).to(dev)
         sent, ys = [], []
         for k in range(6):
-            x = a.to(dev)
-            for _ in range(20):          # a queue of kernels the copy must wait for (nothing synchronizes here)
-                x = torch.tanh(x @ b.to(dev))
+            # the compute stream held up, then kernels the outbox's copy must
+            # wait for (nothing here synchronizes: no copy from the host)
+            _sleep_on(compute, 20_000_000)
+            x = a
+            for _ in range(20):
+                x = torch.tanh(x @ b)
             ys.append(x.view(2, 256, 256) + k)
             # as Links sends: serialized on the outbox's thread, through its pinned buffer
             box.submit(lambda y=ys[-1]: sent.append(
@@ -100,29 +116,37 @@ def test_sends_and_receives_on_side_streams_see_the_compute_stream_s_data(spec):
         assert box.flush(timeout=60)
     finally:
         box.close()
-    want = [to_wire(y.cpu(), codec) for y in ys]
+    want = [to_wire(y.cpu() if exact else y, codec) for y in ys]
     assert [m.SerializeToString() for m in sent] == [m.SerializeToString() for m in want]
     # as a receiving thread does: frame after frame through its pinned buffers,
-    # nothing waited for; the tensors are read here, on the compute stream. On
-    # a GPU the receiver's side stream is held up before each frame's copy, so
-    # its pinned buffer would be refilled, or the tensor read, before the copy
-    # ran without the waits on the device and for the buffers.
+    # nothing waited for on the host. On a GPU the receiver's side stream is
+    # held up before each frame's copy, and each tensor is read on the compute
+    # stream as soon as it is handed over (streams are the device's, not the
+    # thread's): without the compute stream's wait for the copy it reads the
+    # tensor before it is written. Every other frame the compute stream is
+    # held up longer before that read and the tensor is dropped at once:
+    # without record_stream its memory would go to the next frame's copy first.
     got = []
 
     def receive():
-        for m in sent:
-            if dev.type == "cuda":
-                side = wire._per_thread("streams", dev, lambda: torch.cuda.Stream(dev))
-                with torch.cuda.device(dev), torch.cuda.stream(side):
-                    torch.cuda._sleep(20_000_000)       # (cycles: about 10 ms)
-            got.append(from_wire(m, torch.float32, (2, 256, 256), codec=codec, device=dev, side_stream=True))
+        side = wire._per_thread("streams", dev, lambda: torch.cuda.Stream(dev)) if cuda else None
+        for k, m in enumerate(sent):
+            with torch.cuda.device(dev) if cuda else contextlib.nullcontext():
+                _sleep_on(side, 20_000_000)
+                t = from_wire(m, torch.float32, (2, 256, 256), codec=codec, device=dev, side_stream=True)
+                if k % 2:
+                    _sleep_on(compute, 60_000_000)
+                with torch.cuda.stream(compute) if cuda else contextlib.nullcontext():
+                    got.append(t * 1)
+                del t
     receiver = threading.Thread(target=receive)
     receiver.start()
     receiver.join(60)
     assert not receiver.is_alive() and len(got) == len(sent)
     for m, t in zip(sent, got):
         assert t.device.type == dev.type
-        assert torch.equal((t * 1).cpu(), from_wire(m, torch.float32, (2, 256, 256), codec=codec))
+        ref = from_wire(m, torch.float32, (2, 256, 256), codec=codec, device=None if exact else dev)
+        assert torch.equal(t.cpu(), ref.cpu())
 
 
 @pytest.mark.parametrize("extra", [(), ("train.precision=bf16", "train.activation_checkpointing=true")],
@@ -143,8 +167,29 @@ def test_pipeline_on_the_device_equals_one_process(extra, start_job):
         assert torch.equal(grads[name].cpu(), g.cpu()), f"{name} differs on {DEVICE} with {extra}"
 
 
-def test_sigkill_then_resume_on_the_device_is_bitwise_exact(tmp_path):
-    overrides = resume.CKPT + list(ON)
+def test_diloco_momentum_restored_from_a_shard_steps_on_the_device():
+    """A shard is read into host memory: a DiLoCo stage restored from one keeps
+    its outer momentum on the device of θ_global, and its next round runs
+    (on a GPU it failed: a CPU buffer added to a device tensor)."""
+    from crucible.config import Config
+    from crucible.worker.outer import OuterState
+
+    cfg = Config.load(None, ["outer.mode=diloco"])
+    src = OuterState(torch.nn.Linear(8, 4), cfg.outer, replicas=2)
+    src.nesterov.step(src.theta_global, torch.full_like(src.theta_global, 0.5))
+    dev = torch.device(_first_device())
+    dst = OuterState(torch.nn.Linear(8, 4).to(dev), cfg.outer, replicas=2)
+    dst.load_state_dict(src.state_dict())
+    assert dst.nesterov.buf.device == dst.theta_global.device == dev
+    g = torch.full_like(src.theta_global, 0.25)
+    src.nesterov.step(src.theta_global, g)
+    dst.nesterov.step(dst.theta_global, g.to(dev))
+    assert torch.equal(dst.theta_global.cpu(), src.theta_global)
+
+
+@pytest.mark.parametrize("mode", ["sparseloco", "diloco"])
+def test_sigkill_then_resume_on_the_device_is_bitwise_exact(mode, tmp_path):
+    overrides = resume.CKPT + list(ON) + [f"outer.mode={mode}"]
     reference = resume.straight_run(str(tmp_path / "straight"), overrides=overrides, timeout=600)
     run_dir = str(tmp_path / "killed")
     resume.sigkill_then_resume(run_dir, overrides=overrides + resume.PACED, timeout=600, commit_timeout=300)
