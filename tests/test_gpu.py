@@ -77,6 +77,29 @@ def _sleep_on(stream, cycles: int) -> None:
             torch.cuda._sleep(cycles)
 
 
+def test_token_copies_to_the_device_do_not_wait_for_its_queued_work():
+    """devices.to_device (a stage's token ids and targets): with the compute
+    stream held up for about 0.1 s, the copy is queued behind it and returns at
+    once (a copy from pageable memory waits for the stream), with the right values."""
+    import time
+
+    from crucible import devices
+
+    dev = torch.device(_first_device())
+    ids = torch.randint(0, 256, (4, 512), generator=torch.Generator().manual_seed(0))
+    devices.to_device(ids, dev)                        # (the first page-locked block allocated)
+    devices.synchronize(dev)
+    if dev.type == "cuda":
+        torch.cuda._sleep(200_000_000)
+    t0 = time.perf_counter()
+    got = devices.to_device(ids, dev)
+    queued_s = time.perf_counter() - t0
+    devices.synchronize(dev)
+    held_s = time.perf_counter() - t0
+    assert got.device == dev and torch.equal(got.cpu(), ids)
+    assert queued_s < 0.5 * held_s or dev.type == "cpu", (queued_s, held_s)
+
+
 @pytest.mark.parametrize("spec", ["none", "int8", "int8:zstd=0", "int4", "bf16", "subspace"])
 def test_sends_and_receives_on_side_streams_see_the_compute_stream_s_data(spec):
     """The outbox (overlap on) waits for the compute stream's kernels before it
