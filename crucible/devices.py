@@ -101,8 +101,10 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     A copy from pageable memory to a GPU makes the host wait for every kernel
     already queued on the stream (the previous microbatch's backward); through
     page-locked memory the copy is only queued, and PyTorch's caching host
-    allocator keeps the page-locked block until the copy is done. Off a GPU
-    it is ``t.to(device)``."""
+    allocator keeps the page-locked block until the copy is done. `t` is
+    ordinary (pageable) memory: ``pin_memory()`` of a tensor already
+    page-locked is that tensor, read later by the queued copy. Off a GPU it
+    is ``t.to(device)``."""
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

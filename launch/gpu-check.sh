@@ -4,7 +4,7 @@
 # launch/gpu-wheels.sh where a registry is reachable first and bring
 # .gpu-wheels/ along. Results go to $OUT (default ./gpu-out):
 #
-#   launch/gpu-check.sh tests   the GPU suite (pytest -m gpu tests/test_gpu.py, in four groups at once):
+#   launch/gpu-check.sh tests   the GPU suite (pytest -m gpu tests/test_gpu.py, in five groups at once):
 #                               gpu-tests.log, gpu-tests-N.log and gpu-tests-N.xml per group, and
 #                               gpu-suite.json (commit, versions, GPU; each test's outcome: commit it
 #                               as bench/results/gpu-suite.json)
@@ -53,7 +53,7 @@ cat "$OUT/env.json"
 command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
 phase_tests() {
-    # the suite in four groups at once (each its own pytest, log and junit file):
+    # the suite in five groups at once (each its own pytest, log and junit file):
     # the slow tests are jobs of a few processes each, and a GPU machine has
     # the cores and memory for several; TESTS_PARALLEL=0 runs it as one pytest
     echo "== tests ($DEV)"

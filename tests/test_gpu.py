@@ -79,7 +79,7 @@ def _sleep_on(stream, cycles: int) -> None:
 
 def test_token_copies_to_the_device_do_not_wait_for_its_queued_work():
     """devices.to_device (a stage's token ids and targets): with the compute
-    stream held up for about 0.1 s, the copy is queued behind it and returns at
+    stream held up for about 0.5 s, the copy is queued behind it and returns at
     once (a copy from pageable memory waits for the stream), with the right values."""
     import time
 
@@ -90,14 +90,14 @@ def test_token_copies_to_the_device_do_not_wait_for_its_queued_work():
     devices.to_device(ids, dev)                        # (the first page-locked block allocated)
     devices.synchronize(dev)
     if dev.type == "cuda":
-        torch.cuda._sleep(200_000_000)
+        torch.cuda._sleep(1_000_000_000)
     t0 = time.perf_counter()
     got = devices.to_device(ids, dev)
     queued_s = time.perf_counter() - t0
     devices.synchronize(dev)
     held_s = time.perf_counter() - t0
     assert got.device == dev and torch.equal(got.cpu(), ids)
-    assert queued_s < 0.5 * held_s or dev.type == "cpu", (queued_s, held_s)
+    assert queued_s < 0.2 * held_s or dev.type == "cpu", (queued_s, held_s)
 
 
 @pytest.mark.parametrize("spec", ["none", "int8", "int8:zstd=0", "int4", "bf16", "subspace"])
