@@ -219,7 +219,8 @@ def test_a_resume_that_cannot_fit_stops_with_one_line_and_moves_nothing(referenc
     assert not _events(run_dir, "ckpt_set_aside")
 
 
-@pytest.mark.slow   # (a variant; the second step of .ci/run)
+# (in the main suite, not the slow step: it reuses the module's straight and
+# SIGKILLed runs, which the slow step would make again for it alone, ~40 s)
 def test_corrupted_shard_is_caught_and_resume_falls_back(reference, sigkilled_and_resumed):
     run_dir = sigkilled_and_resumed["run_dir"]
     root = os.path.join(run_dir, "checkpoints")
