@@ -103,8 +103,10 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     page-locked memory the copy is only queued, and PyTorch's caching host
     allocator keeps the page-locked block until the copy is done. `t` is
     ordinary (pageable) memory: ``pin_memory()`` of a tensor already
-    page-locked is that tensor, read later by the queued copy. Off a GPU it
-    is ``t.to(device)``."""
+    page-locked is that tensor, read later by the queued copy. Not the wire's
+    reused per-thread buffers (``wire._pinned``): reusing one waits on the
+    host for its last copy, which is queued behind the GPU's work; the
+    allocator hands out another block instead. Off a GPU it is ``t.to(device)``."""
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

@@ -32,6 +32,7 @@ import test_checkpoint_resume as resume
 from conftest import TINY
 from test_equivalence import M, _cfg_overrides, _dumped, split_reference
 from test_replacement_checkpoint import every_copy_lost_is_rebuilt
+from test_sparseloco import restored_diloco
 
 
 def _device() -> str | None:
@@ -194,15 +195,8 @@ def test_diloco_momentum_restored_from_a_shard_steps_on_the_device():
     """A shard is read into host memory: a DiLoCo stage restored from one keeps
     its outer momentum on the device of θ_global, and its next round runs
     (on a GPU it failed: a CPU buffer added to a device tensor)."""
-    from crucible.config import Config
-    from crucible.worker.outer import OuterState
-
-    cfg = Config.load(None, ["outer.mode=diloco"])
-    src = OuterState(torch.nn.Linear(8, 4), cfg.outer, replicas=2)
-    src.nesterov.step(src.theta_global, torch.full_like(src.theta_global, 0.5))
     dev = torch.device(_first_device())
-    dst = OuterState(torch.nn.Linear(8, 4).to(dev), cfg.outer, replicas=2)
-    dst.load_state_dict(src.state_dict())
+    src, dst = restored_diloco(dev)
     assert dst.nesterov.buf.device == dst.theta_global.device == dev
     g = torch.full_like(src.theta_global, 0.25)
     src.nesterov.step(src.theta_global, g)

@@ -642,24 +642,31 @@ def test_nesterov_matches_torch_sgd_and_resumes():
         outer.step(mine, torch.zeros(3))
 
 
+def restored_diloco(device):
+    """A DiLoCo stage's outer state after one round on the host, and one on
+    ``device`` restored from its state dict (as from a shard, read into host
+    memory). Also the GPU suite's (tests/test_gpu.py)."""
+    from crucible.config import Config
+    from crucible.worker.outer import OuterState
+
+    cfg = Config.load(None, ["outer.mode=diloco"])
+    src = OuterState(torch.nn.Linear(8, 4), cfg.outer, replicas=2)
+    src.nesterov.step(src.theta_global, torch.full_like(src.theta_global, 0.5))
+    dst = OuterState(torch.nn.Linear(8, 4).to(device), cfg.outer, replicas=2)
+    dst.load_state_dict(src.state_dict())
+    return src, dst
+
+
 def test_diloco_state_restored_from_host_memory_keeps_its_momentum_where_theta_global_is():
     """A shard is read into host memory; on a GPU θ_global is on the device,
     and the momentum buffer must follow it (it stayed on the CPU, and the next
     outer round failed on a GPU). A model on the meta device stands in for one
     off the host."""
-    from crucible.config import Config
-    from crucible.worker.outer import OuterState
-
-    cfg = Config.load(None, ["outer.mode=diloco"])
-    src = OuterState(torch.nn.Linear(3, 2), cfg.outer, replicas=2)
-    src.nesterov.step(src.theta_global, torch.ones_like(src.theta_global))
-    dst = OuterState(torch.nn.Linear(3, 2, device="meta"), cfg.outer, replicas=2)
-    dst.load_state_dict(src.state_dict())
+    src, dst = restored_diloco("meta")
     assert dst.theta_global.device.type == "meta"
     assert dst.nesterov.buf is not None and dst.nesterov.buf.device == dst.theta_global.device
     # on the host, bitwise the saved buffer
-    back = OuterState(torch.nn.Linear(3, 2), cfg.outer, replicas=2)
-    back.load_state_dict(src.state_dict())
+    _, back = restored_diloco("cpu")
     assert same_bits(back.nesterov.buf, src.nesterov.buf)
 
 

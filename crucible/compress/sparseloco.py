@@ -697,11 +697,13 @@ class NesterovOuter:
             "buf": None if self.buf is None else self.buf.detach().clone(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
+        """``device``: where the buffer goes (that of the θ_global it steps; a
+        checkpoint is read into host memory); default: where it is."""
         buf = state["buf"]
         if buf is not None and (not isinstance(buf, torch.Tensor) or buf.dtype != torch.float32):
             raise ValueError("NesterovOuter.load_state_dict: buf must be a float32 tensor or None")
         self.lr = float(state["lr"])
         self.momentum = float(state["momentum"])
         self.steps = int(state["steps"])
-        self.buf = None if buf is None else buf.detach().clone()
+        self.buf = None if buf is None else buf.detach().to(buf.device if device is None else device, copy=True)

@@ -205,9 +205,7 @@ class OuterState:
             self.e.copy_(sd["e"])
         self.round = int(sd["round"])
         if self.nesterov is not None and sd.get("nesterov") is not None:
-            self.nesterov.load_state_dict(sd["nesterov"])
-            if self.nesterov.buf is not None:   # a shard is read into host memory; θ_global may be on a GPU
-                self.nesterov.buf = self.nesterov.buf.to(self.theta_global.device)
+            self.nesterov.load_state_dict(sd["nesterov"], device=self.theta_global.device)
 
 
 def replay_closed(state: OuterState, exchange, replica: int, stage: int, step: int, until: int | None = None,
