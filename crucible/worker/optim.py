@@ -10,6 +10,7 @@ over ``grad_sumsq`` of each stage, summed from the last stage backwards.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -24,17 +25,130 @@ def lr_at(step: int, train) -> float:
     return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: torch.nn.Module, train) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, train):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    # On a GPU the fused kernel (one launch for every parameter); on a CPU the
-    # per-parameter loop, whose results every CPU test and figure was taken with.
-    on_gpu = any(p.is_cuda for p in model.parameters())
-    kind = {"fused": True} if on_gpu else {"foreach": False}
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), **kind)
+    betas = (train.beta1, train.beta2)
+    # On a GPU torch's fused kernel (one launch for every parameter); on a CPU
+    # the per-parameter loop, whose results every CPU test and figure was taken
+    # with, here without torch's import of torch._dynamo (see AdamW).
+    if any(p.is_cuda for p in model.parameters()):
+        return torch.optim.AdamW(groups, lr=train.lr, betas=betas, fused=True)
+    return AdamW(groups, lr=train.lr, betas=betas)
+
+
+# torch.optim.AdamW's defaults, in its order (its state_dict's param groups).
+_GROUP_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False,
+                   "maximize": False, "foreach": False, "capturable": False, "differentiable": False,
+                   "fused": None, "decoupled_weight_decay": True}
+
+
+class AdamW:
+    """AdamW (decoupled weight decay) for parameters on a CPU: torch.optim.AdamW's
+    per-parameter loop (``foreach=False``), operation for operation, so that its
+    results are torch's to the last bit (tests/test_optim.py), and its
+    ``state_dict`` is torch's layout, so that either loads the other's (a
+    checkpoint taken on a CPU resumes on a GPU, where torch's fused AdamW runs,
+    and the other way round).
+
+    Why not torch's own: building a ``torch.optim.AdamW`` and every ``step`` of
+    it import ``torch._dynamo`` (the compiler's hooks), about 1.5 s of CPU in each
+    worker, some 40 % of a small stage's start-up. Every worker of a job starts
+    at once, and a replacement joins a running job: both wait for it, on the
+    same cores the job trains on."""
+
+    def __init__(self, groups, lr: float, betas: tuple[float, float], eps: float = 1e-8):
+        defaults = dict(_GROUP_DEFAULTS, lr=lr, betas=tuple(betas), eps=eps)
+        self.param_groups: list[dict] = []
+        for g in groups:
+            group = {k: v for k, v in g.items() if k != "params"}
+            for k, v in defaults.items():
+                group.setdefault(k, v)
+            group["params"] = list(g["params"])
+            self.param_groups.append(group)
+        seen: set[int] = set()
+        for p in (p for g in self.param_groups for p in g["params"]):
+            if id(p) in seen:
+                raise ValueError("some parameters appear in more than one parameter group")
+            seen.add(id(p))
+        self.state: dict[torch.Tensor, dict] = {}
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            lr, (beta1, beta2) = group["lr"], group["betas"]
+            wd, eps = group["weight_decay"], group["eps"]
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                st = self.state.get(p)
+                if not st:
+                    # torch keeps the step count on the host, in the default scalar type
+                    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                    st = self.state[p] = {"step": torch.tensor(0.0, dtype=scalar),
+                                          "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                          "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                exp_avg, exp_avg_sq, step_t = st["exp_avg"], st["exp_avg_sq"], st["step"]
+                step_t += 1
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                step = step_t.item()
+                step_size = lr / (1 - beta1 ** step)
+                denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
+                p.addcdiv_(exp_avg, denom, value=-step_size)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._params():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    def state_dict(self) -> dict:
+        """torch's layout: parameters numbered in group order; the state's tensors themselves."""
+        index = {id(p): i for i, p in enumerate(self._params())}
+        groups, start = [], 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(packed)
+        return {"state": {index[id(p)]: st for p, st in self.state.items()}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's rules: the groups must match in number and size; the moments
+        take each parameter's dtype and device, the step count stays on the host;
+        the saved groups' settings (lr, betas, eps, weight decay) replace these."""
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
+        by_index = {i: p for s, g in zip(saved, self.param_groups) for i, p in zip(s["params"], g["params"])}
+        state: dict[torch.Tensor, dict] = {}
+        for k, st in state_dict["state"].items():
+            if k not in by_index:
+                continue
+            p = by_index[k]
+            state[p] = {key: (v if key == "step" or not isinstance(v, torch.Tensor) else
+                              v.to(dtype=p.dtype, device=p.device) if p.is_floating_point() else v.to(device=p.device))
+                        for key, v in st.items()}
+        self.state = state
+        self.param_groups = [dict({k: v for k, v in s.items() if k != "params"}, params=g["params"])
+                             for s, g in zip(copy.deepcopy(saved), self.param_groups)]
 
 
 def grad_sumsq(model: torch.nn.Module) -> float:
@@ -58,7 +172,7 @@ def clip_coefficient(total_sumsq: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
-def apply_step(model: torch.nn.Module, opt: torch.optim.Optimizer, coef: float, lr: float) -> None:
+def apply_step(model: torch.nn.Module, opt, coef: float, lr: float) -> None:
     if coef < 1.0:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if grads and grads[0].is_cuda:
