@@ -150,11 +150,13 @@ def _add_bench(sub) -> None:
     p.add_argument("--size-mb", type=float, help="bench ckpt: state size in MB (default: the job's)")
     p.add_argument("--repeats", type=int, help="bench ckpt, pipeline, chaos, launch, gpu: runs of each variant, "
                                                "interleaved (default: ckpt 2, pipeline 5, chaos 3, launch 5, gpu 1; "
-                                               "--quick 1); bench revisions: rounds (default 3; 4 with --compare codecs)")
+                                               "--quick 1); bench revisions: rounds (default 3; 4 with --compare codecs, "
+                                               "8 with --compare startup)")
     p.add_argument("--base", help="bench revisions: the git revision to compare this checkout's CPU pipeline with")
-    p.add_argument("--compare", choices=["pipeline", "codecs"],
-                   help="bench revisions: what runs at both revisions: bench pipeline (default), or the activation "
-                        "codecs' send and receive times (bench wire's codec child; default 4 rounds)")
+    p.add_argument("--compare", choices=["pipeline", "codecs", "startup"],
+                   help="bench revisions: what runs at both revisions: bench pipeline (default), the activation "
+                        "codecs' send and receive times (bench wire's codec child; default 4 rounds), or a "
+                        "worker's start-up CPU and wall seconds on the CPU (default 8 rounds)")
     p.add_argument("--device", help="bench gpu: cuda (default: every stage on GPU 0), cuda:N or cpu (with --quick: "
                                     "a CPU smoke test)")
     p.add_argument("--peak-tflops", help="bench gpu: the GPU's dense peak TFLOP/s for MFU: 989 (bf16), or "

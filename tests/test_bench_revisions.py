@@ -102,3 +102,36 @@ def test_revisions_compares_the_codecs_from_each_tree(tmp_path):
     for k, x in v.items():
         assert positive(x["base_median"]) and positive(x["head_median"]), k
     assert _git("worktree", "list") == before
+
+
+def test_startup_rows_render_in_seconds():
+    rounds = [{"base": {"cpu_s": 3.0 + i / 10, "wall_s": 3.1}, "head": {"cpu_s": 1.8 + i / 10, "wall_s": 1.9}}
+              for i in range(3)]
+    r = {"base": {"rev": "abc", "commit": "abc1234567"}, "environment": {"commit": "def", "date": "2026-12-06"},
+         "settings": {"compare": "startup", "unit": "s", "rounds": 3}, "summary": revisions.summarise(rounds)}
+    assert r["summary"]["verdict"] == "lower"
+    part = revisions.readme_part(r, "revisions_startup")
+    assert "--compare startup" in part and "| measure | base s | head s |" in part
+    assert "| cpu_s | 3.10 | 1.90 |" in part and "bench/results/revisions_startup.json" in part
+
+
+def test_the_startup_child_runs_from_this_tree_and_reports_its_seconds():
+    """The child `--compare startup` runs from each tree, from this one: a
+    worker's imports, a stage of the default model, its optimizer and one step."""
+    r = revisions.run_startup(ROOT, "start-up")
+    assert "error" not in r, r
+    assert 0 < r["cpu_import_s"] < r["cpu_s"] and r["wall_s"] > 0
+
+
+@bench_smoke
+def test_revisions_compares_the_startup_from_each_tree(tmp_path):
+    base, head = _git("rev-parse", "HEAD~1"), _git("rev-parse", "HEAD")
+    r = run_bench("revisions", tmp_path / "startup.json", TIMEOUT_S, extra=("--base", "HEAD~1", "--compare", "startup"))
+    assert r["errors"] == [] and r["settings"]["compare"] == "startup" and r["settings"]["unit"] == "s"
+    assert r["settings"]["rounds"] == 1
+    by_side = {run["side"]: run for run in r["runs"]}
+    assert by_side["base"]["commit"] == base and by_side["head"]["commit"].startswith(head)
+    v = r["summary"]["variants"]
+    assert set(v) == {"cpu_s", "cpu_import_s", "wall_s"}
+    for k, x in v.items():
+        assert positive(x["base_median"]) and positive(x["head_median"]), k

@@ -366,7 +366,8 @@ def _wire(r: dict, name: str = "wire") -> str:
 RENDERERS: dict[str, Callable[[dict, str], str]] = {
     "network": network, "soak": soak, "soak_memory": soak_memory, "slurm": slurm, "slurm_full_load": slurm,
     "pipeline": pipeline, "ckpt": ckpt, "outer": outer, "launch": launch,
-    "activations": _activations, "chaos": _chaos, "revisions": _revisions, "revisions_codecs": _revisions, "gpu": _gpu,
+    "activations": _activations, "chaos": _chaos, "revisions": _revisions, "revisions_codecs": _revisions,
+    "revisions_startup": _revisions, "gpu": _gpu,
     "wire": _wire,
 }
 

@@ -14,6 +14,15 @@ over the rounds and the head's gap to the base, paired round by round
 checkout's Python and packages, so the base must take the same ``bench
 pipeline`` command line; the worktree is removed at the end.
 
+``--compare startup`` runs a fresh process from each tree, one a round per
+side (default 8 rounds), that does what a worker does on a CPU before its
+first step, less the network: imports the worker (torch included), builds the
+default model's stage 1 of 4 and its optimizer, and runs one microbatch
+forward and backward and one optimizer step, on one thread; it reports its CPU
+seconds (``cpu_s``; ``cpu_import_s`` up to the imports) and its wall seconds
+(``wall_s``). A replacement's start-up and a job's restart are this, on the
+cores the job trains on (restart time in the cost model).
+
 ``--compare codecs`` runs ``crucible bench wire``'s codec child instead (a
 ``[4, 512, 1024]`` frame per codec and input dtype, sent with
 ``wire.encode_frame`` and received with ``wire.parse_frame`` and
@@ -36,7 +45,29 @@ from crucible.bench import common, wire
 
 ROOT = common.ROOT
 PIPELINE_TIMEOUT_S = 900.0      # one full `bench pipeline --repeats 1` takes about 2 minutes on 2 cores
-COMPARE = ("pipeline", "codecs")
+COMPARE = ("pipeline", "codecs", "startup")
+STARTUP_ROUNDS = 8
+STARTUP_TIMEOUT_S = 120.0
+# The --compare startup child, run with `python -c` from each tree: only names
+# both trees have (Config, build_stage, make_optimizer, apply_step).
+STARTUP_CHILD = """
+import json, time
+w0 = time.monotonic()
+import torch
+torch.set_num_threads(1)
+from crucible.config import Config
+from crucible.model import build_stage
+from crucible.worker import optim, runtime  # noqa: F401  (a worker's imports)
+cpu_import = time.process_time()
+cfg = Config()
+t = cfg.train
+stage = build_stage(cfg, 1, 4)
+opt = optim.make_optimizer(stage, t)
+x = torch.randn(t.batch_size // t.microbatches, t.seq_len, cfg.model.d_model, requires_grad=True)
+stage(x).float().pow(2).mean().backward()
+optim.apply_step(stage, opt, 1.0, t.lr)
+print(json.dumps({"cpu_s": time.process_time(), "cpu_import_s": cpu_import, "wall_s": time.monotonic() - w0}))
+"""
 CODEC_FRAMES = {False: 20, True: 5}          # by --quick
 QUICK_CODECS = ("raw", "int8")
 
@@ -62,6 +93,13 @@ def run_pipeline(tree: str, quick: bool, what: str) -> dict:
     env = common.child_env(PYTHONPATH=tree + (os.pathsep + os.environ["PYTHONPATH"]
                                               if os.environ.get("PYTHONPATH") else ""))
     return common.child_json(argv, PIPELINE_TIMEOUT_S, what, env=env, cwd=tree)
+
+
+def run_startup(tree: str, what: str) -> dict:
+    """The start-up child (STARTUP_CHILD) from the source tree `tree`."""
+    env = common.child_env(PYTHONPATH=tree + (os.pathsep + os.environ["PYTHONPATH"]
+                                              if os.environ.get("PYTHONPATH") else ""))
+    return common.child_json([sys.executable, "-c", STARTUP_CHILD], STARTUP_TIMEOUT_S, what, env=env, cwd=tree)
 
 
 def codec_times(r: dict) -> dict:
@@ -104,10 +142,13 @@ def main(args) -> int:
         return exits.USAGE
     quick = bool(getattr(args, "quick", False))
     compare = getattr(args, "compare", None) or "pipeline"
-    n = getattr(args, "repeats", None) or (1 if quick else 3 if compare == "pipeline" else 4)
+    n = getattr(args, "repeats", None) or (1 if quick else {"pipeline": 3, "codecs": 4}.get(compare, STARTUP_ROUNDS))
     if compare == "pipeline":
         settings = {"compare": compare, "bench": "pipeline --json --repeats 1" + (" --quick" if quick else ""),
                     "unit": "tokens/s"}
+    elif compare == "startup":
+        settings = {"compare": compare, "bench": "python -c STARTUP_CHILD (crucible/bench/revisions.py)",
+                    "unit": "s", "stage": [1, 4], "model": "default", "threads": 1}
     else:
         specs = QUICK_CODECS if quick else wire.CODECS
         settings = {"compare": compare, "bench": f"python -m crucible.bench.wire --codecs {','.join(specs)} "
@@ -119,6 +160,14 @@ def main(args) -> int:
         "settings": {**settings, "rounds": n, "order": "rotated each round"},
         "base": {"rev": base_rev, "commit": base}, "head": {"commit": common.git_commit(), "tree": ROOT},
     }
+    if compare == "startup":
+        result["definitions"] = {
+            "cpu_s": "CPU seconds of a fresh process (user + system, time.process_time) from its start to after "
+                     "the optimizer step: a worker's imports, the default model's stage 1 of 4, the optimizer, one "
+                     "microbatch forward and backward, one step (one thread)",
+            "cpu_import_s": "the same, up to the end of the imports",
+            "wall_s": "wall seconds from the first line of the child to after the step (interpreter start-up "
+                      "not included)"}
     if compare == "codecs":
         result["definitions"] = {"send_ms, recv_ms": "per round, the median over the frames of wire.encode_frame / "
                                                      "wire.parse_frame + wire.from_wire with the codec (CPU)"}
@@ -137,6 +186,9 @@ def main(args) -> int:
                 common.progress(f"round {i + 1}/{n}: {compare} at the {side} ({trees[side]})")
                 if compare == "pipeline":
                     r = run_pipeline(trees[side], quick, f"round {i + 1} {side}: bench pipeline")
+                elif compare == "startup":
+                    load = os.getloadavg()
+                    r = run_startup(trees[side], f"round {i + 1} {side}: start-up")
                 else:
                     load = os.getloadavg()
                     r = wire.run_codecs(specs, CODEC_FRAMES[quick], f"round {i + 1} {side}: codecs", tree=trees[side])
@@ -151,10 +203,12 @@ def main(args) -> int:
                                  "loadavg_end": env.get("loadavg_end"), "tokens_per_s": got[side],
                                  "contended": (r.get("summary") or {}).get("contended")})
                 else:
-                    got[side] = codec_times(r)
+                    got[side] = codec_times(r) if compare == "codecs" else {
+                        k: r[k] for k in ("cpu_s", "cpu_import_s", "wall_s") if k in r}
                     runs.append({"round": i + 1, "side": side, "commit": _tree_commit(tree) if side == "base" else result["head"]["commit"],
                                  "loadavg_start": [round(x, 2) for x in load],
-                                 "loadavg_end": [round(x, 2) for x in os.getloadavg()], "ms": got[side]})
+                                 "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+                                 ("ms" if compare == "codecs" else "s"): got[side]})
             if len(got) == 2:
                 rounds.append(got)
     finally:
@@ -187,7 +241,7 @@ def _unit(r: dict) -> str:
 
 
 def _num(x: float, unit: str) -> str:
-    return f"{x:,.2f}" if unit == "ms" else f"{x:,.0f}"
+    return f"{x:,.2f}" if unit in ("ms", "s") else f"{x:,.0f}"
 
 
 def _table(r: dict, f) -> None:
@@ -206,15 +260,21 @@ def readme_part(r: dict, name: str = "revisions") -> str:
     s, unit = r["summary"], _unit(r)
     rows = [f"| {k} | {_num(v['base_median'], unit)} | {_num(v['head_median'], unit)} | {gap} | {diff} |"
             for k, v, gap, diff in _rows(s)]
-    codecs = r["settings"].get("compare") == "codecs"
-    what = (f"a `{r['settings']['shape']}` frame sent and received with each codec on the CPU, one thread, the "
-            f"median of {r['settings']['frames']} frames a round," if codecs else "`bench pipeline` on the CPU")
+    compare = r["settings"].get("compare", "pipeline")
+    codecs = compare == "codecs"
+    what = {"codecs": f"a `{r['settings'].get('shape')}` frame sent and received with each codec on the CPU, one "
+                      f"thread, the median of {r['settings'].get('frames')} frames a round,",
+            "startup": "a fresh process doing on the CPU what a worker does before its first step: its imports, "
+                       "the default model's stage 1 of 4, the optimizer, one microbatch and one step, one thread,",
+            }.get(compare, "`bench pipeline` on the CPU")
+    flag = "" if compare == "pipeline" else f" --compare {compare}"
     return "\n".join([
-        f"`crucible bench revisions --base {r['base']['rev']}{' --compare codecs' if codecs else ''}` ({what} at "
+        f"`crucible bench revisions --base {r['base']['rev']}{flag}` ({what} at "
         f"`{r['base']['commit'][:10]}` and at the head, {r['settings']['rounds']} interleaved rounds; the gap is "
         f"paired round by round, mean ± 95 % half-width; {_provenance(r)}; `bench/results/{name}.json`):",
         "",
-        f"| {'codec/dtype, side' if codecs else 'variant'} | base {unit} | head {unit} | head vs base | |",
+        f"| {'codec/dtype, side' if codecs else 'measure' if compare == 'startup' else 'variant'} | base {unit} | "
+        f"head {unit} | head vs base | |",
         "|---|---|---|---|---|",
         *rows,
         "",
