@@ -157,3 +157,36 @@ def test_a_training_step_does_not_import_the_compiler():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_the_fused_optimizer_stays_fused_after_loading_a_cpu_stages_state():
+    """A GPU stage's FusedAdamW (here on the CPU, where torch has the fused
+    kernel too) loading a state taken by a CPU stage's AdamW: still fused, its
+    step counts float32 beside the parameters, and it steps; torch's own
+    AdamW would take over the CPU state's fused None / foreach False."""
+    m = _model()
+    ours = optim.AdamW(_groups(m), lr=1e-2, betas=(0.9, 0.95))
+    _train(m, ours, range(3))
+    sd = ours.state_dict()
+    assert sd["param_groups"][0]["fused"] is None and sd["param_groups"][0]["foreach"] is False
+
+    plain = torch.optim.AdamW(_groups(_model()), lr=1e-2, betas=(0.9, 0.95), fused=True)
+    plain.load_state_dict(sd)
+    assert plain.param_groups[0]["fused"] is None          # what FusedAdamW exists to prevent
+
+    f_m = _model()
+    f_m.load_state_dict(m.state_dict())
+    fused = optim.FusedAdamW(_groups(f_m), lr=1e-2, betas=(0.9, 0.95), fused=True)
+    fused.load_state_dict(sd)
+    assert all(g["fused"] is True and g["foreach"] is None for g in fused.param_groups)
+    assert fused.param_groups[0]["lr"] == sd["param_groups"][0]["lr"]       # the saved settings still apply
+    for p, st in fused.state.items():
+        assert st["step"].dtype == torch.float32 and st["step"].device == p.device
+    steps = {i: st["step"].item() for i, st in sd["state"].items()}
+    assert {i: st["step"].item() for i, st in fused.state_dict()["state"].items()} == steps
+    _train(f_m, fused, range(3, 5))     # two steps, every parameter with a gradient
+    # and back: the fused stage's state loads into a CPU stage's AdamW
+    back = optim.AdamW(_groups(_model()), lr=1e-2, betas=(0.9, 0.95))
+    back.load_state_dict(fused.state_dict())
+    assert {i: st["step"].item() for i, st in back.state_dict()["state"].items()} == {
+        i: n + 2 for i, n in steps.items()}

@@ -36,8 +36,29 @@ def make_optimizer(model: torch.nn.Module, train):
     # the per-parameter loop, whose results every CPU test and figure was taken
     # with, here without torch's import of torch._dynamo (see AdamW).
     if any(p.is_cuda for p in model.parameters()):
-        return torch.optim.AdamW(groups, lr=train.lr, betas=betas, fused=True)
+        return FusedAdamW(groups, lr=train.lr, betas=betas, fused=True)
     return AdamW(groups, lr=train.lr, betas=betas)
+
+
+class FusedAdamW(torch.optim.AdamW):
+    """torch's fused AdamW (a GPU stage's) that stays fused whatever state it
+    loads. A state_dict's groups carry their implementation flags, and torch's
+    ``load_state_dict`` takes them over: the state of a CPU stage (fused None,
+    foreach False) would leave a GPU stage on the per-parameter loop, its step
+    counts on the host. Here the flags stay this optimizer's, and the step
+    counts go where the fused kernel reads them (float32, on the parameter's
+    device), as torch's own load puts them for a fused group."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        flags = [{k: g[k] for k in ("fused", "foreach", "capturable", "differentiable")} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for g, f in zip(self.param_groups, flags):
+            g.update(f)
+            if g["fused"]:
+                for p in g["params"]:
+                    st = self.state.get(p)
+                    if st and isinstance(st.get("step"), torch.Tensor):
+                        st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
 
 
 # torch.optim.AdamW's defaults, in its order (its state_dict's param groups).
