@@ -392,7 +392,7 @@ class Config:
         need(t.lr > 0, "train.lr", "must be > 0")
         need(0 <= t.min_lr <= t.lr, "train.min_lr", "must be in [0, train.lr]")
         need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-        # What torch.optim.AdamW itself refuses (in the workers, after they start).
+        # What AdamW cannot take (torch's refuses it in the workers, after they start).
         need(0 <= t.beta1 < 1, "train.beta1", "must be in [0, 1)")
         need(0 <= t.beta2 < 1, "train.beta2", "must be in [0, 1)")
         need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")

@@ -61,7 +61,7 @@ phase_tests() {
     # pytest-timeout for a newer pytest than the one carried fails at start-up
     local env=(PYTEST_DISABLE_PLUGIN_AUTOLOAD=1)
     [ "$DEV" = cpu ] && env+=(CRUCIBLE_GPU_TESTS_DEVICE=cpu)
-    local groups=("codecs or side_streams or equals_one_process or every_copy or mps or momentum_restored or token_copies"
+    local groups=("codecs or side_streams or equals_one_process or every_copy or mps or momentum_restored or token_copies or adamw_state"
                   "sigkill_then_resume and sparseloco" "sigkill_then_resume and diloco"
                   "killed_inner_worker and sparseloco" "killed_inner_worker and diloco")
     [ "${TESTS_PARALLEL:-1}" = 0 ] && groups=("gpu")

@@ -86,7 +86,7 @@ def test_runs(result):
 def test_kills_and_recovery(result):
     for name in ("skip", "wait"):
         run = result["runs"][name][0]
-        assert run["chaos"] == "r0s1@step=20,seed=1"
+        assert run["chaos"] == "r0s1@step=10,seed=1"
         kills = run["kills"]
         assert len(kills) == 1 and kills[0]["target"] == "r0s1", kills
         k = kills[0]

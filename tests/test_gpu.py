@@ -20,6 +20,7 @@ GPU before a GPU run; ``launch/gpu-check.sh`` runs it on one).
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import signal
 import subprocess
@@ -202,6 +203,34 @@ def test_diloco_momentum_restored_from_a_shard_steps_on_the_device():
     src.nesterov.step(src.theta_global, g)
     dst.nesterov.step(dst.theta_global, g.to(dev))
     assert torch.equal(dst.theta_global.cpu(), src.theta_global)
+
+
+def test_a_cpu_stages_adamw_state_resumes_fused_on_the_device():
+    """A checkpoint taken by a CPU stage (Crucible's AdamW: fused None, step
+    counts on the host) loaded by a stage on the device: make_optimizer's
+    optimizer stays fused there, its step counts float32 beside the
+    parameters, and it steps; on the CPU (CRUCIBLE_GPU_TESTS_DEVICE=cpu) the
+    per-parameter AdamW loads it instead."""
+    from crucible.config import Config
+    from crucible.worker import optim
+
+    dev = torch.device(_first_device())
+    train = Config().train
+    torch.manual_seed(0)
+    cpu_m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    cpu_opt = optim.make_optimizer(cpu_m, train)
+    cpu_m(torch.randn(3, 8)).sum().backward()
+    optim.apply_step(cpu_m, cpu_opt, 1.0, 1e-3)
+    m = copy.deepcopy(cpu_m).to(dev)
+    opt = optim.make_optimizer(m, train)
+    opt.load_state_dict(copy.deepcopy(cpu_opt.state_dict()))
+    if dev.type == "cuda":
+        assert isinstance(opt, optim.FusedAdamW) and all(g["fused"] is True for g in opt.param_groups)
+        assert all(st["step"].device == p.device and st["step"].dtype == torch.float32
+                   for p, st in opt.state.items())
+    m(torch.randn(3, 8, device=dev)).sum().backward()
+    optim.apply_step(m, opt, 1.0, 1e-3)
+    assert all(st["step"].item() == 2.0 for st in opt.state.values())
 
 
 @pytest.mark.parametrize("mode", ["sparseloco", "diloco"])

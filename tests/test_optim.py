@@ -190,3 +190,23 @@ def test_the_fused_optimizer_stays_fused_after_loading_a_cpu_stages_state():
     back.load_state_dict(fused.state_dict())
     assert {i: st["step"].item() for i, st in back.state_dict()["state"].items()} == {
         i: n + 2 for i, n in steps.items()}
+
+
+def test_a_loaded_state_keeps_this_optimizers_flags_and_refuses_another_algorithm():
+    m = _model()
+    fused = torch.optim.AdamW(_groups(m), lr=1e-2, betas=(0.9, 0.95), fused=True)
+    _train(m, fused, range(2))
+    sd = fused.state_dict()
+    ours = optim.AdamW(_groups(_model()), lr=1e-2, betas=(0.9, 0.95))
+    ours.load_state_dict(sd)
+    assert all(g["fused"] is None and g["foreach"] is False for g in ours.state_dict()["param_groups"])
+    # a step count saved as a number (an old torch's) comes back as torch keeps it now
+    numbers = {"param_groups": sd["param_groups"],
+               "state": {k: dict(st, step=float(st["step"])) for k, st in sd["state"].items()}}
+    ours.load_state_dict(numbers)
+    assert all(isinstance(st["step"], torch.Tensor) and st["step"].dtype == torch.float32
+               for st in ours.state.values())
+    for flag in ({"amsgrad": True}, {"maximize": True}, {"decoupled_weight_decay": False}):
+        other = {"state": sd["state"], "param_groups": [dict(g, **flag) for g in sd["param_groups"]]}
+        with pytest.raises(ValueError, match="another optimizer"):
+            optim.AdamW(_groups(_model()), lr=1e-2, betas=(0.9, 0.95)).load_state_dict(other)

@@ -36,11 +36,11 @@ run as above). N = 30 s, budget 120 s.
 machine): a 2 x 3 job of a tiny model without checkpointing, 6 s of training
 per run, ``failure_free``, ``skip`` and ``wait`` only, one repeat unless
 ``--repeats`` says otherwise, one SIGKILL of r0s1 each triggered by its step
-(``r0s1@step=20``; the start-up time varies too much on a loaded machine for a
-timer). Step 20 is early in the budget: an idle 2-core machine runs the tiny
+(``r0s1@step=10``; the start-up time varies too much on a loaded machine for a
+timer). Step 10 is early in the budget: an idle 2-core machine runs the tiny
 model at ~10 steps/s, and the launcher sees the step through the status it
 polls every 0.5 s, so a kill at step 60 landed at or past the end of the 6 s
-and was not counted.
+and was not counted; at step 10 it lands inside the budget down to ~2 steps/s.
 
 Every run trains for the same wall-time budget, counted from the moment the
 job starts training (the first ``route_change`` with every replica
@@ -152,8 +152,8 @@ QUICK = {"budget_s": 6.0, "startup_timeout_s": 120.0, "tail_s": 1.5, "recover_ca
          "replicas": 2, "stages": 3, "kill_every_s": None, "repeats": 1,
          "model": QUICK_MODEL + ["train.eval_every=40", "train.eval_batches=2"],
          "extra": ["checkpoint.enable_checkpointing=false"],
-         "runs": [("failure_free", "skip", None), ("skip", "skip", "r0s1@step=20"),
-                  ("wait", "wait", "r0s1@step=20")]}
+         "runs": [("failure_free", "skip", None), ("skip", "skip", "r0s1@step=10"),
+                  ("wait", "wait", "r0s1@step=10")]}
 
 TARGETS = {"stated_for": "skip", "goodput_vs_failure_free_min": 0.90, "loss_rel_diff_max": 0.03,
            "route_change_p50_max_s": 0.5, "next_step_p50_max": "0.5 s + 1.5 x failure-free step time"}

@@ -150,26 +150,45 @@ class AdamW:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's rules: the groups must match in number and size; the moments
-        take each parameter's dtype and device, the step count stays on the host;
-        the saved groups' settings (lr, betas, eps, weight decay) replace these."""
+        take each parameter's dtype and device; the saved groups' settings (lr,
+        betas, eps, weight decay) replace these. Unlike torch's, the
+        implementation flags (fused, foreach, ...) stay this optimizer's (a GPU
+        stage's fused True is not carried into this one's checkpoints, as
+        FusedAdamW keeps its own), the step counts come to the host as tensors,
+        and a state of another algorithm (amsgrad, maximize, L2 decay) is refused,
+        never stepped as this one."""
         saved = state_dict["param_groups"]
         if len(saved) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
             raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
                              "optimizer's group")
+        for s in saved:
+            other = [k for k in ("amsgrad", "maximize") if s.get(k)] + (
+                ["decoupled_weight_decay=False"] if s.get("decoupled_weight_decay") is False else [])
+            if other:
+                raise ValueError(f"loaded state dict is of another optimizer ({', '.join(other)}), not AdamW's")
         by_index = {i: p for s, g in zip(saved, self.param_groups) for i, p in zip(s["params"], g["params"])}
         state: dict[torch.Tensor, dict] = {}
         for k, st in state_dict["state"].items():
             if k not in by_index:
                 continue
             p = by_index[k]
-            state[p] = {key: (v if key == "step" or not isinstance(v, torch.Tensor) else
-                              v.to(dtype=p.dtype, device=p.device) if p.is_floating_point() else v.to(device=p.device))
-                        for key, v in st.items()}
+            state[p] = {key: self._loaded(key, v, p) for key, v in st.items()}
+        flags = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
         self.state = state
-        self.param_groups = [dict({k: v for k, v in s.items() if k != "params"}, params=g["params"])
+        self.param_groups = [dict({k: v for k, v in s.items() if k not in flags and k != "params"},
+                                  **{k: g[k] for k in flags}, params=g["params"])
                              for s, g in zip(copy.deepcopy(saved), self.param_groups)]
+
+    @staticmethod
+    def _loaded(key: str, v, p: torch.Tensor):
+        if key == "step":
+            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            return v.to(device="cpu") if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=scalar)
+        if not isinstance(v, torch.Tensor):
+            return v
+        return v.to(dtype=p.dtype, device=p.device) if p.is_floating_point() else v.to(device=p.device)
 
 
 def grad_sumsq(model: torch.nn.Module) -> float:

@@ -39,7 +39,7 @@ class Progress:
 
 
 class StageStep:
-    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, train_cfg, device: torch.device,
+    def __init__(self, model: torch.nn.Module, opt, train_cfg, device: torch.device,
                  first: bool, needs_tokens: bool):
         self.model, self.opt, self.train = model, opt, train_cfg
         self.device, self.first, self.needs_tokens = device, first, needs_tokens
