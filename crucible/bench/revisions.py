@@ -46,7 +46,8 @@ from crucible.bench import common, wire
 ROOT = common.ROOT
 PIPELINE_TIMEOUT_S = 900.0      # one full `bench pipeline --repeats 1` takes about 2 minutes on 2 cores
 COMPARE = ("pipeline", "codecs", "startup")
-STARTUP_ROUNDS = 8
+ROUNDS = {"pipeline": 3, "codecs": 4, "startup": 8}    # default --repeats (--quick: 1)
+STARTUP_MEASURES = ("cpu_s", "cpu_import_s", "wall_s")
 STARTUP_TIMEOUT_S = 120.0
 # The --compare startup child, run with `python -c` from each tree: only names
 # both trees have (Config, build_stage, make_optimizer, apply_step).
@@ -68,6 +69,7 @@ stage(x).float().pow(2).mean().backward()
 optim.apply_step(stage, opt, 1.0, t.lr)
 print(json.dumps({"cpu_s": time.process_time(), "cpu_import_s": cpu_import, "wall_s": time.monotonic() - w0}))
 """
+ROW_LABELS = {"codecs": "codec/dtype, side", "startup": "measure"}    # (pipeline: variant)
 CODEC_FRAMES = {False: 20, True: 5}          # by --quick
 QUICK_CODECS = ("raw", "int8")
 
@@ -90,16 +92,19 @@ def run_pipeline(tree: str, quick: bool, what: str) -> dict:
     path, for the bench and every process it starts)."""
     argv = [sys.executable, "-m", "crucible", "bench", "pipeline", "--json", "--repeats", "1",
             *(["--quick"] if quick else [])]
-    env = common.child_env(PYTHONPATH=tree + (os.pathsep + os.environ["PYTHONPATH"]
-                                              if os.environ.get("PYTHONPATH") else ""))
-    return common.child_json(argv, PIPELINE_TIMEOUT_S, what, env=env, cwd=tree)
+    return common.child_json(argv, PIPELINE_TIMEOUT_S, what, env=_tree_env(tree), cwd=tree)
 
 
 def run_startup(tree: str, what: str) -> dict:
     """The start-up child (STARTUP_CHILD) from the source tree `tree`."""
-    env = common.child_env(PYTHONPATH=tree + (os.pathsep + os.environ["PYTHONPATH"]
-                                              if os.environ.get("PYTHONPATH") else ""))
-    return common.child_json([sys.executable, "-c", STARTUP_CHILD], STARTUP_TIMEOUT_S, what, env=env, cwd=tree)
+    return common.child_json([sys.executable, "-c", STARTUP_CHILD], STARTUP_TIMEOUT_S, what, env=_tree_env(tree),
+                             cwd=tree)
+
+
+def _tree_env(tree: str) -> dict:
+    """A child's environment with the source tree `tree` first on the path."""
+    return common.child_env(PYTHONPATH=tree + (os.pathsep + os.environ["PYTHONPATH"]
+                                               if os.environ.get("PYTHONPATH") else ""))
 
 
 def codec_times(r: dict) -> dict:
@@ -142,7 +147,7 @@ def main(args) -> int:
         return exits.USAGE
     quick = bool(getattr(args, "quick", False))
     compare = getattr(args, "compare", None) or "pipeline"
-    n = getattr(args, "repeats", None) or (1 if quick else {"pipeline": 3, "codecs": 4}.get(compare, STARTUP_ROUNDS))
+    n = getattr(args, "repeats", None) or (1 if quick else ROUNDS[compare])
     if compare == "pipeline":
         settings = {"compare": compare, "bench": "pipeline --json --repeats 1" + (" --quick" if quick else ""),
                     "unit": "tokens/s"}
@@ -184,13 +189,12 @@ def main(args) -> int:
             got = {}
             for side in common.rotated(["base", "head"], i):
                 common.progress(f"round {i + 1}/{n}: {compare} at the {side} ({trees[side]})")
+                load = os.getloadavg()
                 if compare == "pipeline":
                     r = run_pipeline(trees[side], quick, f"round {i + 1} {side}: bench pipeline")
                 elif compare == "startup":
-                    load = os.getloadavg()
                     r = run_startup(trees[side], f"round {i + 1} {side}: start-up")
                 else:
-                    load = os.getloadavg()
                     r = wire.run_codecs(specs, CODEC_FRAMES[quick], f"round {i + 1} {side}: codecs", tree=trees[side])
                 if "error" in r:
                     errors.append(r["error"])
@@ -204,11 +208,11 @@ def main(args) -> int:
                                  "contended": (r.get("summary") or {}).get("contended")})
                 else:
                     got[side] = codec_times(r) if compare == "codecs" else {
-                        k: r[k] for k in ("cpu_s", "cpu_import_s", "wall_s") if k in r}
+                        k: r[k] for k in STARTUP_MEASURES if k in r}
                     runs.append({"round": i + 1, "side": side, "commit": _tree_commit(tree) if side == "base" else result["head"]["commit"],
                                  "loadavg_start": [round(x, 2) for x in load],
                                  "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-                                 ("ms" if compare == "codecs" else "s"): got[side]})
+                                 settings["unit"]: got[side]})
             if len(got) == 2:
                 rounds.append(got)
     finally:
@@ -261,7 +265,6 @@ def readme_part(r: dict, name: str = "revisions") -> str:
     rows = [f"| {k} | {_num(v['base_median'], unit)} | {_num(v['head_median'], unit)} | {gap} | {diff} |"
             for k, v, gap, diff in _rows(s)]
     compare = r["settings"].get("compare", "pipeline")
-    codecs = compare == "codecs"
     what = {"codecs": f"a `{r['settings'].get('shape')}` frame sent and received with each codec on the CPU, one "
                       f"thread, the median of {r['settings'].get('frames')} frames a round,",
             "startup": "a fresh process doing on the CPU what a worker does before its first step: its imports, "
@@ -273,8 +276,7 @@ def readme_part(r: dict, name: str = "revisions") -> str:
         f"`{r['base']['commit'][:10]}` and at the head, {r['settings']['rounds']} interleaved rounds; the gap is "
         f"paired round by round, mean ± 95 % half-width; {_provenance(r)}; `bench/results/{name}.json`):",
         "",
-        f"| {'codec/dtype, side' if codecs else 'measure' if compare == 'startup' else 'variant'} | base {unit} | "
-        f"head {unit} | head vs base | |",
+        f"| {ROW_LABELS.get(compare, 'variant')} | base {unit} | head {unit} | head vs base | |",
         "|---|---|---|---|---|",
         *rows,
         "",

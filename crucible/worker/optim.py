@@ -40,6 +40,23 @@ def make_optimizer(model: torch.nn.Module, train):
     return AdamW(groups, lr=train.lr, betas=betas)
 
 
+# torch.optim.AdamW's defaults, in its order (its state_dict's param groups),
+# with foreach=False: how Crucible built torch's on a CPU before (the same groups
+# in the checkpoints it wrote).
+_GROUP_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False,
+                   "maximize": False, "foreach": False, "capturable": False, "differentiable": False,
+                   "fused": None, "decoupled_weight_decay": True}
+# How torch runs a group, not what it computes: an optimizer keeps its own when it loads a state.
+_IMPL_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+# What it computes: a state with any of these set otherwise is another algorithm's.
+_ALGORITHM_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay")
+
+
+def _step_count(n: float = 0.0) -> torch.Tensor:
+    """A step count as torch keeps it for a per-parameter group: on the host, in the default scalar type."""
+    return torch.tensor(float(n), dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)
+
+
 class FusedAdamW(torch.optim.AdamW):
     """torch's fused AdamW (a GPU stage's) that stays fused whatever state it
     loads. A state_dict's groups carry their implementation flags, and torch's
@@ -50,7 +67,7 @@ class FusedAdamW(torch.optim.AdamW):
     device), as torch's own load puts them for a fused group."""
 
     def load_state_dict(self, state_dict: dict) -> None:
-        flags = [{k: g[k] for k in ("fused", "foreach", "capturable", "differentiable")} for g in self.param_groups]
+        flags = [{k: g[k] for k in _IMPL_FLAGS} for g in self.param_groups]
         super().load_state_dict(state_dict)
         for g, f in zip(self.param_groups, flags):
             g.update(f)
@@ -59,12 +76,6 @@ class FusedAdamW(torch.optim.AdamW):
                     st = self.state.get(p)
                     if st and isinstance(st.get("step"), torch.Tensor):
                         st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
-
-
-# torch.optim.AdamW's defaults, in its order (its state_dict's param groups).
-_GROUP_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False,
-                   "maximize": False, "foreach": False, "capturable": False, "differentiable": False,
-                   "fused": None, "decoupled_weight_decay": True}
 
 
 class AdamW:
@@ -76,8 +87,9 @@ class AdamW:
     and the other way round).
 
     Why not torch's own: building a ``torch.optim.AdamW`` and every ``step`` of
-    it import ``torch._dynamo`` (the compiler's hooks), about 1.5 s of CPU in each
-    worker, some 40 % of a small stage's start-up. Every worker of a job starts
+    it import ``torch._dynamo`` (the compiler's hooks): about 1 of the 2.6
+    CPU-seconds a fresh process takes to build a stage of the default model and
+    step it (bench/results/revisions_startup.json). Every worker of a job starts
     at once, and a replacement joins a running job: both wait for it, on the
     same cores the job trains on."""
 
@@ -91,14 +103,14 @@ class AdamW:
             group["params"] = list(g["params"])
             self.param_groups.append(group)
         seen: set[int] = set()
-        for p in (p for g in self.param_groups for p in g["params"]):
+        for p in self._params():
             if id(p) in seen:
                 raise ValueError("some parameters appear in more than one parameter group")
             seen.add(id(p))
         self.state: dict[torch.Tensor, dict] = {}
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
+    def _params(self):
+        return (p for g in self.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self) -> None:
@@ -111,9 +123,7 @@ class AdamW:
                     continue
                 st = self.state.get(p)
                 if not st:
-                    # torch keeps the step count on the host, in the default scalar type
-                    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-                    st = self.state[p] = {"step": torch.tensor(0.0, dtype=scalar),
+                    st = self.state[p] = {"step": _step_count(),
                                           "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                           "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
                 exp_avg, exp_avg_sq, step_t = st["exp_avg"], st["exp_avg_sq"], st["step"]
@@ -164,8 +174,7 @@ class AdamW:
             raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
                              "optimizer's group")
         for s in saved:
-            other = [k for k in ("amsgrad", "maximize") if s.get(k)] + (
-                ["decoupled_weight_decay=False"] if s.get("decoupled_weight_decay") is False else [])
+            other = [f"{k}={s[k]}" for k in _ALGORITHM_FLAGS if k in s and s[k] != _GROUP_DEFAULTS[k]]
             if other:
                 raise ValueError(f"loaded state dict is of another optimizer ({', '.join(other)}), not AdamW's")
         by_index = {i: p for s, g in zip(saved, self.param_groups) for i, p in zip(s["params"], g["params"])}
@@ -175,7 +184,7 @@ class AdamW:
                 continue
             p = by_index[k]
             state[p] = {key: self._loaded(key, v, p) for key, v in st.items()}
-        flags = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+        flags = _IMPL_FLAGS + _ALGORITHM_FLAGS
         self.state = state
         self.param_groups = [dict({k: v for k, v in s.items() if k not in flags and k != "params"},
                                   **{k: g[k] for k in flags}, params=g["params"])
@@ -184,8 +193,7 @@ class AdamW:
     @staticmethod
     def _loaded(key: str, v, p: torch.Tensor):
         if key == "step":
-            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-            return v.to(device="cpu") if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=scalar)
+            return v.to(device="cpu") if isinstance(v, torch.Tensor) else _step_count(v)
         if not isinstance(v, torch.Tensor):
             return v
         return v.to(dtype=p.dtype, device=p.device) if p.is_floating_point() else v.to(device=p.device)
