@@ -71,6 +71,13 @@ def child_env(**extra: str) -> dict:
     return env
 
 
+def tree_first(env: dict, tree: str) -> dict:
+    """`env` with the source tree `tree` first on PYTHONPATH (a child that runs
+    another checkout's code: ``bench revisions``)."""
+    env["PYTHONPATH"] = tree + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)

@@ -103,8 +103,7 @@ def run_startup(tree: str, what: str) -> dict:
 
 def _tree_env(tree: str) -> dict:
     """A child's environment with the source tree `tree` first on the path."""
-    return common.child_env(PYTHONPATH=tree + (os.pathsep + os.environ["PYTHONPATH"]
-                                               if os.environ.get("PYTHONPATH") else ""))
+    return common.tree_first(common.child_env(), tree)
 
 
 def codec_times(r: dict) -> dict:

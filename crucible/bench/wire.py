@@ -177,9 +177,7 @@ def run_codecs(specs, frames: int, what: str, tree: str | None = None) -> dict:
     """The codec child, from this checkout or from the source tree `tree`
     (its package first on the path: ``bench revisions --compare codecs``)."""
     argv = [sys.executable, "-m", "crucible.bench.wire", "--codecs", ",".join(specs), "--frames", str(frames)]
-    env = _env("kept")
-    if tree is not None:
-        env["PYTHONPATH"] = tree + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = _env("kept") if tree is None else common.tree_first(_env("kept"), tree)
     return common.child_json(argv, 300.0, what, env=env, cwd=tree)
 
 
