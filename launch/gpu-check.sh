@@ -23,8 +23,9 @@
 # (the smoke run before spending GPU time). Every phase is bounded
 # (TESTS_TIMEOUT, BENCH_TIMEOUT, DEMO_TIMEOUT seconds). Measured on one H200
 # (2026-12-04): the machine started in about 30 s; `checks` took 90-120 s;
-# the bench's 12 launches took about 7 minutes (15 now, with S4_bf16_none_mps where
-# nvidia-cuda-mps-control is on PATH: about 8.5). With a
+# the bench's 12 launches took about 7 minutes (16 now, with S4_bf16_none_mps and
+# S4_bf16_int8raw_mps where nvidia-cuda-mps-control is on PATH: about 8.5; fp32 runs
+# last and is what a bench stopped at its bound loses). With a
 # session's 15 minutes of device time and 10 a command: `bench` as one call
 # (BENCH_TIMEOUT=540, the call's timeout 570), then `checks` as the next.
 set -uo pipefail

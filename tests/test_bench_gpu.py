@@ -194,29 +194,40 @@ def test_plan_default_is_the_issue_s_configuration():
     assert not gpu.plan("cpu", quick=False)["mps"] and not gpu.plan("cuda:0", quick=True)["mps"]
 
 
-def test_mps_variant_where_the_binary_is():
-    """With MPS (nvidia-cuda-mps-control on PATH) the S = 4 bf16 run once more
-    with job.mps=on, compared with the same run without, and counted for the
-    tokens target as none+mps."""
+def test_mps_variants_where_the_binary_is():
+    """With MPS (nvidia-cuda-mps-control on PATH) the S = 4 bf16 runs with no
+    codec and with int8 quantized on the device run once more with
+    job.mps=on, each compared with the same run without, and counted for the
+    tokens and serialization targets as <codec>+mps."""
     p = gpu.plan("cuda:0", quick=False, mps=True)
     vs = gpu.variants(p)
-    (m,) = [v for v in vs if v.get("mps")]
-    assert m["name"] == "S4_bf16_none_mps" and m["versus_mps"] == "S4_bf16_none"
-    assert "job.mps=on" in gpu.variant_overrides(p, m)
-    assert sum("job.mps=on" in gpu.variant_overrides(p, v) for v in vs) == 1
+    ms = [v for v in vs if v.get("mps")]
+    assert [(m["name"], m["versus_mps"]) for m in ms] == [("S4_bf16_none_mps", "S4_bf16_none"),
+                                                          ("S4_bf16_int8raw_mps", "S4_bf16_int8raw")]
+    assert "compress.forward=int8:zstd=0" in gpu.variant_overrides(p, ms[1])
+    assert sum("job.mps=on" in gpu.variant_overrides(p, v) for v in vs) == 2
     assert vs[-1]["checkpointing"]                       # the checkpointing run stays last (summarise reads it)
     from crucible.config import Config
 
-    assert Config.load(None, gpu.variant_overrides(p, m)).job.mps == "on"
-    # the summary and the target, from made-up runs of the two (no process)
-    runs = {"S4_bf16_none": 100.0, "S4_bf16_none_mps": 130.0}
+    assert Config.load(None, gpu.variant_overrides(p, ms[0])).job.mps == "on"
+    # the targets, from made-up runs (no process)
+    runs = {"S4_bf16_none": 100.0, "S4_bf16_none_mps": 130.0, "S4_bf16_int8raw": 90.0, "S4_bf16_int8raw_mps": 120.0}
     table = {n: {"relative_to_plain": t / 125.0} for n, t in runs.items()}
+    ser = {"S4_bf16_int8raw": 0.3, "S4_bf16_int8raw_mps": 0.07}
+    for n, f in ser.items():
+        table[n]["serialize_fraction_max"] = f
+    every = {n: [{"serialize_fraction_max": f}] for n, f in ser.items()}
     reps = {n: [t] for n, t in runs.items()} | {"plain_bf16": [125.0]}
-    t = gpu.targets(p, vs, table, runs, {}, {}, {"variant": "x", "stall_over_floor": None,
-                                                "stall_incl_queued_over_floor": None, "saves": 0}, reps)
+    t = gpu.targets(p, vs, table, runs, {}, every, {"variant": "x", "stall_over_floor": None,
+                                                   "stall_incl_queued_over_floor": None, "saves": 0}, reps)
     tp = t["tokens_ge_0.8x_plain"]
     assert tp["per_codec"]["none+mps"]["ratio"] == pytest.approx(1.04) and tp["best_codec"] == "none+mps"
     assert tp["per_codec"]["none"]["ratio"] == pytest.approx(0.8)
+    assert tp["per_codec"]["int8:zstd=0+mps"]["ratio"] == pytest.approx(0.96)
+    se = t["int8_serialize_le_10pct"]
+    assert set(se["per_codec"]) == {"int8:zstd=0", "int8:zstd=0+mps"}     # (int8 with zstd: not measured here)
+    assert se["codec"] == "int8:zstd=0+mps" and se["variant"] == "S4_bf16_int8raw_mps" and se["verdict"] == "met"
+    assert se["per_codec"]["int8:zstd=0"]["verdict"] == "missed"
 
 
 def test_peak_table_and_mfu():

@@ -35,9 +35,10 @@ group at the end; every variant ``--repeats`` times, interleaved):
    sends on the outbox's thread and a side CUDA stream); the ratio of their
    tokens/s is ``summary.overlap``.
    Where ``nvidia-cuda-mps-control`` is on PATH (not with ``--quick``): the
-   same S = max bf16 run with ``job.mps=on`` (``crucible.mps``: the stages'
-   kernels side by side instead of time-sliced), ``summary.mps``; it counts
-   for the tokens target as ``none+mps``.
+   same S = max bf16 runs with codec none and ``int8:zstd=0`` once more with
+   ``job.mps=on`` (``crucible.mps``: the stages' kernels side by side instead
+   of time-sliced; ``summary.mps``: none's ratio); they count for the targets
+   as ``none+mps`` and ``int8:zstd=0+mps`` (a setting a user can pick).
 5. S = max in bf16, codec none, with continuous checkpointing at
    ``minimum_interval_s = 0`` (saves back to back; one committed checkpoint
    kept): the snapshot stall every worker reports (``snapshot`` events:
@@ -66,12 +67,13 @@ running job <= 1.5x the pinned copy floor of the job's state
 before the snapshot, p50 over the saves after the first). Verdicts: ``common.verdict`` against the
 spread of the repeats (none with one repeat).
 
-Cost: 14 launches and 2 plain runs of gpt-200m, the checkpointing run the
+Cost: 16 launches (14 without MPS) and 2 plain runs of gpt-200m, the checkpointing run the
 longest (120 steps and back-to-back saves of the job's ~3.2 GB of state), the
 fp32 runs 14 steps each. Measured on one H200 (2026-12-04, 12 launches then):
 20-30 s a launch, 67 s the checkpointing run, 24 s a plain run, 18 s the
-floor; 11 launches took 406 s, so the whole grid takes about 8 minutes
-(``launch/gpu-check.sh bench`` with ``BENCH_TIMEOUT=540``). ``--quick --device cpu``: about
+floor; 11 launches took 406 s, so the whole grid takes about 8.5 minutes
+(``launch/gpu-check.sh bench`` with ``BENCH_TIMEOUT=540``; fp32 runs last,
+so a bench stopped at its bound loses fp32's tail, not what the targets need). ``--quick --device cpu``: about
 40 s on 2 cores.
 """
 
@@ -104,6 +106,7 @@ PRECISIONS = ("bf16", "fp32")
 CODECS = {"bf16": ("none", "int8", "int8:zstd=0"), "fp32": ("none", "int8")}
 CODEC_LABELS = {"int8:zstd=0": "int8raw"}
 INT8_CODECS = ("int8", "int8:zstd=0")
+MPS_CODECS = ("none", "int8:zstd=0")        # run again under job.mps=on (S = max, bf16)
 FLOOR_COPIES = 5
 
 TARGETS = {"tokens_vs_plain_min": 0.8, "serialize_fraction_max": 0.10, "stall_over_floor_max": 1.5}
@@ -201,10 +204,14 @@ def variants(p: dict) -> list[dict]:
     S = max(p["stage_counts"])
     prec = "bf16" if "bf16" in p["precisions"] else p["precisions"][0]
     if p.get("mps"):
-        # the stages' kernels side by side on the one GPU (crucible/mps.py), against the same run without
-        out.append({"name": f"S{S}_{prec}_none_mps", "stages": S, "precision": prec, "codec": "none",
-                    "checkpointing": False, "mps": True, "versus_mps": f"S{S}_{prec}_none",
-                    "steps": p["steps"][prec][0], "warmup": p["steps"][prec][1]})
+        # the stages' kernels side by side on the one GPU (crucible/mps.py), against the same run without:
+        # with no codec, and with the quantize on the device (its kernels and copies then wait for no other
+        # stage's time slice)
+        for codec in (c for c in MPS_CODECS if c in p["codecs"][prec]):
+            name = f"S{S}_{prec}_{label(codec)}"
+            out.append({"name": f"{name}_mps", "stages": S, "precision": prec, "codec": codec,
+                        "checkpointing": False, "mps": True, "versus_mps": name,
+                        "steps": p["steps"][prec][0], "warmup": p["steps"][prec][1]})
     # what the overlapped sends give: the same run with every send on the compute thread
     out.append({"name": f"S{S}_{prec}_none_no_overlap", "stages": S, "precision": prec, "codec": "none",
                 "checkpointing": False, "overlap": "off", "versus": f"S{S}_{prec}_none",
@@ -614,7 +621,8 @@ def summarise(result: dict, p: dict, vs: list[dict], every: dict, peak_given: st
     ckpt_sum["copy_over_floor"] = copy / job_floor if copy is not None and job_floor else None
     off, on = next((v["name"], v["versus"]) for v in vs if v.get("overlap") == "off")
     overlap = _versus(on, off, tps, reps, "overlap")
-    mps = next((_versus(v["name"], v["versus_mps"], tps, reps, "MPS") for v in vs if v.get("mps")), None)
+    mps = next((_versus(v["name"], v["versus_mps"], tps, reps, "MPS") for v in vs
+                if v.get("mps") and v["codec"] == "none"), None)
     result["summary"] = common.round_floats({
         "variants": table, "plain": plains, "checkpoint": ckpt_sum, "overlap": overlap, "mps": mps, "params": params,
         "peak_tflops": peak, "peak_source": peak_source,
@@ -649,9 +657,12 @@ def targets(p: dict, vs: list[dict], table: dict, tps: dict, spreads: dict, ever
                                    "verdict": per_codec[best]["verdict"] if best else None}
     # 2. serialization with int8 in bf16, every stage's share of its step, per
     # int8 codec (with and without zstd); the verdict is the lower share's
+    # (and under job.mps=on, as for the tokens)
     per_int8 = {}
-    for codec in (c for c in INT8_CODECS if c in p["codecs"][prec]):
-        name = f"S{S}_{prec}_{label(codec)}"
+    int8_runs = [(codec, f"S{S}_{prec}_{label(codec)}") for codec in INT8_CODECS if codec in p["codecs"][prec]]
+    int8_runs += [(f"{v['codec']}+mps", v["name"]) for v in vs if v.get("mps") and v["codec"] in INT8_CODECS
+                  and v["stages"] == S and v["precision"] == prec]
+    for codec, name in int8_runs:
         vals = [r.get("serialize_fraction_max") for r in every.get(name, [])
                 if r.get("serialize_fraction_max") is not None]
         val = table.get(name, {}).get("serialize_fraction_max")

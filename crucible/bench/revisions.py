@@ -34,19 +34,19 @@ milliseconds; the base must have that child (``python -m crucible.bench.wire
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Callable
 
 from crucible.bench import common, wire
 
 ROOT = common.ROOT
 PIPELINE_TIMEOUT_S = 900.0      # one full `bench pipeline --repeats 1` takes about 2 minutes on 2 cores
-COMPARE = ("pipeline", "codecs", "startup")
-ROUNDS = {"pipeline": 3, "codecs": 4, "startup": 8}    # default --repeats (--quick: 1)
 STARTUP_MEASURES = ("cpu_s", "cpu_import_s", "wall_s")
 STARTUP_TIMEOUT_S = 120.0
 # The --compare startup child, run with `python -c` from each tree: only names
@@ -69,7 +69,6 @@ stage(x).float().pow(2).mean().backward()
 optim.apply_step(stage, opt, 1.0, t.lr)
 print(json.dumps({"cpu_s": time.process_time(), "cpu_import_s": cpu_import, "wall_s": time.monotonic() - w0}))
 """
-ROW_LABELS = {"codecs": "codec/dtype, side", "startup": "measure"}    # (pipeline: variant)
 CODEC_FRAMES = {False: 20, True: 5}          # by --quick
 QUICK_CODECS = ("raw", "int8")
 
@@ -112,6 +111,64 @@ def codec_times(r: dict) -> dict:
     return {f"{k} {side}": v[side] for k, v in (r.get("codecs") or {}).items() for side in ("send_ms", "recv_ms")}
 
 
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """What ``--compare NAME`` runs from each tree and what it keeps of it."""
+    rounds: int                                  # default --repeats (--quick: 1)
+    settings: Callable[[bool], dict]             # by --quick; "unit" is the unit of every measure
+    run: Callable[[str, bool, str], dict]        # (tree, quick, what) -> the child's result ("error": it failed)
+    measures: Callable[[dict], dict]             # the child's result -> {row: number}
+    row_label: str                               # the README table's first column
+    what: Callable[[dict], str]                  # what a round runs, for the README (from the settings)
+    definitions: dict | None = None
+
+
+def _codec_specs(quick: bool) -> tuple[str, ...]:
+    return QUICK_CODECS if quick else wire.CODECS
+
+
+MODES = {
+    "pipeline": Mode(
+        rounds=3,
+        settings=lambda quick: {"bench": "pipeline --json --repeats 1" + (" --quick" if quick else ""),
+                                "unit": "tokens/s"},
+        run=run_pipeline,
+        measures=lambda r: (r.get("summary") or {}).get("tokens_per_s") or {},
+        row_label="variant", what=lambda s: "`bench pipeline` on the CPU"),
+    "codecs": Mode(
+        rounds=4,
+        settings=lambda quick: {
+            "bench": f"python -m crucible.bench.wire --codecs {','.join(_codec_specs(quick))} "
+                     f"--frames {CODEC_FRAMES[quick]}",
+            "unit": "ms", "codecs": list(_codec_specs(quick)), "dtypes": list(wire.CODEC_DTYPES),
+            "shape": list(wire.CODEC_SHAPE), "frames": CODEC_FRAMES[quick], "threads": 1},
+        run=lambda tree, quick, what: wire.run_codecs(_codec_specs(quick), CODEC_FRAMES[quick], what, tree=tree),
+        measures=codec_times,
+        row_label="codec/dtype, side",
+        what=lambda s: (f"a `{s.get('shape')}` frame sent and received with each codec on the CPU, one thread, "
+                        f"the median of {s.get('frames')} frames a round,"),
+        definitions={"send_ms, recv_ms": "per round, the median over the frames of wire.encode_frame / "
+                                         "wire.parse_frame + wire.from_wire with the codec (CPU)"}),
+    "startup": Mode(
+        rounds=8,
+        settings=lambda quick: {"bench": "python -c STARTUP_CHILD (crucible/bench/revisions.py)", "unit": "s",
+                                "stage": [1, 4], "model": "default", "threads": 1},
+        run=lambda tree, quick, what: run_startup(tree, what),
+        measures=lambda r: {k: r[k] for k in STARTUP_MEASURES if k in r},
+        row_label="measure",
+        what=lambda s: ("a fresh process doing on the CPU what a worker does before its first step: its imports, "
+                        "the default model's stage 1 of 4, the optimizer, one microbatch and one step, one thread,"),
+        definitions={
+            "cpu_s": "CPU seconds of a fresh process (user + system, time.process_time) from its start to after "
+                     "the optimizer step: a worker's imports, the default model's stage 1 of 4, the optimizer, one "
+                     "microbatch forward and backward, one step (one thread)",
+            "cpu_import_s": "the same, up to the end of the imports",
+            "wall_s": "wall seconds from the first line of the child to after the step (interpreter start-up "
+                      "not included)"}),
+}
+COMPARE = tuple(MODES)
+
+
 def summarise(rounds: list[dict]) -> dict:
     """Per variant: both sides' tokens/s by round, their medians, and the head's
     paired gap to the base. `rounds`: [{"base": tokens_per_s, "head": tokens_per_s}]."""
@@ -146,35 +203,16 @@ def main(args) -> int:
         return exits.USAGE
     quick = bool(getattr(args, "quick", False))
     compare = getattr(args, "compare", None) or "pipeline"
-    n = getattr(args, "repeats", None) or (1 if quick else ROUNDS[compare])
-    if compare == "pipeline":
-        settings = {"compare": compare, "bench": "pipeline --json --repeats 1" + (" --quick" if quick else ""),
-                    "unit": "tokens/s"}
-    elif compare == "startup":
-        settings = {"compare": compare, "bench": "python -c STARTUP_CHILD (crucible/bench/revisions.py)",
-                    "unit": "s", "stage": [1, 4], "model": "default", "threads": 1}
-    else:
-        specs = QUICK_CODECS if quick else wire.CODECS
-        settings = {"compare": compare, "bench": f"python -m crucible.bench.wire --codecs {','.join(specs)} "
-                                                 f"--frames {CODEC_FRAMES[quick]}",
-                    "unit": "ms", "codecs": list(specs), "dtypes": list(wire.CODEC_DTYPES),
-                    "shape": list(wire.CODEC_SHAPE), "frames": CODEC_FRAMES[quick], "threads": 1}
+    mode = MODES[compare]
+    n = getattr(args, "repeats", None) or (1 if quick else mode.rounds)
+    settings = {"compare": compare, **mode.settings(quick)}
     result: dict = {
         "bench": "revisions", "quick": quick, "environment": common.environment(),
         "settings": {**settings, "rounds": n, "order": "rotated each round"},
         "base": {"rev": base_rev, "commit": base}, "head": {"commit": common.git_commit(), "tree": ROOT},
     }
-    if compare == "startup":
-        result["definitions"] = {
-            "cpu_s": "CPU seconds of a fresh process (user + system, time.process_time) from its start to after "
-                     "the optimizer step: a worker's imports, the default model's stage 1 of 4, the optimizer, one "
-                     "microbatch forward and backward, one step (one thread)",
-            "cpu_import_s": "the same, up to the end of the imports",
-            "wall_s": "wall seconds from the first line of the child to after the step (interpreter start-up "
-                      "not included)"}
-    if compare == "codecs":
-        result["definitions"] = {"send_ms, recv_ms": "per round, the median over the frames of wire.encode_frame / "
-                                                     "wire.parse_frame + wire.from_wire with the codec (CPU)"}
+    if mode.definitions:
+        result["definitions"] = mode.definitions
     errors: list[str] = []
     rounds, runs = [], []
     tree = tempfile.mkdtemp(prefix="crucible-base-")
@@ -184,34 +222,18 @@ def main(args) -> int:
             print(f"crucible bench revisions: cannot check out {base[:10]}: {added.stderr.strip()}", file=sys.stderr)
             return exits.ERROR
         trees = {"base": tree, "head": ROOT}
+        commits = {"base": _tree_commit(tree), "head": result["head"]["commit"]}
         for i in range(n):
             got = {}
             for side in common.rotated(["base", "head"], i):
                 common.progress(f"round {i + 1}/{n}: {compare} at the {side} ({trees[side]})")
                 load = os.getloadavg()
-                if compare == "pipeline":
-                    r = run_pipeline(trees[side], quick, f"round {i + 1} {side}: bench pipeline")
-                elif compare == "startup":
-                    r = run_startup(trees[side], f"round {i + 1} {side}: start-up")
-                else:
-                    r = wire.run_codecs(specs, CODEC_FRAMES[quick], f"round {i + 1} {side}: codecs", tree=trees[side])
+                r = mode.run(trees[side], quick, f"round {i + 1} {side}: {compare}")
                 if "error" in r:
                     errors.append(r["error"])
                     continue
-                if compare == "pipeline":
-                    got[side] = (r.get("summary") or {}).get("tokens_per_s") or {}
-                    env = r.get("environment") or {}
-                    runs.append({"round": i + 1, "side": side, "commit": env.get("commit"),
-                                 "loadavg_start": env.get("loadavg_start"),
-                                 "loadavg_end": env.get("loadavg_end"), "tokens_per_s": got[side],
-                                 "contended": (r.get("summary") or {}).get("contended")})
-                else:
-                    got[side] = codec_times(r) if compare == "codecs" else {
-                        k: r[k] for k in STARTUP_MEASURES if k in r}
-                    runs.append({"round": i + 1, "side": side, "commit": _tree_commit(tree) if side == "base" else result["head"]["commit"],
-                                 "loadavg_start": [round(x, 2) for x in load],
-                                 "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-                                 settings["unit"]: got[side]})
+                got[side] = mode.measures(r)
+                runs.append(_run_record(i, side, commits[side], load, r, settings["unit"], got[side]))
             if len(got) == 2:
                 rounds.append(got)
     finally:
@@ -221,6 +243,21 @@ def main(args) -> int:
     result["runs"] = runs
     result["summary"] = summarise(rounds)
     return common.finish(result, errors, args, print_table=_table, round_nd=4)
+
+
+def _run_record(i: int, side: str, commit: str | None, load: tuple, r: dict, unit: str, measured: dict) -> dict:
+    """One side of one round: where it ran (a child that reports its own
+    environment, ``bench pipeline``, is taken at its word), the load around
+    it, and what it measured, keyed by the unit."""
+    env = r.get("environment") or {}
+    rec = {"round": i + 1, "side": side, "commit": env.get("commit") or commit,
+           "loadavg_start": env.get("loadavg_start") or [round(x, 2) for x in load],
+           "loadavg_end": env.get("loadavg_end") or [round(x, 2) for x in os.getloadavg()],
+           unit: measured}
+    contended = (r.get("summary") or {}).get("contended")
+    if contended is not None:
+        rec["contended"] = contended
+    return rec
 
 
 def _tree_commit(tree: str) -> str | None:
@@ -264,18 +301,14 @@ def readme_part(r: dict, name: str = "revisions") -> str:
     rows = [f"| {k} | {_num(v['base_median'], unit)} | {_num(v['head_median'], unit)} | {gap} | {diff} |"
             for k, v, gap, diff in _rows(s)]
     compare = r["settings"].get("compare", "pipeline")
-    what = {"codecs": f"a `{r['settings'].get('shape')}` frame sent and received with each codec on the CPU, one "
-                      f"thread, the median of {r['settings'].get('frames')} frames a round,",
-            "startup": "a fresh process doing on the CPU what a worker does before its first step: its imports, "
-                       "the default model's stage 1 of 4, the optimizer, one microbatch and one step, one thread,",
-            }.get(compare, "`bench pipeline` on the CPU")
+    what = MODES[compare].what(r["settings"])
     flag = "" if compare == "pipeline" else f" --compare {compare}"
     return "\n".join([
         f"`crucible bench revisions --base {r['base']['rev']}{flag}` ({what} at "
         f"`{r['base']['commit'][:10]}` and at the head, {r['settings']['rounds']} interleaved rounds; the gap is "
         f"paired round by round, mean ± 95 % half-width; {_provenance(r)}; `bench/results/{name}.json`):",
         "",
-        f"| {ROW_LABELS.get(compare, 'variant')} | base {unit} | head {unit} | head vs base | |",
+        f"| {MODES[compare].row_label} | base {unit} | head {unit} | head vs base | |",
         "|---|---|---|---|---|",
         *rows,
         "",
