@@ -27,7 +27,7 @@ from crucible.compress.specs import parse_spec
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 # model.preset -> (n_layer, n_head, d_model); parameters with the byte vocabulary
-# and train.seq_len 512: small 1.6M, gpt-50m 57M, gpt-200m 202M.
+# and train.seq_len 512: small 1.7M, gpt-50m 57M, gpt-200m 202M.
 MODEL_PRESETS = {
     "small": {"n_layer": 8, "n_head": 4, "d_model": 128},
     "gpt-50m": {"n_layer": 8, "n_head": 12, "d_model": 768},

@@ -44,6 +44,10 @@ KINDS: dict[str, str] = {
               "device_name, mem_total_mb, mem_allocated_mb, mem_reserved_mb, mem_peak_mb",
     # ---- the coordinator ----
     "coordinator_start": "address, incarnation, pid, replicas, stages, restored, version, config",
+    "coordinator_isolated": "a majority of at least two live workers went silent at once: the coordinator is "
+                            "probably cut off and evicts nobody for silence until they are heard again: silent "
+                            "(their names), live",
+    "coordinator_reconnected": "a majority is heard again after coordinator_isolated: silent, live",
     "coordinator_restored": "a restarted coordinator continues its predecessor's membership: incarnation, "
                             "workers, routes",
     "worker_registered": "worker, replica, stage, address, pid, replacement, rejoin, numel",

@@ -37,3 +37,43 @@ def test_a_figure_edited_by_hand_is_caught():
 def test_every_result_file_the_readme_names_exists():
     for path in sorted(set(re.findall(r"bench/results/[a-z0-9_]+\.json", _readme()))):
         assert os.path.exists(os.path.join(ROOT, path)), f"README names {path}, which is not in the repo"
+
+
+def test_the_extras_table_lists_what_pyproject_declares():
+    """Each row of the README's install table names exactly the packages that
+    pyproject.toml puts in that extra (the base row: the dependencies)."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    declared = {"": project["dependencies"], **project["optional-dependencies"]}
+
+    def names(reqs):
+        return {re.match(r"[A-Za-z0-9_.-]+", r).group().lower() for r in reqs}
+
+    rows = dict(re.findall(r"^\| (\*\(none\)\*|`[a-z]+`) \| ([^|]+) \|", _readme(), re.M))
+    assert rows, "no extras table in the README"
+    for extra, reqs in declared.items():
+        cell = rows[f"`{extra}`" if extra else "*(none)*"]
+        listed = {m.lower() for m in re.findall(r"([A-Za-z][A-Za-z0-9_.-]*) (?:≥|==)", cell)}
+        if extra == "test":                     # "and what `cluster` and `report` bring"
+            listed |= names(declared["cluster"]) | names(declared["report"])
+        assert listed == names(reqs), f"README's row for {extra or 'the base install'}: {cell.strip()}"
+
+
+def test_the_commands_block_names_every_flag():
+    """Every option of every subcommand (but slurm's and k8s's own, in "On a
+    cluster") is in the README's Commands block, and every subcommand is."""
+    import argparse
+
+    from crucible import cli
+
+    text = _readme()
+    block = text[text.index("## Commands"):]
+    block = block[block.index("```"):block.index("```", block.index("```") + 3)]
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        assert f"crucible {name} " in block, f"`crucible {name}` is not in the README's Commands block"
+        flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+        missing = sorted(f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", block))
+        assert not missing, f"crucible {name}: {missing} not in the README's Commands block"

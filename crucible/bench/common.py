@@ -672,7 +672,14 @@ def finish(result: dict, errors: list[str], args, print_table: Callable | None =
     """The end of a benchmark: the load at the end, the errors, the floats
     rounded (``round_nd``), a table on stderr unless ``--json``, the JSON on
     stdout (and ``--out``); the exit status (1 when anything failed)."""
-    result["environment"]["loadavg_end"] = loadavg()
+    env = result["environment"]
+    env["loadavg_end"] = loadavg()
+    if "elapsed_s" not in result and env.get("date"):     # how long the bench ran (to the second)
+        try:
+            start = _dt.datetime.fromisoformat(env["date"])
+            result["elapsed_s"] = round((_dt.datetime.now(_dt.timezone.utc) - start).total_seconds())
+        except ValueError:
+            pass
     overrides = (result.get("settings") or {}).get("overrides")
     if isinstance(overrides, list) and "config" not in result:
         result["config"] = full_config(overrides)

@@ -65,7 +65,7 @@ from crucible import exits, identity
 from crucible.slots import slot_name
 
 KEEP_DEAD = 4        # dead worker records kept per slot (to tell a stale worker it is stale)
-STATES = ("waiting", "training", "paused", "resuming", "done")
+STATES = ("waiting", "training", "paused", "done")     # a replica's (Replica.state)
 
 
 def left_status(state: str) -> str:
@@ -110,7 +110,7 @@ class WorkerInfo:
 @dataclass
 class ReplicaInfo:
     id: int
-    state: str = "waiting"        # waiting | training | paused | resuming | done
+    state: str = "waiting"        # one of STATES
     step: int = 0
     started: bool = False
     loss: float | None = None

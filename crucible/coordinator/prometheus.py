@@ -16,7 +16,7 @@ Read from the coordinator's state at each scrape (gauges)::
     crucible_replica_eval_loss{replica}         latest held-out loss
     crucible_replica_tokens_per_second{replica} over the last 64 steps
     crucible_replica_goodput{replica}           committed compute / wall time (stage 0's ledger)
-    crucible_replica_state{replica,state}       1 for the replica's state (waiting|training|paused|resuming|done)
+    crucible_replica_state{replica,state}       1 for the replica's state (waiting|training|paused|done)
     crucible_workers{state}                     slots by worker state (alive|dead|joining|done|vacant)
     crucible_route_epoch                        route epochs in this coordinator incarnation (the
                                                 low 32 bits of the epoch workers see)
@@ -42,6 +42,7 @@ Counted from the events as they are written (counters and gauges)::
 
 from __future__ import annotations
 
+from crucible.coordinator import membership
 from crucible.files import atomic_write
 
 import logging
@@ -49,7 +50,6 @@ import os
 
 log = logging.getLogger("crucible.prometheus")
 
-REPLICA_STATES = ("waiting", "training", "paused", "resuming", "done")
 WORKER_STATES = ("alive", "dead", "joining", "done", "vacant")
 
 
@@ -164,7 +164,7 @@ class _StateCollector:
             g = (rep.get("goodput") or {}).get("goodput")
             if isinstance(g, (int, float)):
                 goodput.add_metric([r], float(g))
-            for s in REPLICA_STATES:
+            for s in membership.STATES:
                 state.add_metric([r, s], 1.0 if rep["state"] == s else 0.0)
         workers = GaugeMetricFamily("crucible_workers", "Stage slots by worker state", labels=["state"])
         counts = dict.fromkeys(WORKER_STATES, 0)

@@ -517,7 +517,8 @@ class Coordinator:
         """Under self.cv: we lost (or found again) a majority of the workers."""
         silent = sorted(slot_name(w.replica, w.stage) for w in self.m.overdue(now, timeout / 2))
         live = sum(1 for w in self.m.workers.values() if w.state in ("alive", "joining"))
-        self.metrics.write({"event": f"coordinator_{change}", "silent": silent, "live": live})
+        self.metrics.write({"event": "coordinator_isolated" if change == "isolated" else "coordinator_reconnected",
+                            "silent": silent, "live": live})
         if change == "isolated":
             log.warning("%d of %d live workers are silent: this coordinator is probably cut off from the "
                         "network; nobody is evicted for silence until a majority is heard again (%s)",

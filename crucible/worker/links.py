@@ -123,7 +123,7 @@ class Links:
         return [(r.replica, r.addresses[list(r.stages).index(self.stage)]) for r in held]
 
     def wait_training(self) -> float:
-        """Block while the replica is not training (waiting, paused, resuming);
+        """Block while the replica is not training (waiting, paused);
         returns the seconds waited."""
         t0 = time.perf_counter()
         while True:
