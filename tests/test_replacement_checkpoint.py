@@ -193,3 +193,59 @@ def every_copy_lost_is_rebuilt(start_job, extra: tuple[str, ...] = ()) -> None:
     d = _stage_dumps(job.run_dir, 1)
     for n in after:
         assert torch.equal(d[("r0s1", n)]["theta_global"], d[("r1s1", n)]["theta_global"]), n
+
+
+class _Links:
+    """What ``Replacement._from_peer`` asks of the worker's links."""
+
+    def __init__(self, peers):
+        from crucible.worker.links import Peer
+
+        self.stage, self._peers = 1, [Peer(*p) for p in peers]
+
+    def peers(self):
+        return self._peers
+
+    def check_stop(self):
+        pass
+
+
+class _Outer:
+    numel, nesterov = 8, None
+
+
+def _replacement(peers):
+    from crucible.worker.replacement import Replacement
+
+    return Replacement(_Links(peers), _Outer(), None, None, None, "token", 4, lambda: 0, None, "r1s1")
+
+
+def test_a_done_replicas_exited_worker_is_not_asked_again():
+    """A replica that is done keeps its route, but its workers exit: a
+    replacement whose only peer is such a worker, refusing the connection (a
+    real gRPC call to a port nothing listens on), goes to the checkpoint at
+    once instead of asking it again for 30 s."""
+    import time
+
+    from conftest import free_port
+
+    t0 = time.monotonic()
+    assert _replacement([(0, f"127.0.0.1:{free_port()}", True)])._from_peer(deadline_s=20.0) is None
+    assert time.monotonic() - t0 < 5.0
+    # a live replica's worker that refuses is asked again until the deadline (it may be restarting)
+    t0 = time.monotonic()
+    assert _replacement([(0, f"127.0.0.1:{free_port()}", False)])._from_peer(deadline_s=1.5) is None
+    assert time.monotonic() - t0 >= 1.5
+
+
+def test_peers_come_training_then_paused_then_done():
+    import threading
+    from types import SimpleNamespace
+
+    from crucible.worker.links import Links, Peer
+
+    links = Links.__new__(Links)          # only what peers() reads
+    links.cv, links.replica, links.stage = threading.Condition(), 3, 1
+    links.all_routes = [SimpleNamespace(replica=r, stages=[0, 1], addresses=[f"a{r}0", f"a{r}1"], state=st)
+                        for r, st in ((0, "done"), (1, "paused"), (2, "training"), (3, "training"))]
+    assert links.peers() == [Peer(2, "a21", False), Peer(1, "a11", False), Peer(0, "a01", True)]

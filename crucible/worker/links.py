@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import grpc
 import torch
@@ -34,6 +34,13 @@ from crucible.worker.stats import StepStats
 
 
 log = logging.getLogger("crucible.worker")
+
+
+class Peer(NamedTuple):
+    """A worker of this stage in another replica (``Links.peers``)."""
+    replica: int
+    address: str
+    done: bool           # its replica is done: once its worker has exited, it never comes back
 
 
 class RouteChanged(Exception):
@@ -111,16 +118,17 @@ class Links:
             i = list(self.route.stages).index(self.stage)
             return self.route.stages[i - 1] if i > 0 else None
 
-    def peers(self) -> list[tuple[int, str]]:
-        """The live workers of this stage in other replicas, (replica id,
-        address): those of training replicas first (their global weights are
-        the newest), then those of paused ones (older weights, which the outer
-        rounds kept since bring up to date)."""
+    def peers(self) -> list[Peer]:
+        """The workers of this stage in other replicas' routes: those of
+        training replicas first (their global weights are the newest), then
+        those of paused ones (older weights, which the outer rounds kept since
+        bring up to date), then those of replicas that are done (their
+        workers finish their last rounds and exit: maybe gone already)."""
         with self.cv:
             routes = list(self.all_routes)
         held = [r for r in routes if r.replica != self.replica and self.stage in r.stages]
-        held.sort(key=lambda r: r.state != "training")
-        return [(r.replica, r.addresses[list(r.stages).index(self.stage)]) for r in held]
+        held.sort(key=lambda r: {"training": 0, "done": 2}.get(r.state, 1))
+        return [Peer(r.replica, r.addresses[list(r.stages).index(self.stage)], r.state == "done") for r in held]
 
     def wait_training(self) -> float:
         """Block while the replica is not training (waiting, paused);

@@ -116,20 +116,35 @@ class Replacement:
         self.token, self.max_mb, self.step, self.debug, self.name = token, max_mb, step, debug, name
 
     def _from_peer(self, deadline_s: float = 30.0) -> str | None:
+        """θ_global from a peer (``Links.peers``, in its order), asked again
+        until `deadline_s` while none answers; the slot name it came from, or
+        None. A peer of a replica that is done and does not take the
+        connection has exited (done workers do) and is not asked again: with
+        only such peers left, the caller goes to the checkpoint at once."""
         t_end = time.monotonic() + deadline_s
+        gone: set[int] = set()
         while time.monotonic() < t_end:
-            peers = self.links.peers()
+            peers = [p for p in self.links.peers() if p.replica not in gone]
             if not peers:
                 return None
-            for replica, address in peers:
+            for p in peers:
                 self.links.check_stop()
                 try:
-                    theta, rnd, momentum = pull_weights(address, self.links.stage, self.outer.numel, self.token,
+                    theta, rnd, momentum = pull_weights(p.address, self.links.stage, self.outer.numel, self.token,
                                                         self.max_mb, momentum=self.outer.nesterov is not None)
                     self.outer.load_global(theta, rnd, momentum=momentum)
-                    return slot_name(replica, self.links.stage)
-                except (grpc.RpcError, ValueError) as e:
-                    log.warning("%s: pulling weights from r%d failed: %s", self.name, replica, e)
+                    return slot_name(p.replica, self.links.stage)
+                except grpc.RpcError as e:
+                    code = e.code() if hasattr(e, "code") else None
+                    if p.done and code == grpc.StatusCode.UNAVAILABLE:
+                        gone.add(p.replica)
+                        log.info("%s: r%d is done and its worker has exited: not a source of weights", self.name,
+                                 p.replica)
+                    else:
+                        log.warning("%s: pulling weights from r%d failed: %s", self.name, p.replica,
+                                    e.details() if hasattr(e, "details") else e)
+                except ValueError as e:
+                    log.warning("%s: pulling weights from r%d failed: %s", self.name, p.replica, e)
             time.sleep(0.2)
         return None
 
