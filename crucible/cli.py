@@ -302,12 +302,16 @@ def _coordinator(args) -> int:
     die_with_parent()
     cfg = _job_config(args)
     _setup_tls(args, cfg)
-    os.makedirs(args.run_dir, exist_ok=True)
-    token = rpc.read_token(args.run_dir)
-    if not token:
-        token = rpc.new_token()
-        path = rpc.write_token(args.run_dir, token)
-        print(f"crucible: no CRUCIBLE_TOKEN given; generated one in {path}", file=sys.stderr)
+    try:
+        os.makedirs(args.run_dir, exist_ok=True)
+        token = rpc.read_token(args.run_dir)
+        if not token:
+            token = rpc.new_token()
+            path = rpc.write_token(args.run_dir, token)
+            print(f"crucible: no CRUCIBLE_TOKEN given; generated one in {path}", file=sys.stderr)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and e.filename != args.run_dir else ""
+        raise UsageError(f"--run-dir {args.run_dir}: {e.strerror or e}{where}") from None
     try:
         return serve(cfg, args.run_dir, args.bind, token, resume=args.resume, fresh=args.fresh,
                      on_sigterm=args.on_sigterm)
@@ -372,7 +376,7 @@ def check_hostport(flag: str, value: str, dial: bool = False) -> None:
 
 def _check_args(args) -> None:
     """What can be refused before anything starts: addresses that are not
-    host:port, a run directory that is a file."""
+    host:port, a run directory that is a file or cannot be made."""
     from crucible.files import dir_problem
 
     for flag, dial in (("coordinator", True), ("bind", False), ("advertise", True)):
@@ -381,7 +385,7 @@ def _check_args(args) -> None:
             check_hostport(f"--{flag}", value, dial)
     # (launch checks its own, default, run directory: crucible.launch.Launcher)
     if args.cmd in ("check", "coordinator", "status", "kill", "interval") and args.run_dir:
-        problem = dir_problem(args.run_dir)
+        problem = dir_problem(args.run_dir, make=args.cmd in ("check", "coordinator"))   # (those two write it)
         if problem:
             raise UsageError(f"--run-dir {args.run_dir}: {problem}")
 

@@ -1,0 +1,75 @@
+"""Bad input to the commands around a job (a QA pass): each is one line on the
+terminal naming the flag, key or path, a non-zero exit (2 for a usage or
+configuration error), no traceback, within seconds, and nothing lost.
+
+Every test here runs without a training job (a coordinator alone at most).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import ROOT, child_env, crucible_cmd
+
+JOB = ["--replicas", "1", "--stages", "2", "--steps", "3"]
+CANNOT_MAKE = "/proc/crucible-test/run"     # /proc refuses a new folder, to root too
+
+
+def _run(*args: str, env: dict | None = None, timeout: float = 60) -> tuple[int, list[str], str]:
+    t0 = time.monotonic()
+    done = subprocess.run(crucible_cmd(*args), cwd=ROOT, env=env or child_env(), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout)
+    out = done.stdout + done.stderr
+    assert "Traceback" not in out, out
+    assert time.monotonic() - t0 < 30, out
+    return done.returncode, [x for x in out.splitlines() if x.strip()], out
+
+
+def _refused(*args: str, status: int = 2, env: dict | None = None) -> str:
+    """`crucible ARGS` refused: exit `status`, exactly one line; returns it."""
+    code, lines, out = _run(*args, env=env)
+    assert code == status, f"exit {code}:\n{out}"
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def _digest(root) -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+# ---- a run directory that cannot be made (was a traceback after the pre-flight, or `check passed`) ----------
+
+def test_a_run_dir_that_cannot_be_made_is_named(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("")
+    for args in (("launch", "--run-dir", CANNOT_MAKE, *JOB), ("check", "--run-dir", CANNOT_MAKE, *JOB),
+                 ("coordinator", "--run-dir", CANNOT_MAKE)):
+        line = _refused(*args)
+        assert line.startswith(f"crucible: --run-dir {CANNOT_MAKE}: cannot create") and \
+            "No such file or directory" in line, (args, line)
+    for args in (("launch", "--run-dir", "/proc", *JOB), ("coordinator", "--run-dir", "/proc")):
+        line = _refused(*args)
+        assert line.startswith("crucible: --run-dir /proc: cannot write in it: "), (args, line)
+    line = _refused("coordinator", "--run-dir", str(f / "run"))
+    assert line == f"crucible: --run-dir {f / 'run'}: {f} is not a directory", line
+
+
+def test_a_run_dir_that_can_be_made_is_tried_and_left_as_it_was(tmp_path):
+    """The check tries to make the folders (and removes them): `check` writes nothing."""
+    code, lines, out = _run("check", "--run-dir", str(tmp_path / "a" / "run"), "--quiet", *JOB,
+                            "model.n_layer=2", "model.d_model=32", "model.n_head=2", "train.seq_len=16",
+                            "data.max_bytes=200000")
+    assert code == 0 and not lines, out
+    assert os.listdir(tmp_path) == []
