@@ -73,3 +73,20 @@ def test_a_run_dir_that_can_be_made_is_tried_and_left_as_it_was(tmp_path):
                             "data.max_bytes=200000")
     assert code == 0 and not lines, out
     assert os.listdir(tmp_path) == []
+
+
+# ---- --out of report, certs, k8s render ---------------------------------------------------------------------
+
+def test_report_out_that_cannot_be_written_is_named(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    (tmp_path / "d").mkdir()
+    f = tmp_path / "f"
+    f.write_text("precious")
+    for out, why in ((tmp_path / "d", "is a directory"), (f / "r.html", f"{f}: not a directory"),
+                     ("/proc/crucible-test/r.html", "/proc/crucible-test: cannot create it")):
+        line = _refused("report", str(run), "--out", str(out))
+        assert line.startswith(f"crucible report: --out {out}: {why}"), line
+    assert sorted(os.listdir(tmp_path)) == ["d", "f", "run"] and os.listdir(tmp_path / "d") == []
+    assert f.read_text() == "precious" and os.listdir(run) == ["metrics.jsonl"]
