@@ -90,3 +90,35 @@ def test_report_out_that_cannot_be_written_is_named(tmp_path):
         assert line.startswith(f"crucible report: --out {out}: {why}"), line
     assert sorted(os.listdir(tmp_path)) == ["d", "f", "run"] and os.listdir(tmp_path / "d") == []
     assert f.read_text() == "precious" and os.listdir(run) == ["metrics.jsonl"]
+
+
+def test_certs_out_that_cannot_be_made_is_named(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("precious")
+    assert _refused("certs", "--out", str(f), "--hosts", "a") == f"crucible certs: --out {f}: not a directory"
+    line = _refused("certs", "--out", "/proc/crucible-test", "--hosts", "a")
+    assert line.startswith("crucible certs: --out /proc/crucible-test: cannot create it: "), line
+    assert f.read_text() == "precious"
+
+
+K8S = ["k8s", "render", "--replicas", "1", "--stages", "2"]
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--image", ""], "--image must name a container image"),
+    (["--image", "img", "--namespace", "Bad_NS"], "--namespace 'Bad_NS' must be a DNS label (RFC 1123)"),
+    (["--image", "img", "--namespace", "ns-"], "--namespace 'ns-' must be a DNS label"),
+    (["--image", "img", "--namespace", "n" * 64], f"--namespace '{'n' * 64}' must be a DNS label"),
+])
+def test_k8s_render_refuses_a_bad_image_or_namespace(flags, why, tmp_path):
+    line = _refused(*K8S, "--out", str(tmp_path / "m"), *flags)
+    assert line.startswith(f"crucible k8s: {why}"), line
+    assert not (tmp_path / "m").exists()
+
+
+def test_k8s_render_out_that_is_a_file_is_named(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("precious")
+    line = _refused(*K8S, "--out", str(f), "--image", "img")
+    assert line == f"crucible k8s: --out {f}: not a directory", line
+    assert f.read_text() == "precious"
