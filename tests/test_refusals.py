@@ -122,3 +122,15 @@ def test_k8s_render_out_that_is_a_file_is_named(tmp_path):
     line = _refused(*K8S, "--out", str(f), "--image", "img")
     assert line == f"crucible k8s: --out {f}: not a directory", line
     assert f.read_text() == "precious"
+
+
+# ---- flags and keys ----------------------------------------------------------------------------------------
+
+def test_interval_refuses_zero_nodes(tmp_path):
+    """Was taken as 1 node (`args.nodes or 1`)."""
+    for n in ("0", "-3"):
+        line = _refused("interval", "--cost", "10", "--mtbf", "100", "--nodes", n)
+        assert line == f"crucible interval: --nodes must be >= 1, got {n}", line
+    (tmp_path / "metrics.jsonl").write_text("")
+    line = _refused("interval", "--run-dir", str(tmp_path), "--nodes", "0")
+    assert line == "crucible interval: --nodes must be >= 1, got 0", line
