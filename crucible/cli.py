@@ -376,13 +376,19 @@ def check_hostport(flag: str, value: str, dial: bool = False) -> None:
 
 def _check_args(args) -> None:
     """What can be refused before anything starts: addresses that are not
-    host:port, a run directory that is a file or cannot be made."""
+    host:port, a --device that is none, a run directory that is a file or
+    cannot be made."""
     from crucible.files import dir_problem
 
     for flag, dial in (("coordinator", True), ("bind", False), ("advertise", True)):
         value = getattr(args, flag, None)
         if value is not None and (value or flag != "advertise"):     # --advertise "" = the bound address
             check_hostport(f"--{flag}", value, dial)
+    if args.cmd in ("check", "worker") and args.device:   # (launch's --device is job.device: a config error)
+        from crucible.config import _device_ok
+
+        if not _device_ok(args.device):
+            raise UsageError(f"--device {args.device!r}: must be cpu, cuda or cuda:N")
     # (launch checks its own, default, run directory: crucible.launch.Launcher)
     if args.cmd in ("check", "coordinator", "status", "kill", "interval") and args.run_dir:
         problem = dir_problem(args.run_dir, make=args.cmd in ("check", "coordinator"))   # (those two write it)

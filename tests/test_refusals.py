@@ -134,3 +134,12 @@ def test_interval_refuses_zero_nodes(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     line = _refused("interval", "--run-dir", str(tmp_path), "--nodes", "0")
     assert line == "crucible interval: --nodes must be >= 1, got 0", line
+
+
+def test_a_device_that_is_none_is_a_usage_error_for_check_as_for_launch(tmp_path):
+    """check --device gpu exited 1, launch --device gpu 2."""
+    for args in (("check", "--device", "gpu", *JOB), ("worker", "--coordinator", "127.0.0.1:1", "--device", "gpu")):
+        line = _refused(*args, env=dict(child_env(), CRUCIBLE_TOKEN="x"))
+        assert line == "crucible: --device 'gpu': must be cpu, cuda or cuda:N", line
+    line = _refused("launch", "--run-dir", str(tmp_path / "run"), "--device", "gpu", *JOB)
+    assert "'job.device': must be cpu, cuda or cuda:N" in line, line
