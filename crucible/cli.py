@@ -271,6 +271,7 @@ def _check(args) -> int:
     from crucible import exits, preflight
 
     cfg = _job_config(args)
+    cfg.validate_here()           # (a ConfigError: exit status 2, as launch's)
     try:
         lines = preflight.run(cfg, run_dir=args.run_dir, resume=args.resume, device=args.device)
     except preflight.CheckFailed as e:
@@ -289,7 +290,9 @@ def _check(args) -> int:
 def _launch(args) -> int:
     from crucible.launch import Launcher
 
-    _setup_tls(args, _job_config(args))
+    cfg = _job_config(args)
+    cfg.validate_here()           # net.bind, before anything starts
+    _setup_tls(args, cfg)
     return Launcher(args, args.overrides).run()
 
 

@@ -143,3 +143,14 @@ def test_a_device_that_is_none_is_a_usage_error_for_check_as_for_launch(tmp_path
         assert line == "crucible: --device 'gpu': must be cpu, cuda or cuda:N", line
     line = _refused("launch", "--run-dir", str(tmp_path / "run"), "--device", "gpu", *JOB)
     assert "'job.device': must be cpu, cuda or cuda:N" in line, line
+
+
+@pytest.mark.parametrize("host, why", [("nonsense.invalid", "does not resolve"),
+                                       ("192.0.2.1", "cannot be bound on this machine")])
+def test_a_net_bind_that_cannot_be_bound_is_a_config_error(host, why, tmp_path):
+    """Passed validation and check; launch then failed with gRPC's `Failed to bind`."""
+    for cmd in ("check", "launch"):
+        line = _refused(cmd, "--run-dir", str(tmp_path / "run"), *JOB, f"net.bind={host}")
+        assert line.startswith(f"crucible: bad value for 'net.bind': {why}") and line.endswith(f"(got {host!r})"), \
+            line
+    assert not (tmp_path / "run").exists()
