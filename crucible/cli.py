@@ -298,7 +298,8 @@ def _launch(args) -> int:
 
 def _coordinator(args) -> int:
     _setup_logging("coordinator")
-    from crucible import rpc
+    from crucible import exits, rpc
+    from crucible.checkpoint.store import CannotResume
     from crucible.coordinator.server import serve
     from crucible.procs import die_with_parent
 
@@ -318,6 +319,10 @@ def _coordinator(args) -> int:
     try:
         return serve(cfg, args.run_dir, args.bind, token, resume=args.resume, fresh=args.fresh,
                      on_sigterm=args.on_sigterm)
+    except CannotResume as e:   # (its message is the line to show: no class path, no traceback)
+        exits.write_error(str(e))
+        print(f"crucible coordinator: {e}", file=sys.stderr, flush=True)
+        return exits.ERROR
     except Exception as e:  # noqa: BLE001
         return _fatal("coordinator", e)
 

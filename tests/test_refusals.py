@@ -154,3 +154,43 @@ def test_a_net_bind_that_cannot_be_bound_is_a_config_error(host, why, tmp_path):
         assert line.startswith(f"crucible: bad value for 'net.bind': {why}") and line.endswith(f"(got {host!r})"), \
             line
     assert not (tmp_path / "run").exists()
+
+
+# ---- --resume over damaged checkpoints -----------------------------------------------------------------------
+
+def _damaged_run(run_dir) -> str:
+    """A run directory whose two checkpoints (1 x 2) each have a shard with a flipped byte."""
+    from crucible.checkpoint import store
+    from crucible.checkpoint.shard import write_shard
+
+    root = os.path.join(run_dir, "checkpoints")
+    for step in (10, 20):
+        shards = [write_shard(store.tmp_dir(root, step), store.shard_name(0, s), {"step": step, "x": b"abc" * 100})
+                  for s in (0, 1)]
+        store.commit(root, step, shards, {"topology": {"replicas": 1, "stages": 2}})
+        p = store.step_dir(root, step) / store.shard_name(0, 1)
+        data = bytearray(p.read_bytes())
+        data[-5] ^= 0xFF
+        p.write_bytes(bytes(data))
+    return root
+
+
+def test_resume_over_damaged_checkpoints_fails_the_check_with_the_coordinators_line(tmp_path):
+    run = tmp_path / "run"
+    root = _damaged_run(run)
+    before = _digest(run)
+    want = f"--resume: none of the 2 checkpoint(s) in {root} can be resumed from (newest, step 20: damaged: "
+    line = _refused("check", "--run-dir", str(run), "--resume", *JOB, status=1)
+    assert line.startswith(f"crucible: {want}") and "nothing was moved" in line, line
+    # launch: the pre-flight says the same line, before the run directory is used
+    line = _refused("launch", "--run-dir", str(run), "--resume", *JOB, status=1)
+    assert line.startswith(f"crucible: {want}"), line
+    assert _digest(run) == before
+    # the coordinator alone (what `launch --no-check` shows): the line, no class path
+    code, lines, out = _run("coordinator", "--run-dir", str(run), "--resume", *JOB)
+    assert code == 1 and lines[-1].startswith(f"crucible coordinator: {want}"), out
+    assert "CannotResume" not in out
+    # launch --no-check: the launcher shows the coordinator's line, without a class path either
+    code, lines, out = _run("launch", "--no-check", "--run-dir", str(run), "--resume", *JOB)
+    assert code == 1 and f"the coordinator exited with 1: {want}" in out and "CannotResume" not in out, out
+    assert {k: v for k, v in _digest(run).items() if k.startswith("checkpoints")} == before
