@@ -225,6 +225,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("crucible: interrupted", file=sys.stderr)
         return exits.interrupted(signal.SIGINT)
+    except BrokenPipeError as e:
+        if not _reader_gone():
+            print(f"crucible: {exits.last_line(e)}", file=sys.stderr)
+            return exits.ERROR
+        # `crucible status --watch | head`: the reader went away. Quietly, as
+        # other tools (killed by SIGPIPE); stdout to /dev/null, so that the
+        # flush at exit does not fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return exits.interrupted(signal.SIGPIPE)
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end was closed."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _job_config(args):

@@ -194,3 +194,34 @@ def test_resume_over_damaged_checkpoints_fails_the_check_with_the_coordinators_l
     code, lines, out = _run("launch", "--no-check", "--run-dir", str(run), "--resume", *JOB)
     assert code == 1 and f"the coordinator exited with 1: {want}" in out and "CannotResume" not in out, out
     assert {k: v for k, v in _digest(run).items() if k.startswith("checkpoints")} == before
+
+
+# ---- the reader of stdout goes away ----------------------------------------------------------------------------
+
+def test_status_watch_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`crucible status --watch | head -5` ended in a BrokenPipeError traceback."""
+    run = tmp_path / "run"
+    coord = subprocess.Popen(crucible_cmd("coordinator", "--run-dir", str(run), *JOB), cwd=ROOT, env=child_env(),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        t_end = time.monotonic() + 30
+        while not (run / "coordinator.addr").exists() or not (run / "coordinator.addr").read_text().strip():
+            assert time.monotonic() < t_end and coord.poll() is None, "the coordinator did not come up"
+            time.sleep(0.1)
+        watch = subprocess.Popen(crucible_cmd("status", "--run-dir", str(run), "--watch"), cwd=ROOT,
+                                 env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            assert watch.stdout.readline().startswith(b"run ")
+            watch.stdout.close()              # the reader goes away (head -1)
+            code = watch.wait(timeout=20)
+            err = watch.stderr.read().decode()
+        finally:
+            if watch.poll() is None:
+                os.killpg(watch.pid, signal.SIGKILL)
+                watch.wait(10)
+        assert code == 128 + signal.SIGPIPE and err == "", (code, err)
+    finally:
+        os.killpg(coord.pid, signal.SIGKILL)
+        coord.wait(10)
