@@ -225,3 +225,32 @@ def test_status_watch_into_a_closed_pipe_exits_quietly(tmp_path):
     finally:
         os.killpg(coord.pid, signal.SIGKILL)
         coord.wait(10)
+
+
+# ---- cosmetics -----------------------------------------------------------------------------------------------
+
+def test_progress_line_shows_replica_states_whole():
+    from crucible.status import format_progress
+
+    st = {"steps_target": 20, "replicas": [{"id": 0, "state": "waiting", "step": 3, "loss": 1.0, "tokens_per_s": 5},
+                                           {"id": 1, "state": "paused", "step": 3, "loss": None}]}
+    line = format_progress(st)
+    assert "r0 waiting  step 3/20" in line and "r1 paused   step 3/20" in line, line
+
+
+def test_slurm_status_of_a_slot_never_submitted(monkeypatch, capsys):
+    from crucible.cluster import slurm
+
+    slot = {"slot": "r0s0", "job_id": None, "state": "WAITING", "node": "", "submits": 0, "failures": 0,
+            "worker_state": None, "step": None}
+    st = {"run_id": "ab", "run_dir": "/r", "supervisor_pid": 7, "stopping": False, "job": None,
+          "slots": [dict(slot, resubmit_in_s=0.0, last_end=None),
+                    dict(slot, slot="r0s1", resubmit_in_s=2.5, last_end=None),
+                    dict(slot, slot="r1s0", resubmit_in_s=4.0, last_end="FAILED")]}
+    monkeypatch.setattr(slurm.SlurmRun, "load", staticmethod(lambda run_dir: None))
+    monkeypatch.setattr(slurm, "collect_status", lambda run: st)
+    assert slurm.cmd_status(type("A", (), {"run_dir": "/r", "json": False})()) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out, out
+    assert "(to be submitted now)" in out and "(to be submitted in 2.5s)" in out, out
+    assert "(resubmit in 4.0s after FAILED)" in out, out
