@@ -25,7 +25,7 @@ import re
 import sys
 import types
 
-from crucible.files import atomic_write
+from crucible.files import atomic_write, dir_problem
 
 HOST_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,253}$")
 
@@ -123,11 +123,18 @@ def main(args) -> int:
     if not hosts:
         print("crucible certs: --hosts needs at least one host", file=sys.stderr)
         return 2
+    problem = dir_problem(args.out, make=True)
+    if problem:
+        print(f"crucible certs: --out {args.out}: {problem}", file=sys.stderr)
+        return 2
     try:
         written = make(args.out, hosts, days=args.days, force=args.force)
     except ValueError as e:
         print(f"crucible certs: {e}", file=sys.stderr)
         return 2
+    except OSError as e:      # (a disk full; --out changed since the check above)
+        print(f"crucible certs: --out {args.out}: {e}", file=sys.stderr)
+        return 1
     for path in written:
         print(path)
     print(f"crucible certs: {len(hosts)} host(s) in {args.out}; start each process with "

@@ -236,15 +236,19 @@ def main(args) -> int:
 def interval_main(args) -> int:
     from crucible import interval
 
+    if args.nodes is not None and args.nodes < 1:     # (not taken as 1 node: 0 is refused as -3 is)
+        print(f"crucible interval: --nodes must be >= 1, got {args.nodes}", file=sys.stderr)
+        return 2
+    nodes = 1 if args.nodes is None else args.nodes
     try:
         if args.run_dir:
-            d = interval.from_run_dir(args.run_dir, node_mtbf_s=args.mtbf, nodes=args.nodes or 1,
+            d = interval.from_run_dir(args.run_dir, node_mtbf_s=args.mtbf, nodes=nodes,
                                       restart_s=args.restart or 0.0)
         else:
             if args.cost is None or args.mtbf is None:
                 print("crucible interval: give --cost and --mtbf, or --run-dir", file=sys.stderr)
                 return 2
-            d = interval.plan(args.cost, args.mtbf, nodes=args.nodes or 1, restart_s=args.restart or 0.0,
+            d = interval.plan(args.cost, args.mtbf, nodes=nodes, restart_s=args.restart or 0.0,
                               persist_s=args.persist)
     except (ValueError, FileNotFoundError) as e:
         print(f"crucible interval: {e}", file=sys.stderr)

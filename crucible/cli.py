@@ -225,6 +225,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("crucible: interrupted", file=sys.stderr)
         return exits.interrupted(signal.SIGINT)
+    except BrokenPipeError as e:
+        if not _reader_gone():
+            print(f"crucible: {exits.last_line(e)}", file=sys.stderr)
+            return exits.ERROR
+        # `crucible status --watch | head`: the reader went away. Quietly, as
+        # other tools (killed by SIGPIPE); stdout to /dev/null, so that the
+        # flush at exit does not fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return exits.interrupted(signal.SIGPIPE)
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end was closed."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _job_config(args):
@@ -271,6 +292,7 @@ def _check(args) -> int:
     from crucible import exits, preflight
 
     cfg = _job_config(args)
+    cfg.validate_here()           # (a ConfigError: exit status 2, as launch's)
     try:
         lines = preflight.run(cfg, run_dir=args.run_dir, resume=args.resume, device=args.device)
     except preflight.CheckFailed as e:
@@ -289,28 +311,39 @@ def _check(args) -> int:
 def _launch(args) -> int:
     from crucible.launch import Launcher
 
-    _setup_tls(args, _job_config(args))
+    cfg = _job_config(args)
+    cfg.validate_here()           # net.bind, before anything starts
+    _setup_tls(args, cfg)
     return Launcher(args, args.overrides).run()
 
 
 def _coordinator(args) -> int:
     _setup_logging("coordinator")
-    from crucible import rpc
+    from crucible import exits, rpc
+    from crucible.checkpoint.store import CannotResume
     from crucible.coordinator.server import serve
     from crucible.procs import die_with_parent
 
     die_with_parent()
     cfg = _job_config(args)
     _setup_tls(args, cfg)
-    os.makedirs(args.run_dir, exist_ok=True)
-    token = rpc.read_token(args.run_dir)
-    if not token:
-        token = rpc.new_token()
-        path = rpc.write_token(args.run_dir, token)
-        print(f"crucible: no CRUCIBLE_TOKEN given; generated one in {path}", file=sys.stderr)
+    try:
+        os.makedirs(args.run_dir, exist_ok=True)
+        token = rpc.read_token(args.run_dir)
+        if not token:
+            token = rpc.new_token()
+            path = rpc.write_token(args.run_dir, token)
+            print(f"crucible: no CRUCIBLE_TOKEN given; generated one in {path}", file=sys.stderr)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and e.filename != args.run_dir else ""
+        raise UsageError(f"--run-dir {args.run_dir}: {e.strerror or e}{where}") from None
     try:
         return serve(cfg, args.run_dir, args.bind, token, resume=args.resume, fresh=args.fresh,
                      on_sigterm=args.on_sigterm)
+    except CannotResume as e:   # (its message is the line to show: no class path, no traceback)
+        exits.write_error(str(e))
+        print(f"crucible coordinator: {e}", file=sys.stderr, flush=True)
+        return exits.ERROR
     except Exception as e:  # noqa: BLE001
         return _fatal("coordinator", e)
 
@@ -372,16 +405,22 @@ def check_hostport(flag: str, value: str, dial: bool = False) -> None:
 
 def _check_args(args) -> None:
     """What can be refused before anything starts: addresses that are not
-    host:port, a run directory that is a file."""
+    host:port, a --device that is none, a run directory that is a file or
+    cannot be made."""
     from crucible.files import dir_problem
 
     for flag, dial in (("coordinator", True), ("bind", False), ("advertise", True)):
         value = getattr(args, flag, None)
         if value is not None and (value or flag != "advertise"):     # --advertise "" = the bound address
             check_hostport(f"--{flag}", value, dial)
+    if args.cmd in ("check", "worker") and args.device:   # (launch's --device is job.device: a config error)
+        from crucible.config import _device_ok
+
+        if not _device_ok(args.device):
+            raise UsageError(f"--device {args.device!r}: must be cpu, cuda or cuda:N")
     # (launch checks its own, default, run directory: crucible.launch.Launcher)
     if args.cmd in ("check", "coordinator", "status", "kill", "interval") and args.run_dir:
-        problem = dir_problem(args.run_dir)
+        problem = dir_problem(args.run_dir, make=args.cmd in ("check", "coordinator"))   # (those two write it)
         if problem:
             raise UsageError(f"--run-dir {args.run_dir}: {problem}")
 

@@ -64,6 +64,28 @@ def is_host(value: str) -> bool:
     return re.fullmatch(rf"{_HOST}|{_V6}|\[{_V6}\]", value) is not None
 
 
+def bind_problem(host: str) -> str | None:
+    """Why a server on this machine cannot bind ``host`` (a name that does not
+    resolve, an address of another machine), or None: a socket is bound to
+    port 0 of each address it resolves to until one binds."""
+    import socket
+
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        infos = socket.getaddrinfo(name or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"does not resolve ({getattr(e, 'strerror', None) or e})"
+    why = "no address"
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.bind(addr)
+            return None
+        except OSError as e:
+            why = e.strerror or str(e)
+    return f"cannot be bound on this machine ({why})"
+
+
 @dataclass
 class JobConfig:
     replicas: int = 2          # data-parallel replicas (R)
@@ -344,6 +366,14 @@ class Config:
         for check in (self._check_model, self._check_train, self._check_outer, self._check_checkpoint,
                       self._check_fault_and_net):
             check()
+
+    def validate_here(self) -> None:
+        """What only the machine that runs `crucible launch` can tell (not part
+        of validate: a configuration is validated on every host of a job):
+        net.bind is an address of this machine. ConfigError names the key."""
+        problem = bind_problem(self.net.bind)
+        self._need(problem is None, "net.bind", f"{problem}; it must be an address of this machine "
+                                                "(e.g. 127.0.0.1, 0.0.0.0 or ::1)")
 
     def _need(self, ok: bool, key: str, msg: str) -> None:
         if not ok:

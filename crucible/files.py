@@ -30,15 +30,43 @@ def atomic_write(path: str, data: str | bytes, fsync: bool = True, mode: int | N
         raise
 
 
-def dir_problem(path: str) -> str | None:
+def dir_problem(path: str, make: bool = False) -> str | None:
     """Why ``path`` is not a directory and cannot become one (a file is there,
     or at a folder above it), or None: a directory, or a path that
-    ``os.makedirs`` can create."""
+    ``os.makedirs`` can create. With ``make``, also whether the OS lets this
+    process create it (or a folder in it, when it exists): tried, and what the
+    try created is removed again (``/proc/x``, a read-only file system)."""
     p = os.path.abspath(path)
     if os.path.exists(p):
-        return None if os.path.isdir(p) else "not a directory"
-    while p != os.path.dirname(p):
-        p = os.path.dirname(p)
-        if os.path.exists(p):
-            return None if os.path.isdir(p) else f"{p} is not a directory"
+        if not os.path.isdir(p):
+            return "not a directory"
+        return _try_mkdir(os.path.join(p, f".crucible-probe-{os.getpid()}"), p, "cannot write in it") \
+            if make else None
+    top = p
+    while top != os.path.dirname(top):
+        top = os.path.dirname(top)
+        if os.path.exists(top):
+            if not os.path.isdir(top):
+                return f"{top} is not a directory"
+            break
+    return _try_mkdir(p, top, "cannot create it") if make else None
+
+
+def _try_mkdir(path: str, existing: str, what: str) -> str | None:
+    """Create ``path`` and the folders missing above it (below ``existing``),
+    then remove them again; the OS's reason when it refuses, else None."""
+    try:
+        os.makedirs(path)
+    except FileExistsError:
+        return None                      # made meanwhile by someone else: it is there
+    except OSError as e:
+        where = e.filename if isinstance(e.filename, str) and e.filename != path else ""
+        return f"{what}: {'mkdir ' + where + ': ' if where else ''}{e.strerror or e}"
+    d = path
+    while d != existing and d != os.path.dirname(d):
+        try:
+            os.rmdir(d)
+        except OSError:
+            break                        # something was put in it meanwhile: leave it
+        d = os.path.dirname(d)
     return None

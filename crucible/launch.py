@@ -114,7 +114,7 @@ class Launcher:
     def __init__(self, args, overrides: list[str]):
         self.args = args
         self.run_dir = os.path.abspath(args.run_dir or default_run_dir())
-        problem = dir_problem(self.run_dir)
+        problem = dir_problem(self.run_dir, make=True)
         if problem:
             raise exits.UsageError(f"--run-dir {args.run_dir or self.run_dir}: {problem}")
         self.overrides = list(overrides)
@@ -284,7 +284,11 @@ class Launcher:
         code = self.preflight()
         if code != exits.OK:
             return code
-        os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        try:
+            os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        except OSError as e:       # (dir_problem tried; the OS may still say no: changed since)
+            print(f"crucible: --run-dir {self.run_dir}: {e.strerror or e} ({e.filename})", file=sys.stderr)
+            return exits.USAGE
         self.token = rpc.read_token(self.run_dir) if self.args.resume else ""
         if not self.token:
             self.token = os.environ.get(rpc.TOKEN_ENV) or rpc.new_token()

@@ -9,7 +9,9 @@ What is checked, in order:
 
 * the run directory: a fresh launch (no ``--resume``) into a directory that
   already holds committed checkpoints is refused, so nothing is overwritten or
-  deleted by retention;
+  deleted by retention; a ``--resume`` that the coordinator would refuse
+  (no checkpoint that verifies, holds every stage and fits this job) is
+  refused with its line;
 * the data (``data.*``): the source exists and is readable, holds enough
   tokens for ``train.seq_len``, the held-out split and one sequence per
   replica, and every token id fits ``model.vocab_size`` (``.bin`` files too);
@@ -38,11 +40,14 @@ class CheckFailed(Exception):
     """A pre-flight check failed; the message is the one line to show."""
 
 
-def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None) -> None:
+def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, verify: bool = False) -> None:
     """A fresh launch into a run directory holding committed checkpoints would
     train from step 0 over them (and retention would delete them): refused.
     A resume whose newest checkpoint is of another topology or model (its
-    shards would not load): refused, naming what differs."""
+    shards would not load): refused, naming what differs. With ``verify``
+    (``crucible check``), a resume is refused as the coordinator would refuse
+    it (``store.choose_resume``: every checkpoint damaged or incomplete, its
+    shards read and checked); without, only the manifests are read."""
     if not run_dir:
         return
     from crucible.checkpoint import store
@@ -51,6 +56,12 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None) 
     if not os.path.isdir(root):
         return
     done = store.list_checkpoints(root)
+    if resume and verify and cfg is not None:
+        try:
+            store.choose_resume(root, done, cfg.to_dict())
+        except store.CannotResume as e:
+            raise CheckFailed(str(e)) from None
+        return
     if resume:
         for info in reversed(done):     # (the newest whose manifest reads; the coordinator verifies the shards)
             try:
@@ -195,7 +206,7 @@ def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: s
         device = str(devices.resolve(device or cfg.job.device, 0, 0, cfg.job.stages))
     except devices.DeviceError as e:
         raise CheckFailed(str(e)) from None
-    check_run_dir(run_dir, resume, cfg)
+    check_run_dir(run_dir, resume, cfg, verify=True)
     corpus, data_line = check_data(cfg)
     model_line = check_model(cfg, corpus, device)
     return [data_line, model_line, f"checked in {time.perf_counter() - t0:.1f}s"]

@@ -546,14 +546,32 @@ img{{max-width:100%;border:1px solid #ddd}}table{{border-collapse:collapse}}td,t
 """
 
 
+def _out_problem(out: str) -> str | None:
+    """Why --out cannot be the HTML file (with report/ beside it), or None."""
+    from crucible.files import dir_problem
+
+    if os.path.isdir(out):
+        return "is a directory; name the HTML file to write (its figures go in report/ beside it)"
+    folder = os.path.dirname(os.path.abspath(out))
+    problem = dir_problem(folder, make=True)
+    return f"{folder}: {problem}" if problem and not problem.startswith(os.sep) else problem
+
+
 def main(args) -> int:
     import sys
 
+    problem = _out_problem(args.out) if args.out else None
+    if problem:           # before anything is written (the figures go first, next to it)
+        print(f"crucible report: --out {args.out}: {problem}", file=sys.stderr)
+        return 2
     try:
         summary = build(args.run_dir, args.out)
     except FileNotFoundError as e:
         print(f"crucible report: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # (a disk full, a folder that changed since the check above)
+        print(f"crucible report: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -46,7 +46,7 @@ def format_progress(st: dict) -> str:
     parts = []
     for r in st["replicas"]:
         tps = r.get("tokens_per_s")
-        parts.append(f"r{r['id']} {r['state'][:5]} step {r['step']}/{st['steps_target']} "
+        parts.append(f"r{r['id']} {r['state']:<8} step {r['step']}/{st['steps_target']} "
                      f"loss {_fmt(r['loss'])} {_fmt(tps, '.0f')} tok/s")
     return " | ".join(parts)
 

@@ -435,6 +435,54 @@ def resume_mismatch(manifest: Mapping[str, Any], cfg: Mapping[str, Any]) -> str 
     return None
 
 
+class CannotResume(RuntimeError):
+    """``--resume`` asked for and no checkpoint of this run fits: the coordinator
+    (and ``crucible check --resume``) stops with this line rather than train
+    from step 0 or on shards that do not load."""
+
+
+def stages_missing(ckpt_path: str | os.PathLike, replicas: int, stages: int) -> list[int]:
+    """Stages with no shard in any replica in the checkpoint at ``ckpt_path``."""
+    names = shard_names(ckpt_path)
+    return [s for s in range(stages) if not any(shard_name(r, s) in names for r in range(replicas))]
+
+
+def choose_resume(ckpt_root: str | os.PathLike, done: list[CkptInfo], cfg: Mapping[str, Any],
+                  on_passed_over: Callable[[CkptInfo, list[str], list[int]], None] | None = None,
+                  ) -> tuple[CkptInfo | None, dict[int, str]]:
+    """What ``--resume`` continues from: the newest of ``done`` (the committed
+    checkpoints under ``ckpt_root``, oldest first) that verifies and holds a
+    shard of every stage, and why each newer one was passed over (step ->
+    reason; ``on_passed_over(info, problems, stages_missing)`` is called for
+    each). None when ``done`` is empty. CannotResume (its one line) when it
+    is of another topology or model (``resume_mismatch`` with ``cfg``,
+    ``Config.to_dict()``), or when none of ``done`` can be resumed from."""
+    job = cfg["job"]
+    unusable: dict[int, str] = {}
+    for info in reversed(done):
+        problems = verify(info.path)
+        missing = [] if problems else stages_missing(info.path, job["replicas"], job["stages"])
+        if problems or missing:
+            # (every copy of the missing stages was lost before this save: resuming from it would
+            # start them from scratch; an older checkpoint that has them wins)
+            unusable[info.step] = "damaged: " + "; ".join(problems) if problems else \
+                f"holds no shard of stage(s) {missing}"
+            if on_passed_over is not None:
+                on_passed_over(info, problems, missing)
+            continue
+        why = resume_mismatch(read_manifest(info.path), cfg)
+        if why:
+            raise CannotResume(f"--resume: checkpoint {info.path}: {why}")
+        return info, unusable
+    if done:
+        # Starting from step 0 is not what --resume asked for: nothing is moved.
+        step = max(unusable)
+        raise CannotResume(f"--resume: none of the {len(done)} checkpoint(s) in {ckpt_root} can be resumed "
+                           f"from (newest, step {step}: {unusable[step]}); nothing was moved: move them out of "
+                           f"checkpoints/ to start from step 0")
+    return None, unusable
+
+
 def delete(ckpt_path: str | os.PathLike) -> None:
     """Delete a committed checkpoint crash-safely: rename it out of the
     ``step_*`` namespace first (atomic, fsynced), then remove its files."""

@@ -45,6 +45,10 @@ import os
 import re
 import shlex
 import sys
+from typing import NoReturn
+
+from crucible import exits
+from crucible.files import dir_problem
 
 COORD_PORT = 7000
 WORKER_PORT = 7100
@@ -229,13 +233,27 @@ def write(out_dir: str, files: dict[str, list[dict]]) -> list[str]:
     return paths
 
 
+def _refuse(line: str) -> NoReturn:
+    """A bad flag: one line, exit status 2 (USAGE), before anything is written."""
+    print(f"crucible k8s: {line}", file=sys.stderr)
+    raise SystemExit(exits.USAGE)
+
+
 def cmd_render(args) -> int:
     from crucible import rpc
     from crucible.config import Config
 
     if not _NAME.match(args.name) or len(args.name) > 40:
-        raise SystemExit(f"crucible k8s: --name {args.name!r} must be a DNS label of at most 40 characters "
-                         f"(lower-case letters, digits, '-')")
+        _refuse(f"--name {args.name!r} must be a DNS label of at most 40 characters "
+                f"(lower-case letters, digits, '-')")
+    if args.namespace is not None and (not _NAME.match(args.namespace) or len(args.namespace) > 63):
+        _refuse(f"--namespace {args.namespace!r} must be a DNS label (RFC 1123) of at most 63 characters: "
+                f"lower-case letters, digits and '-', starting and ending with a letter or digit")
+    if not args.image.strip():
+        _refuse("--image must name a container image (got an empty string)")
+    problem = dir_problem(args.out, make=True)
+    if problem:
+        _refuse(f"--out {args.out}: {problem}")
     overrides = list(args.overrides)
     for key, val in (("job.replicas", args.replicas), ("job.stages", args.stages), ("train.steps", args.steps)):
         if val is not None:
@@ -251,7 +269,11 @@ def cmd_render(args) -> int:
     args.overrides = overrides
     token = os.environ.get(rpc.TOKEN_ENV) or rpc.new_token()
     files = render(args, cfg, token, config_text)
-    paths = write(args.out, files)
+    try:
+        paths = write(args.out, files)
+    except OSError as e:      # (a disk full; --out changed since the check above)
+        print(f"crucible k8s: --out {args.out}: {e}", file=sys.stderr)
+        return exits.ERROR
     print(f"crucible k8s: {len(paths)} files in {args.out} ({cfg.job.replicas} x {cfg.job.stages} worker Jobs, "
           f"coordinator Job + Service, Secret, PVC); apply with: kubectl apply -f {shlex.quote(args.out)}",
           file=sys.stderr)

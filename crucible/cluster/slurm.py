@@ -733,7 +733,8 @@ def cmd_status(args) -> int:
         if s["step"] is not None:
             extra += f" step {s['step']}"
         if s["resubmit_in_s"] is not None:
-            extra += f" (resubmit in {s['resubmit_in_s']}s after {s['last_end']})"
+            when = f"in {s['resubmit_in_s']}s" if s["resubmit_in_s"] > 0 else "now"
+            extra += f" (resubmit {when} after {s['last_end']})" if s["last_end"] else f" (to be submitted {when})"
         print(f"{s['slot']:>11} {s['job_id'] or '-':>8} {s['state']:>11} {s['node'] or '-':>10} "
               f"{s['submits']:>7} {s['failures']:>5}  {extra}")
     print(format_table(st["job"]) if st["job"] else "the coordinator does not answer")

@@ -115,12 +115,6 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _REPORT_KEYS = ("replica", "stage", "step", "outer_round", "stall_s", "persist_s")
 
 
-class CannotResume(RuntimeError):
-    """``--resume`` asked for and no checkpoint of this run fits: the coordinator
-    stops with this line rather than train from step 0 or on shards that do not
-    load."""
-
-
 @dataclasses.dataclass
 class Save:
     step: int
@@ -240,14 +234,7 @@ class CheckpointManager:
             self.latest_committed_step = done[-1].step
         if not resume:
             return
-        chosen, unusable = self._choose_resume(done)
-        if chosen is None and done:
-            # Starting from step 0 is not what --resume asked for: nothing is moved.
-            step = max(unusable)
-            why = unusable[step]
-            raise CannotResume(f"--resume: none of the {len(done)} checkpoint(s) in {self.root} can be resumed "
-                               f"from (newest, step {step}: {why}); nothing was moved: move them out of "
-                               f"checkpoints/ to start from step 0")
+        chosen, unusable = store.choose_resume(self.root, done, self.job_cfg.to_dict(), self._passed_over)
         self._set_aside_after(chosen, done, unusable)
         if chosen is None:
             self.latest_committed_step = None
@@ -264,33 +251,17 @@ class CheckpointManager:
                                 "checkpointing is on", "checkpoint_period": self.cfg.checkpoint_period})
         log.info("%s", self.periodic.describe())
 
-    def _choose_resume(self, done: list) -> tuple[store.CkptInfo | None, dict[int, str]]:
-        """The newest checkpoint that verifies and holds every stage, and why
-        each newer one was passed over (step -> reason)."""
-        unusable: dict[int, str] = {}
-        for info in reversed(done):
-            problems = store.verify(info.path)
-            if problems:
-                unusable[info.step] = "damaged: " + "; ".join(problems)
-                log.error("checkpoint step %d is damaged, falling back to the previous one: %s", info.step,
-                          "; ".join(problems))
-                self.metrics.write({"event": "ckpt_damaged", "step": info.step, "path": info.path,
-                                    "problems": problems})
-                continue
-            missing = self._stages_missing(info.path)
-            if missing:
-                # Every copy of these stages was lost before this save: resuming from it
-                # would start them from scratch. An older checkpoint that has them wins.
-                log.warning("checkpoint step %d holds no shard of stage(s) %s: falling back to an older one",
-                            info.step, missing)
-                self.metrics.write({"event": "ckpt_incomplete", "step": info.step, "stages_missing": missing})
-                unusable[info.step] = f"holds no shard of stage(s) {missing}"
-                continue
-            why = store.resume_mismatch(store.read_manifest(info.path), self.job_cfg.to_dict())
-            if why:
-                raise CannotResume(f"--resume: checkpoint {info.path}: {why}")
-            return info, unusable
-        return None, unusable
+    def _passed_over(self, info: store.CkptInfo, problems: list[str], missing: list[int]) -> None:
+        """A checkpoint newer than the one resumed that cannot be (store.choose_resume)."""
+        if problems:
+            log.error("checkpoint step %d is damaged, falling back to the previous one: %s", info.step,
+                      "; ".join(problems))
+            self.metrics.write({"event": "ckpt_damaged", "step": info.step, "path": info.path,
+                                "problems": problems})
+        else:
+            log.warning("checkpoint step %d holds no shard of stage(s) %s: falling back to an older one",
+                        info.step, missing)
+            self.metrics.write({"event": "ckpt_incomplete", "step": info.step, "stages_missing": missing})
 
     def _set_aside_after(self, chosen: store.CkptInfo | None, done: list, unusable: dict[int, str]) -> None:
         """Checkpoints after the one resumed: their timeline is abandoned. Moved
@@ -317,13 +288,6 @@ class CheckpointManager:
         self.metrics.write({"event": "ckpt_resume", "step": chosen.step, "path": chosen.path,
                             "replicas": m.get("replicas"), "vacant": m.get("vacant", [])})
         log.info("resuming from %s (step %d)", chosen.path, chosen.step)
-
-    def _stages_missing(self, path: str) -> list[int]:
-        """Stages with no shard in any replica in the checkpoint at ``path``."""
-        names = store.shard_names(path)
-        cfg = self.job_cfg.job
-        return [s for s in range(cfg.stages)
-                if not any(store.shard_name(r, s) in names for r in range(cfg.replicas))]
 
     def start(self) -> None:
         if self._thread is None and self.enabled:

@@ -1,0 +1,256 @@
+"""Bad input to the commands around a job (a QA pass): each is one line on the
+terminal naming the flag, key or path, a non-zero exit (2 for a usage or
+configuration error), no traceback, within seconds, and nothing lost.
+
+Every test here runs without a training job (a coordinator alone at most).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import ROOT, child_env, crucible_cmd
+
+JOB = ["--replicas", "1", "--stages", "2", "--steps", "3"]
+CANNOT_MAKE = "/proc/crucible-test/run"     # /proc refuses a new folder, to root too
+
+
+def _run(*args: str, env: dict | None = None, timeout: float = 60) -> tuple[int, list[str], str]:
+    t0 = time.monotonic()
+    done = subprocess.run(crucible_cmd(*args), cwd=ROOT, env=env or child_env(), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout)
+    out = done.stdout + done.stderr
+    assert "Traceback" not in out, out
+    assert time.monotonic() - t0 < 30, out
+    return done.returncode, [x for x in out.splitlines() if x.strip()], out
+
+
+def _refused(*args: str, status: int = 2, env: dict | None = None) -> str:
+    """`crucible ARGS` refused: exit `status`, exactly one line; returns it."""
+    code, lines, out = _run(*args, env=env)
+    assert code == status, f"exit {code}:\n{out}"
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def _digest(root) -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+# ---- a run directory that cannot be made (was a traceback after the pre-flight, or `check passed`) ----------
+
+def test_a_run_dir_that_cannot_be_made_is_named(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("")
+    for args in (("launch", "--run-dir", CANNOT_MAKE, *JOB), ("check", "--run-dir", CANNOT_MAKE, *JOB),
+                 ("coordinator", "--run-dir", CANNOT_MAKE)):
+        line = _refused(*args)
+        assert line.startswith(f"crucible: --run-dir {CANNOT_MAKE}: cannot create") and \
+            "No such file or directory" in line, (args, line)
+    for args in (("launch", "--run-dir", "/proc", *JOB), ("coordinator", "--run-dir", "/proc")):
+        line = _refused(*args)
+        assert line.startswith("crucible: --run-dir /proc: cannot write in it: "), (args, line)
+    line = _refused("coordinator", "--run-dir", str(f / "run"))
+    assert line == f"crucible: --run-dir {f / 'run'}: {f} is not a directory", line
+
+
+def test_a_run_dir_that_can_be_made_is_tried_and_left_as_it_was(tmp_path):
+    """The check tries to make the folders (and removes them): `check` writes nothing."""
+    code, lines, out = _run("check", "--run-dir", str(tmp_path / "a" / "run"), "--quiet", *JOB,
+                            "model.n_layer=2", "model.d_model=32", "model.n_head=2", "train.seq_len=16",
+                            "data.max_bytes=200000")
+    assert code == 0 and not lines, out
+    assert os.listdir(tmp_path) == []
+
+
+# ---- --out of report, certs, k8s render ---------------------------------------------------------------------
+
+def test_report_out_that_cannot_be_written_is_named(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    (tmp_path / "d").mkdir()
+    f = tmp_path / "f"
+    f.write_text("precious")
+    for out, why in ((tmp_path / "d", "is a directory"), (f / "r.html", f"{f}: not a directory"),
+                     ("/proc/crucible-test/r.html", "/proc/crucible-test: cannot create it")):
+        line = _refused("report", str(run), "--out", str(out))
+        assert line.startswith(f"crucible report: --out {out}: {why}"), line
+    assert sorted(os.listdir(tmp_path)) == ["d", "f", "run"] and os.listdir(tmp_path / "d") == []
+    assert f.read_text() == "precious" and os.listdir(run) == ["metrics.jsonl"]
+
+
+def test_certs_out_that_cannot_be_made_is_named(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("precious")
+    assert _refused("certs", "--out", str(f), "--hosts", "a") == f"crucible certs: --out {f}: not a directory"
+    line = _refused("certs", "--out", "/proc/crucible-test", "--hosts", "a")
+    assert line.startswith("crucible certs: --out /proc/crucible-test: cannot create it: "), line
+    assert f.read_text() == "precious"
+
+
+K8S = ["k8s", "render", "--replicas", "1", "--stages", "2"]
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--image", ""], "--image must name a container image"),
+    (["--image", "img", "--namespace", "Bad_NS"], "--namespace 'Bad_NS' must be a DNS label (RFC 1123)"),
+    (["--image", "img", "--namespace", "ns-"], "--namespace 'ns-' must be a DNS label"),
+    (["--image", "img", "--namespace", "n" * 64], f"--namespace '{'n' * 64}' must be a DNS label"),
+])
+def test_k8s_render_refuses_a_bad_image_or_namespace(flags, why, tmp_path):
+    line = _refused(*K8S, "--out", str(tmp_path / "m"), *flags)
+    assert line.startswith(f"crucible k8s: {why}"), line
+    assert not (tmp_path / "m").exists()
+
+
+def test_k8s_render_out_that_is_a_file_is_named(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("precious")
+    line = _refused(*K8S, "--out", str(f), "--image", "img")
+    assert line == f"crucible k8s: --out {f}: not a directory", line
+    assert f.read_text() == "precious"
+
+
+# ---- flags and keys ----------------------------------------------------------------------------------------
+
+def test_interval_refuses_zero_nodes(tmp_path):
+    """Was taken as 1 node (`args.nodes or 1`)."""
+    for n in ("0", "-3"):
+        line = _refused("interval", "--cost", "10", "--mtbf", "100", "--nodes", n)
+        assert line == f"crucible interval: --nodes must be >= 1, got {n}", line
+    (tmp_path / "metrics.jsonl").write_text("")
+    line = _refused("interval", "--run-dir", str(tmp_path), "--nodes", "0")
+    assert line == "crucible interval: --nodes must be >= 1, got 0", line
+
+
+def test_a_device_that_is_none_is_a_usage_error_for_check_as_for_launch(tmp_path):
+    """check --device gpu exited 1, launch --device gpu 2."""
+    for args in (("check", "--device", "gpu", *JOB), ("worker", "--coordinator", "127.0.0.1:1", "--device", "gpu")):
+        line = _refused(*args, env=dict(child_env(), CRUCIBLE_TOKEN="x"))
+        assert line == "crucible: --device 'gpu': must be cpu, cuda or cuda:N", line
+    line = _refused("launch", "--run-dir", str(tmp_path / "run"), "--device", "gpu", *JOB)
+    assert "'job.device': must be cpu, cuda or cuda:N" in line, line
+
+
+@pytest.mark.parametrize("host, why", [("nonsense.invalid", "does not resolve"),
+                                       ("192.0.2.1", "cannot be bound on this machine")])
+def test_a_net_bind_that_cannot_be_bound_is_a_config_error(host, why, tmp_path):
+    """Passed validation and check; launch then failed with gRPC's `Failed to bind`."""
+    for cmd in ("check", "launch"):
+        line = _refused(cmd, "--run-dir", str(tmp_path / "run"), *JOB, f"net.bind={host}")
+        assert line.startswith(f"crucible: bad value for 'net.bind': {why}") and line.endswith(f"(got {host!r})"), \
+            line
+    assert not (tmp_path / "run").exists()
+
+
+# ---- --resume over damaged checkpoints -----------------------------------------------------------------------
+
+def _damaged_run(run_dir) -> str:
+    """A run directory whose two checkpoints (1 x 2) each have a shard with a flipped byte."""
+    from crucible.checkpoint import store
+    from crucible.checkpoint.shard import write_shard
+
+    root = os.path.join(run_dir, "checkpoints")
+    for step in (10, 20):
+        shards = [write_shard(store.tmp_dir(root, step), store.shard_name(0, s), {"step": step, "x": b"abc" * 100})
+                  for s in (0, 1)]
+        store.commit(root, step, shards, {"topology": {"replicas": 1, "stages": 2}})
+        p = store.step_dir(root, step) / store.shard_name(0, 1)
+        data = bytearray(p.read_bytes())
+        data[-5] ^= 0xFF
+        p.write_bytes(bytes(data))
+    return root
+
+
+def test_resume_over_damaged_checkpoints_fails_the_check_with_the_coordinators_line(tmp_path):
+    run = tmp_path / "run"
+    root = _damaged_run(run)
+    before = _digest(run)
+    want = f"--resume: none of the 2 checkpoint(s) in {root} can be resumed from (newest, step 20: damaged: "
+    line = _refused("check", "--run-dir", str(run), "--resume", *JOB, status=1)
+    assert line.startswith(f"crucible: {want}") and "nothing was moved" in line, line
+    # launch: the pre-flight says the same line, before the run directory is used
+    line = _refused("launch", "--run-dir", str(run), "--resume", *JOB, status=1)
+    assert line.startswith(f"crucible: {want}"), line
+    assert _digest(run) == before
+    # the coordinator alone (what `launch --no-check` shows): the line, no class path
+    code, lines, out = _run("coordinator", "--run-dir", str(run), "--resume", *JOB)
+    assert code == 1 and lines[-1].startswith(f"crucible coordinator: {want}"), out
+    assert "CannotResume" not in out
+    # launch --no-check: the launcher shows the coordinator's line, without a class path either
+    code, lines, out = _run("launch", "--no-check", "--run-dir", str(run), "--resume", *JOB)
+    assert code == 1 and f"the coordinator exited with 1: {want}" in out and "CannotResume" not in out, out
+    assert {k: v for k, v in _digest(run).items() if k.startswith("checkpoints")} == before
+
+
+# ---- the reader of stdout goes away ----------------------------------------------------------------------------
+
+def test_status_watch_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`crucible status --watch | head -5` ended in a BrokenPipeError traceback."""
+    run = tmp_path / "run"
+    coord = subprocess.Popen(crucible_cmd("coordinator", "--run-dir", str(run), *JOB), cwd=ROOT, env=child_env(),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        t_end = time.monotonic() + 30
+        while not (run / "coordinator.addr").exists() or not (run / "coordinator.addr").read_text().strip():
+            assert time.monotonic() < t_end and coord.poll() is None, "the coordinator did not come up"
+            time.sleep(0.1)
+        watch = subprocess.Popen(crucible_cmd("status", "--run-dir", str(run), "--watch"), cwd=ROOT,
+                                 env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            assert watch.stdout.readline().startswith(b"run ")
+            watch.stdout.close()              # the reader goes away (head -1)
+            code = watch.wait(timeout=20)
+            err = watch.stderr.read().decode()
+        finally:
+            if watch.poll() is None:
+                os.killpg(watch.pid, signal.SIGKILL)
+                watch.wait(10)
+        assert code == 128 + signal.SIGPIPE and err == "", (code, err)
+    finally:
+        os.killpg(coord.pid, signal.SIGKILL)
+        coord.wait(10)
+
+
+# ---- cosmetics -----------------------------------------------------------------------------------------------
+
+def test_progress_line_shows_replica_states_whole():
+    from crucible.status import format_progress
+
+    st = {"steps_target": 20, "replicas": [{"id": 0, "state": "waiting", "step": 3, "loss": 1.0, "tokens_per_s": 5},
+                                           {"id": 1, "state": "paused", "step": 3, "loss": None}]}
+    line = format_progress(st)
+    assert "r0 waiting  step 3/20" in line and "r1 paused   step 3/20" in line, line
+
+
+def test_slurm_status_of_a_slot_never_submitted(monkeypatch, capsys):
+    from crucible.cluster import slurm
+
+    slot = {"slot": "r0s0", "job_id": None, "state": "WAITING", "node": "", "submits": 0, "failures": 0,
+            "worker_state": None, "step": None}
+    st = {"run_id": "ab", "run_dir": "/r", "supervisor_pid": 7, "stopping": False, "job": None,
+          "slots": [dict(slot, resubmit_in_s=0.0, last_end=None),
+                    dict(slot, slot="r0s1", resubmit_in_s=2.5, last_end=None),
+                    dict(slot, slot="r1s0", resubmit_in_s=4.0, last_end="FAILED")]}
+    monkeypatch.setattr(slurm.SlurmRun, "load", staticmethod(lambda run_dir: None))
+    monkeypatch.setattr(slurm, "collect_status", lambda run: st)
+    assert slurm.cmd_status(type("A", (), {"run_dir": "/r", "json": False})()) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out, out
+    assert "(to be submitted now)" in out and "(to be submitted in 2.5s)" in out, out
+    assert "(resubmit in 4.0s after FAILED)" in out, out
