@@ -50,6 +50,9 @@ def _add_check(sub) -> None:
                                      "and --resume is not given)")
     p.add_argument("--device", default="", help="where to run the test microbatch (default: job.device's first slot)")
     p.add_argument("--quiet", action="store_true", help="print nothing when every check passes")
+    p.add_argument("--no-verify", action="store_true",
+                   help="with --resume: read the checkpoints' manifests, not every byte of their shards (the "
+                        "coordinator verifies those as it resumes; launch's pre-flight runs this)")
 
 
 def _add_coordinator(sub) -> None:
@@ -294,7 +297,8 @@ def _check(args) -> int:
     cfg = _job_config(args)
     cfg.validate_here()           # (a ConfigError: exit status 2, as launch's)
     try:
-        lines = preflight.run(cfg, run_dir=args.run_dir, resume=args.resume, device=args.device)
+        lines = preflight.run(cfg, run_dir=args.run_dir, resume=args.resume, device=args.device,
+                              verify=not args.no_verify)
     except preflight.CheckFailed as e:
         print(f"crucible: {e}", file=sys.stderr, flush=True)
         return exits.ERROR

@@ -259,7 +259,8 @@ class Launcher:
             return exits.ERROR
         if self.args.no_check:
             return exits.OK
-        argv = [sys.executable, "-m", "crucible", "check", "--quiet", "--run-dir", self.run_dir]
+        # (--no-verify: the coordinator reads the checkpoint whole as it resumes; once is enough)
+        argv = [sys.executable, "-m", "crucible", "check", "--quiet", "--no-verify", "--run-dir", self.run_dir]
         if self.args.config:
             argv += ["--config", self.args.config]
         if self.args.resume:

@@ -193,9 +193,13 @@ def _check_sizes(cfg: Config, boundary: tuple[int, int, int], numels: list[int])
                                   f"net.max_message_mb or use outer.mode = sparseloco")
 
 
-def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: str = "") -> list[str]:
+def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: str = "",
+        verify: bool = True) -> list[str]:
     """Every check; raises CheckFailed with one line, else returns summary lines.
-    `device` "" is job.device as its first slot gets it."""
+    `device` "" is job.device as its first slot gets it. `verify`: a resume's
+    checkpoints are read whole, as the coordinator will (``check_run_dir``);
+    launch's pre-flight leaves that to the coordinator (it reads every byte of
+    the shards: twice would double a large job's restart)."""
     import torch
 
     from crucible import devices
@@ -206,7 +210,7 @@ def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: s
         device = str(devices.resolve(device or cfg.job.device, 0, 0, cfg.job.stages))
     except devices.DeviceError as e:
         raise CheckFailed(str(e)) from None
-    check_run_dir(run_dir, resume, cfg, verify=True)
+    check_run_dir(run_dir, resume, cfg, verify=verify)
     corpus, data_line = check_data(cfg)
     model_line = check_model(cfg, corpus, device)
     return [data_line, model_line, f"checked in {time.perf_counter() - t0:.1f}s"]
