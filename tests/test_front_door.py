@@ -218,6 +218,60 @@ def test_status_shows_a_slots_last_error(trained, start_job):
     assert "RuntimeError: stage 1 cannot be built on this host" in err["error"]
 
 
+# ---- a job with nothing left to train ----------------------------------------------------------------------------
+
+@pytest.fixture
+def own_copy(trained, tmp_path):
+    """A copy of the trained run that a test may train on (run_copy's must stay untouched)."""
+    run = tmp_path / "own"
+    shutil.copytree(trained / "run", run)
+    return str(run)
+
+
+def test_every_worker_exits_when_its_replica_is_done_before_it_trained(own_copy, tmp_path):
+    """A coordinator started by hand (as on a cluster: no pre-flight) resumes
+    at step 12 with train.steps 6: stage 0 has nothing to train. Stage 1's
+    upstream stream never opens, so it used to wait for it forever; the
+    replica's state "done" (pushed by the coordinator) ends it too. Stage 0
+    says its replica is done only once every slot registered (else the
+    coordinator could end the job before stage 1 had registered, leaving it
+    retrying a coordinator that is gone). Every process exits 0."""
+    env = dict(child_env(), CRUCIBLE_TOKEN=open(os.path.join(own_copy, "token")).read().strip())
+    addr_file = os.path.join(own_copy, "coordinator.addr")
+    os.unlink(addr_file)       # (the trained run's coordinator's)
+    logs = open(tmp_path / "direct.log", "wb")
+    common = dict(cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=logs, stderr=subprocess.STDOUT)
+    coord = subprocess.Popen(crucible_cmd("coordinator", "--run-dir", own_copy, "--bind", "127.0.0.1:0", "--resume",
+                                          "--replicas", "1", "--stages", "2", "--steps", "6", *SMALL),
+                             process_group=0, **common)      # (a group of its own, the workers join it)
+    procs = {"coordinator": coord}
+    try:
+        t_end = time.monotonic() + 30
+        while not os.path.exists(addr_file) or not open(addr_file).read().strip():
+            assert coord.poll() is None and time.monotonic() < t_end, (tmp_path / "direct.log").read_text()
+            time.sleep(0.1)
+        addr = open(addr_file).read().strip()
+        for s in (0, 1):
+            procs[f"r0s{s}"] = subprocess.Popen(crucible_cmd("worker", "--coordinator", addr, "--replica", "0",
+                                                             "--stage", str(s), "--bind", "127.0.0.1:0"),
+                                                process_group=coord.pid, **common)
+        t_end = time.monotonic() + 90
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < t_end:
+            time.sleep(0.2)
+        codes = {n: p.poll() for n, p in procs.items()}
+        assert codes == {"coordinator": 0, "r0s0": 0, "r0s1": 0}, \
+            f"{codes} (None: still running after 90 s)\n{(tmp_path / 'direct.log').read_text()[-6000:]}"
+        assert read_events(own_copy, "job_done")
+    finally:
+        try:
+            os.killpg(coord.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in procs.values():
+            p.wait(10)
+        logs.close()
+
+
 # ---- usage errors: one line naming the flag or value, exit status 2, nothing started --------------------------
 
 JOB = ["--replicas", "1", "--stages", "2", "--steps", "20", *SMALL]
