@@ -9,7 +9,8 @@ What is checked, in order:
 
 * the run directory: a fresh launch (no ``--resume``) into a directory that
   already holds committed checkpoints is refused, so nothing is overwritten or
-  deleted by retention;
+  deleted by retention; so is a ``--resume`` whose newest checkpoint is of
+  another topology or model, or at or past ``train.steps`` (nothing to train);
 * the data (``data.*``): the source exists and is readable, holds enough
   tokens for ``train.seq_len``, the held-out split and one sequence per
   replica, and every token id fits ``model.vocab_size`` (``.bin`` files too);
@@ -42,7 +43,8 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None) 
     """A fresh launch into a run directory holding committed checkpoints would
     train from step 0 over them (and retention would delete them): refused.
     A resume whose newest checkpoint is of another topology or model (its
-    shards would not load): refused, naming what differs."""
+    shards would not load): refused, naming what differs; so is one with
+    nothing left to train (``_check_steps_left``)."""
     if not run_dir:
         return
     from crucible.checkpoint import store
@@ -60,11 +62,43 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None) 
             why = store.resume_mismatch(manifest, cfg.to_dict()) if cfg is not None else None
             if why:
                 raise CheckFailed(f"--resume: checkpoint {info.path}: {why}")
+            if cfg is not None:
+                _check_steps_left(done, cfg)
             return
         return
     if done:
         raise CheckFailed(f"run directory {run_dir} already holds checkpoints (newest: step {done[-1].step}): "
                           f"add --resume to continue from it, or choose another --run-dir")
+
+
+def _check_steps_left(done: list, cfg: Config) -> None:
+    """A resume from a checkpoint whose every replica is at or past
+    train.steps has nothing to train: refused (it would start the job only to
+    end it). The checkpoint is the one the coordinator would resume from:
+    the newest that verifies and holds every stage (``_choose_resume``), so
+    one at or past train.steps is read in full here; one before it is not."""
+    from crucible.checkpoint import store
+
+    for info in reversed(done):
+        try:
+            manifest = store.read_manifest(info.path)
+        except (store.CheckpointCorrupt, OSError, ValueError):
+            continue
+        replicas = manifest.get("replicas") or {}
+        try:
+            at = min(int(r.get("step", info.step)) for r in replicas.values()) if replicas else info.step
+        except (AttributeError, TypeError, ValueError):
+            at = info.step
+        if at < cfg.train.steps:
+            return          # (the coordinator resumes from this one, or an older one: steps are left)
+        names = store.shard_names(info.path)
+        missing = [s for s in range(cfg.job.stages)
+                   if not any(store.shard_name(r, s) in names for r in range(cfg.job.replicas))]
+        if missing or store.verify(info.path):
+            continue        # passed over by the resume
+        raise CheckFailed(f"--resume: the checkpoint to resume from is at step {info.step} and train.steps is "
+                          f"{cfg.train.steps}: nothing left to train; raise train.steps (--steps) above "
+                          f"{info.step} to train on")
 
 
 def check_data(cfg: Config):

@@ -228,6 +228,26 @@ def own_copy(trained, tmp_path):
     return str(run)
 
 
+def test_resume_with_nothing_left_to_train_is_refused(run_copy):
+    """The trained run ended at step 12: a --resume at train.steps 12 (the
+    command the launcher prints at the end of a job) or below has nothing to
+    train. It used to start and never end (`r0 done step 12/12` forever);
+    now the launcher (with or without its pre-flight) and `crucible check`
+    refuse it in one line, exit 1, as a failed pre-flight check."""
+    want = "crucible: --resume: the checkpoint to resume from is at step 12 and train.steps is {n}: nothing left to " \
+           "train; raise train.steps (--steps) above 12 to train on"
+    for steps, extra in (("12", ["--no-check"]), ("5", [])):
+        code, out, secs = _launch(["--run-dir", run_copy, "--resume", "--replicas", "1", "--stages", "2",
+                                   "--steps", steps, *extra, *SMALL], child_env())
+        assert code == 1 and secs < 30, (code, out)
+        assert [x for x in out.splitlines() if x.strip()] == [want.format(n=steps)], out
+    done = subprocess.run(crucible_cmd("check", "--run-dir", run_copy, "--resume", "--replicas", "1", "--stages", "2",
+                                       "--steps", "12", *SMALL), cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == "", (done.stdout, done.stderr)
+    assert [x for x in done.stderr.splitlines() if x.strip()] == [want.format(n=12)], done.stderr
+
+
 def test_every_worker_exits_when_its_replica_is_done_before_it_trained(own_copy, tmp_path):
     """A coordinator started by hand (as on a cluster: no pre-flight) resumes
     at step 12 with train.steps 6: stage 0 has nothing to train. Stage 1's
