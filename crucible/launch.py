@@ -27,6 +27,7 @@ failed (the cause is printed), 128 + N when stopped by signal N (130 Ctrl-C,
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import signal
@@ -117,6 +118,10 @@ class Launcher:
         problem = dir_problem(self.run_dir)
         if problem:
             raise exits.UsageError(f"--run-dir {args.run_dir or self.run_dir}: {problem}")
+        delay = getattr(args, "respawn_delay", procs.RESPAWN_DELAY_S)
+        if delay is not None and not math.isfinite(delay):
+            raise exits.UsageError(f"--respawn-delay {delay:g}: must be a finite number of seconds "
+                                   f"(negative = never)")
         self.overrides = list(overrides)
         for key, val in (("job.replicas", args.replicas), ("job.stages", args.stages), ("train.steps", args.steps),
                          ("job.device", getattr(args, "device", None))):

@@ -324,6 +324,15 @@ def test_a_bad_chaos_spec_is_refused_before_anything_starts(spec, why, tmp_path)
     assert not run.exists(), "the launch wrote its run directory before refusing --chaos"
 
 
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_respawn_delay_that_is_no_number_is_refused(value, tmp_path):
+    """--respawn-delay nan was taken as "never" (every comparison with nan is false)."""
+    run = tmp_path / "run"
+    line = _usage_error("launch", "--run-dir", str(run), "--respawn-delay", value, *JOB)
+    assert line == f"crucible: --respawn-delay {value}: must be a finite number of seconds (negative = never)", line
+    assert not run.exists()
+
+
 def test_a_file_where_a_directory_belongs(tmp_path):
     """A run directory, checkpoint or export path that is a file (or lies under
     one) is named in one line, exit 2: not a NotADirectoryError traceback, and
