@@ -142,6 +142,7 @@ class Launcher:
         self.finished = False             # every replica trained train.steps steps
         self.came_up = False              # a coordinator came up (else there is no summary or resume hint)
         self.last_status: dict | None = None
+        self.offset = 0                   # metrics.jsonl's size when this launch started: its events follow
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}
         self.mps = None                   # crucible.mps.Mps, with job.mps=on
@@ -301,11 +302,11 @@ class Launcher:
         try:
             if self.cfg.job.mps == "on" and not self._start_mps():
                 return exits.interrupted(self.stopping)       # a signal while MPS was being set up
-            offset = metrics.size(self.run_dir)
+            self.offset = metrics.size(self.run_dir)
             self.addr = self._start_coordinator("resume" if self.args.resume else "fresh")
             self.came_up = True
             if self.args.resume:
-                self._say_where_it_resumes(offset)
+                self._say_where_it_resumes(self.offset)
             for r in range(R):
                 for s in range(S):
                     self._start_worker(r, s)
@@ -531,7 +532,7 @@ class Launcher:
         """How the job ended, then final loss per replica, its time ledger, and the faults seen."""
         steps, losses, ledger, faults = {}, {}, {}, 0
         path = metrics.path_of(self.run_dir)
-        for ev in metrics.read_events(path):
+        for ev in metrics.read_events(path, offset=self.offset):    # this launch's (not earlier ones' in the run)
             kind = ev.get("event")
             if kind == "step":
                 steps[ev["replica"]] = ev["step"] + 1

@@ -292,6 +292,19 @@ def test_every_worker_exits_when_its_replica_is_done_before_it_trained(own_copy,
         logs.close()
 
 
+def test_the_summary_counts_this_launchs_faults_only(own_copy):
+    """A fault-free --resume printed `1 worker faults` from an earlier launch's
+    event in the same metrics.jsonl."""
+    from crucible.metrics import append_event
+
+    append_event(own_copy, {"event": "fault", "worker": "w-old", "replica": 0, "stage": 1, "reason": "earlier"})
+    code, out, _ = _launch(["--no-check", "--run-dir", own_copy, "--resume", "--replicas", "1", "--stages", "2",
+                            "--steps", "14", *SMALL, "checkpoint.minimum_interval_s=0"], child_env(), timeout=120)
+    assert code == 0, out
+    assert "crucible: finished." in out and "r0: 14 steps" in out, out
+    assert "worker faults" not in out, out
+
+
 # ---- usage errors: one line naming the flag or value, exit status 2, nothing started --------------------------
 
 JOB = ["--replicas", "1", "--stages", "2", "--steps", "20", *SMALL]
