@@ -252,14 +252,17 @@ def test_every_worker_exits_when_its_replica_is_done_before_it_trained(own_copy,
     """A coordinator started by hand (as on a cluster: no pre-flight) resumes
     at step 12 with train.steps 6: stage 0 has nothing to train. Stage 1's
     upstream stream never opens, so it used to wait for it forever; the
-    replica's state "done" (pushed by the coordinator) ends it too. Stage 0
-    says its replica is done only once every slot registered (else the
-    coordinator could end the job before stage 1 had registered, leaving it
-    retrying a coordinator that is gone). Every process exits 0."""
+    replica's state "done", which the coordinator now sends to every route
+    watcher, ends it too. Stage 1 registers first, so it is watching before
+    the replica is done. Stage 0 says its replica is done only once every
+    slot registered (else the coordinator could end the job before a later
+    stage registered, leaving it retrying a coordinator that is gone). Every
+    process exits 0."""
     env = dict(child_env(), CRUCIBLE_TOKEN=open(os.path.join(own_copy, "token")).read().strip())
     addr_file = os.path.join(own_copy, "coordinator.addr")
     os.unlink(addr_file)       # (the trained run's coordinator's)
     logs = open(tmp_path / "direct.log", "wb")
+    offset = os.path.getsize(os.path.join(own_copy, "metrics.jsonl"))
     common = dict(cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=logs, stderr=subprocess.STDOUT)
     coord = subprocess.Popen(crucible_cmd("coordinator", "--run-dir", own_copy, "--bind", "127.0.0.1:0", "--resume",
                                           "--replicas", "1", "--stages", "2", "--steps", "6", *SMALL),
@@ -271,10 +274,17 @@ def test_every_worker_exits_when_its_replica_is_done_before_it_trained(own_copy,
             assert coord.poll() is None and time.monotonic() < t_end, (tmp_path / "direct.log").read_text()
             time.sleep(0.1)
         addr = open(addr_file).read().strip()
-        for s in (0, 1):
+        for s in (1, 0):      # stage 1 first: it watches the routes before the replica is done
             procs[f"r0s{s}"] = subprocess.Popen(crucible_cmd("worker", "--coordinator", addr, "--replica", "0",
                                                              "--stage", str(s), "--bind", "127.0.0.1:0"),
                                                 process_group=coord.pid, **common)
+            if s == 1:        # registered; its route watch starts right after
+                t_end = time.monotonic() + 60
+                while not [e for e in read_events(own_copy, "worker_registered", offset=offset) if e["stage"] == 1]:
+                    assert procs["r0s1"].poll() is None and time.monotonic() < t_end, \
+                        (tmp_path / "direct.log").read_text()
+                    time.sleep(0.1)
+                time.sleep(1.0)
         t_end = time.monotonic() + 90
         while any(p.poll() is None for p in procs.values()) and time.monotonic() < t_end:
             time.sleep(0.2)
