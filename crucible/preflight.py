@@ -10,7 +10,8 @@ What is checked, in order:
 * the run directory: a fresh launch (no ``--resume``) into a directory that
   already holds committed checkpoints is refused, so nothing is overwritten or
   deleted by retention; so is a ``--resume`` whose newest checkpoint is of
-  another topology or model, or at or past ``train.steps`` (nothing to train);
+  another topology or model, or whose checkpoint to resume from is at or past
+  ``train.steps`` (nothing to train);
 * the data (``data.*``): the source exists and is readable, holds enough
   tokens for ``train.seq_len``, the held-out split and one sequence per
   replica, and every token id fits ``model.vocab_size`` (``.bin`` files too);

@@ -51,9 +51,10 @@ class Reactor:
             handlers[ev.kind](ev)
 
     def finished(self) -> bool:
-        """The coordinator says the replica is done (its route's state, pushed
-        with every route change and in the registration's reply) and this stage
-        has applied every step: nothing more will come. The stream from the
+        """The coordinator says the replica is done (its route's state: sent to
+        every route watcher when the replica becomes done, and in the
+        registration's reply) and this stage has applied every step: nothing
+        more will come. The stream from the
         predecessor closing says the same in the ordinary ending, but it never
         opens when there was nothing to train (a resume at or past
         train.steps): this is what ends such a stage."""
