@@ -561,6 +561,10 @@ class Launcher:
         ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
         if not ckpts:
             return "crucible: no checkpoint was committed: a new launch starts from step 0"
+        if ckpts[-1].step >= self.cfg.train.steps:
+            # (the same command would be refused: nothing left to train)
+            return (f"crucible: newest checkpoint: step {ckpts[-1].step}, train.steps {self.cfg.train.steps}: "
+                    f"every step is trained; to train on, --resume with a larger --steps")
         argv = ["crucible", "launch", "--run-dir", self.run_dir, "--resume"]
         if self.args.config:
             argv += ["--config", os.path.abspath(self.args.config)]

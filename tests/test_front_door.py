@@ -248,6 +248,20 @@ def test_resume_with_nothing_left_to_train_is_refused(run_copy):
     assert [x for x in done.stderr.splitlines() if x.strip()] == [want.format(n=12)], done.stderr
 
 
+def test_the_resume_hint_of_a_run_with_every_step_trained_says_to_raise_steps(run_copy):
+    """The hint printed after a failed or interrupted job whose newest
+    checkpoint is already at train.steps is not a command that is refused."""
+    from crucible.cli import build_parser
+    from crucible.launch import Launcher
+
+    for steps, want in (("12", "crucible: newest checkpoint: step 12, train.steps 12: every step is trained; "
+                                "to train on, --resume with a larger --steps"),
+                        ("20", "crucible: newest checkpoint: step 12; go on from it with")):
+        args = build_parser().parse_args(["launch", "--run-dir", run_copy, "--replicas", "1", "--stages", "2",
+                                          "--steps", steps, *SMALL])
+        assert Launcher(args, args.overrides)._resume_hint().startswith(want)
+
+
 def test_every_worker_exits_when_its_replica_is_done_before_it_trained(own_copy, tmp_path):
     """A coordinator started by hand (as on a cluster: no pre-flight) resumes
     at step 12 with train.steps 6: stage 0 has nothing to train. Stage 1's
