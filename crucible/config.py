@@ -414,7 +414,7 @@ class Config:
 
     def _check_train(self) -> None:
         need, t = self._need, self.train
-        need(t.steps >= 0, "train.steps", "must be >= 0")
+        need(t.steps >= 1, "train.steps", "must be >= 1 (steps to train)")
         need(t.microbatches >= 1, "train.microbatches", "must be >= 1")
         need(t.batch_size >= 1 and t.batch_size % t.microbatches == 0,
              "train.batch_size", "must be a positive multiple of train.microbatches")

@@ -27,6 +27,7 @@ failed (the cause is printed), 128 + N when stopped by signal N (130 Ctrl-C,
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import signal
@@ -43,6 +44,9 @@ CRASH_LOOP_WINDOW_S = 120.0   # the same error twice within this: the job stops
 STABLE_S = 10.0               # a process that lived this long resets its back-off
 MAX_BACKOFF_S = 30.0
 CHECK_TIMEOUT_S = 300.0
+END_WAIT_S = 40.0             # the job is done: the coordinator's end (a save in flight commits first)
+JOB_DONE_WAIT_S = 3.0         # every worker exited (no respawn): how long job_done may take to reach the file
+END_GRACE_S = 10.0            # ... and then the workers' exits, before the rest is stopped
 
 
 class LaunchFailed(Exception):
@@ -117,6 +121,10 @@ class Launcher:
         problem = dir_problem(self.run_dir, make=True)
         if problem:
             raise exits.UsageError(f"--run-dir {args.run_dir or self.run_dir}: {problem}")
+        delay = getattr(args, "respawn_delay", procs.RESPAWN_DELAY_S)
+        if delay is not None and not math.isfinite(delay):
+            raise exits.UsageError(f"--respawn-delay {delay:g}: must be a finite number of seconds "
+                                   f"(negative = never)")
         self.overrides = list(overrides)
         for key, val in (("job.replicas", args.replicas), ("job.stages", args.stages), ("train.steps", args.steps),
                          ("job.device", getattr(args, "device", None))):
@@ -137,6 +145,8 @@ class Launcher:
         self.finished = False             # every replica trained train.steps steps
         self.came_up = False              # a coordinator came up (else there is no summary or resume hint)
         self.last_status: dict | None = None
+        self.offset = 0                   # metrics.jsonl's size when this launch started: its events follow
+        self.job_done, self.job_done_size = False, -1   # job_done seen since offset; the file's size when looked
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}
         self.mps = None                   # crucible.mps.Mps, with job.mps=on
@@ -301,11 +311,11 @@ class Launcher:
         try:
             if self.cfg.job.mps == "on" and not self._start_mps():
                 return exits.interrupted(self.stopping)       # a signal while MPS was being set up
-            offset = metrics.size(self.run_dir)
+            self.offset = metrics.size(self.run_dir)
             self.addr = self._start_coordinator("resume" if self.args.resume else "fresh")
             self.came_up = True
             if self.args.resume:
-                self._say_where_it_resumes(offset)
+                self._say_where_it_resumes(self.offset)
             for r in range(R):
                 for s in range(S):
                     self._start_worker(r, s)
@@ -401,6 +411,7 @@ class Launcher:
         last_print, last_status = 0.0, 0.0
         tty = sys.stdout.isatty()
         respawn = self.args.respawn_delay is not None and self.args.respawn_delay >= 0
+        exited_at = 0.0         # (respawn off) when every worker was seen exited
         while not self.stopping:
             time.sleep(0.1)
             if any(w.poll() == exits.RESTART for w in self.workers.values()):
@@ -410,14 +421,20 @@ class Launcher:
             self._handle_deaths(respawn)
             if self._restart_due():
                 client = StatusClient(self.addr, self.token)
-            if not respawn and not self._all_done() and all(w.poll() is not None for w in self.workers.values()):
-                raise LaunchFailed("every worker has exited and --respawn-delay is negative (no respawn)")
-            if self._all_done():
-                try:
-                    self.coord.popen.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
+            exited = all(w.poll() is not None for w in self.workers.values())
+            if (exited or self.coord.poll() == 0) and self._job_done():
+                self._wait_for_the_end()
                 break
+            if self._all_done():
+                self._wait_for(lambda: self.coord.poll() is not None, 10.0)
+                break
+            if not respawn and exited:
+                # (job_done may be on its way to the file: the coordinator writes it behind a queue)
+                exited_at = exited_at or time.monotonic()
+                if time.monotonic() - exited_at >= JOB_DONE_WAIT_S:
+                    raise LaunchFailed("every worker has exited and --respawn-delay is negative (no respawn)")
+            else:
+                exited_at = 0.0
             now = time.monotonic()
             if now - last_status >= 0.5:
                 last_status = now
@@ -475,6 +492,40 @@ class Launcher:
     def _all_done(self) -> bool:
         return all(w.poll() == 0 for w in self.workers.values())
 
+    def _job_done(self) -> bool:
+        """The coordinator logged job_done in this launch: every replica trained
+        train.steps steps, whatever became of each worker (one killed on the
+        way, with no respawn, was routed around). Asked only once every worker
+        has exited or the coordinator has exited 0; the file is read again only
+        when it grew."""
+        size = metrics.size(self.run_dir)
+        if not self.job_done and size != self.job_done_size:
+            self.job_done_size = size
+            self.job_done = bool(metrics.read_events(self.run_dir, "job_done", offset=self.offset))
+        return self.job_done
+
+    def _wait_for(self, cond, timeout: float) -> bool:
+        """Wait until ``cond()`` or ``timeout`` seconds or a stop signal; whether cond() held."""
+        t_end = time.monotonic() + timeout
+        while not cond():
+            if self.stopping or time.monotonic() >= t_end:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def _wait_for_the_end(self) -> None:
+        """The job is done: the coordinator exits once a checkpoint save still in
+        flight has committed (``serve``: up to 30 s), every worker once its
+        replica is done. Whoever is still running then is stopped (by run's
+        ``_stop_all``), said here."""
+        self._wait_for(lambda: self.coord.poll() is not None, END_WAIT_S)
+        self._wait_for(lambda: all(w.poll() is not None for w in self.workers.values()), END_GRACE_S)
+        left = [n for n, w in self.workers.items() if w.poll() is None]
+        if left and not self.stopping:
+            start = "\n" if sys.stdout.isatty() else ""      # (after the progress line)
+            print(f"{start}crucible: the job is done but {', '.join(left)} did not exit within "
+                  f"{END_GRACE_S:.0f}s; stopping {'it' if len(left) == 1 else 'them'}", flush=True)
+
     def _signal(self, name: str, sig: int, what: str) -> None:
         proc = self.coord if name == "coordinator" else self.workers.get(name)
         if proc is None or proc.poll() is not None:
@@ -515,6 +566,10 @@ class Launcher:
         ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
         if not ckpts:
             return "crucible: no checkpoint was committed: a new launch starts from step 0"
+        if ckpts[-1].step >= self.cfg.train.steps:
+            # (the same command would be refused: nothing left to train)
+            return (f"crucible: newest checkpoint: step {ckpts[-1].step}, train.steps {self.cfg.train.steps}: "
+                    f"every step is trained; to train on, --resume with a larger --steps")
         argv = ["crucible", "launch", "--run-dir", self.run_dir, "--resume"]
         if self.args.config:
             argv += ["--config", os.path.abspath(self.args.config)]
@@ -531,7 +586,7 @@ class Launcher:
         """How the job ended, then final loss per replica, its time ledger, and the faults seen."""
         steps, losses, ledger, faults = {}, {}, {}, 0
         path = metrics.path_of(self.run_dir)
-        for ev in metrics.read_events(path):
+        for ev in metrics.read_events(path, offset=self.offset):    # this launch's (not earlier ones' in the run)
             kind = ev.get("event")
             if kind == "step":
                 steps[ev["replica"]] = ev["step"] + 1

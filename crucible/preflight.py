@@ -11,7 +11,8 @@ What is checked, in order:
   already holds committed checkpoints is refused, so nothing is overwritten or
   deleted by retention; a ``--resume`` that the coordinator would refuse
   (no checkpoint that verifies, holds every stage and fits this job) is
-  refused with its line;
+  refused with its line, and so is one whose checkpoint to resume from is at
+  or past ``train.steps`` (nothing to train);
 * the data (``data.*``): the source exists and is readable, holds enough
   tokens for ``train.seq_len``, the held-out split and one sequence per
   replica, and every token id fits ``model.vocab_size`` (``.bin`` files too);
@@ -44,9 +45,10 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, 
     """A fresh launch into a run directory holding committed checkpoints would
     train from step 0 over them (and retention would delete them): refused.
     A resume whose newest checkpoint is of another topology or model (its
-    shards would not load): refused, naming what differs. With ``verify``
-    (``crucible check``), a resume is refused as the coordinator would refuse
-    it (``store.choose_resume``: every checkpoint damaged or incomplete, its
+    shards would not load): refused, naming what differs; so is one with
+    nothing left to train (``_check_steps_left``). With ``verify`` (``crucible
+    check``), a resume is refused as the coordinator would refuse it
+    (``store.choose_resume``: every checkpoint damaged or incomplete, its
     shards read and checked); without, only the manifests are read."""
     if not run_dir:
         return
@@ -58,9 +60,11 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, 
     done = store.list_checkpoints(root)
     if resume and verify and cfg is not None:
         try:
-            store.choose_resume(root, done, cfg.to_dict())
+            chosen, _ = store.choose_resume(root, done, cfg.to_dict())
         except store.CannotResume as e:
             raise CheckFailed(str(e)) from None
+        if chosen is not None and _resume_step(chosen) >= cfg.train.steps:
+            raise CheckFailed(_nothing_left(chosen, cfg))
         return
     if resume:
         for info in reversed(done):     # (the newest whose manifest reads; the coordinator verifies the shards)
@@ -71,11 +75,46 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, 
             why = store.resume_mismatch(manifest, cfg.to_dict()) if cfg is not None else None
             if why:
                 raise CheckFailed(f"--resume: checkpoint {info.path}: {why}")
+            if cfg is not None:
+                _check_steps_left(done, cfg)
             return
         return
     if done:
         raise CheckFailed(f"run directory {run_dir} already holds checkpoints (newest: step {done[-1].step}): "
                           f"add --resume to continue from it, or choose another --run-dir")
+
+
+def _check_steps_left(done: list, cfg: Config) -> None:
+    """A resume from a checkpoint whose every replica is at or past
+    train.steps has nothing to train: refused (it would start the job only to
+    end it). The checkpoint is the one the coordinator would resume from:
+    the newest that verifies and holds every stage (``store.choose_resume``),
+    so one at or past train.steps is read in full here; one before it is not."""
+    from crucible.checkpoint import store
+
+    for info in reversed(done):
+        if _resume_step(info) < cfg.train.steps:
+            return          # (the coordinator resumes from this one, or an older one: steps are left)
+        if store.stages_missing(info.path, cfg.job.replicas, cfg.job.stages) or store.verify(info.path):
+            continue        # passed over by the resume
+        raise CheckFailed(_nothing_left(info, cfg))
+
+
+def _resume_step(info) -> int:
+    """The step a resume from checkpoint `info` starts at: its slowest
+    replica's (the checkpoint's own step where its manifest does not say)."""
+    from crucible.checkpoint import store
+
+    try:
+        replicas = store.read_manifest(info.path).get("replicas") or {}
+        return min(int(r.get("step", info.step)) for r in replicas.values()) if replicas else info.step
+    except (store.CheckpointCorrupt, OSError, AttributeError, TypeError, ValueError):
+        return info.step
+
+
+def _nothing_left(info, cfg: Config) -> str:
+    return (f"--resume: the checkpoint to resume from is at step {info.step} and train.steps is "
+            f"{cfg.train.steps}: nothing left to train; raise train.steps (--steps) above {info.step} to train on")
 
 
 def check_data(cfg: Config):

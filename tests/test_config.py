@@ -23,6 +23,9 @@ def test_toml_and_overrides(tmp_path):
     ("model.steps=3", "did you mean 'train.steps'"),
     ("steps=3", "must look like section.key"),
     ("train.steps=three", "bad value for 'train.steps': expected int"),
+    # a job with nothing to train never ended (no stream ever opened for its later stages)
+    ("train.steps=0", "bad value for 'train.steps': must be >= 1"),
+    ("train.steps=-3", "bad value for 'train.steps': must be >= 1"),
     ("train.lr=nan", "bad value for 'train.lr'"),
     ("train.batch_size=10", "bad value for 'train.batch_size'"),
     ("outer.mode=fast", "bad value for 'outer.mode'"),

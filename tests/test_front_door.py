@@ -218,6 +218,117 @@ def test_status_shows_a_slots_last_error(trained, start_job):
     assert "RuntimeError: stage 1 cannot be built on this host" in err["error"]
 
 
+# ---- a job with nothing left to train ----------------------------------------------------------------------------
+
+@pytest.fixture
+def own_copy(trained, tmp_path):
+    """A copy of the trained run that a test may train on (run_copy's must stay untouched)."""
+    run = tmp_path / "own"
+    shutil.copytree(trained / "run", run)
+    return str(run)
+
+
+def test_resume_with_nothing_left_to_train_is_refused(run_copy):
+    """The trained run ended at step 12: a --resume at train.steps 12 (the
+    command the launcher prints at the end of a job) or below has nothing to
+    train. It used to start and never end (`r0 done step 12/12` forever);
+    now the launcher (with or without its pre-flight) and `crucible check`
+    refuse it in one line, exit 1, as a failed pre-flight check."""
+    want = "crucible: --resume: the checkpoint to resume from is at step 12 and train.steps is {n}: nothing left to " \
+           "train; raise train.steps (--steps) above 12 to train on"
+    for steps, extra in (("12", ["--no-check"]), ("5", [])):
+        code, out, secs = _launch(["--run-dir", run_copy, "--resume", "--replicas", "1", "--stages", "2",
+                                   "--steps", steps, *extra, *SMALL], child_env())
+        assert code == 1 and secs < 30, (code, out)
+        assert [x for x in out.splitlines() if x.strip()] == [want.format(n=steps)], out
+    done = subprocess.run(crucible_cmd("check", "--run-dir", run_copy, "--resume", "--replicas", "1", "--stages", "2",
+                                       "--steps", "12", *SMALL), cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == "", (done.stdout, done.stderr)
+    assert [x for x in done.stderr.splitlines() if x.strip()] == [want.format(n=12)], done.stderr
+
+
+def test_the_resume_hint_of_a_run_with_every_step_trained_says_to_raise_steps(run_copy):
+    """The hint printed after a failed or interrupted job whose newest
+    checkpoint is already at train.steps is not a command that is refused."""
+    from crucible.cli import build_parser
+    from crucible.launch import Launcher
+
+    for steps, want in (("12", "crucible: newest checkpoint: step 12, train.steps 12: every step is trained; "
+                                "to train on, --resume with a larger --steps"),
+                        ("20", "crucible: newest checkpoint: step 12; go on from it with")):
+        args = build_parser().parse_args(["launch", "--run-dir", run_copy, "--replicas", "1", "--stages", "2",
+                                          "--steps", steps, *SMALL])
+        assert Launcher(args, args.overrides)._resume_hint().startswith(want)
+
+
+def test_every_worker_exits_when_its_replica_is_done_before_it_trained(own_copy, tmp_path):
+    """A coordinator started by hand (as on a cluster: no pre-flight) resumes
+    at step 12 with train.steps 6: stage 0 has nothing to train. Stage 1's
+    upstream stream never opens, so it used to wait for it forever; the
+    replica's state "done", which the coordinator now sends to every route
+    watcher, ends it too. Stage 1 registers first, so it is watching before
+    the replica is done. Stage 0 says its replica is done only once every
+    slot registered (else the coordinator could end the job before a later
+    stage registered, leaving it retrying a coordinator that is gone). Every
+    process exits 0."""
+    env = dict(child_env(), CRUCIBLE_TOKEN=open(os.path.join(own_copy, "token")).read().strip())
+    addr_file = os.path.join(own_copy, "coordinator.addr")
+    os.unlink(addr_file)       # (the trained run's coordinator's)
+    logs = open(tmp_path / "direct.log", "wb")
+    offset = os.path.getsize(os.path.join(own_copy, "metrics.jsonl"))
+    common = dict(cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=logs, stderr=subprocess.STDOUT)
+    coord = subprocess.Popen(crucible_cmd("coordinator", "--run-dir", own_copy, "--bind", "127.0.0.1:0", "--resume",
+                                          "--replicas", "1", "--stages", "2", "--steps", "6", *SMALL),
+                             process_group=0, **common)      # (a group of its own, the workers join it)
+    procs = {"coordinator": coord}
+    try:
+        t_end = time.monotonic() + 30
+        while not os.path.exists(addr_file) or not open(addr_file).read().strip():
+            assert coord.poll() is None and time.monotonic() < t_end, (tmp_path / "direct.log").read_text()
+            time.sleep(0.1)
+        addr = open(addr_file).read().strip()
+        for s in (1, 0):      # stage 1 first: it watches the routes before the replica is done
+            procs[f"r0s{s}"] = subprocess.Popen(crucible_cmd("worker", "--coordinator", addr, "--replica", "0",
+                                                             "--stage", str(s), "--bind", "127.0.0.1:0"),
+                                                process_group=coord.pid, **common)
+            if s == 1:        # registered; its route watch starts right after
+                t_end = time.monotonic() + 60
+                while not [e for e in read_events(own_copy, "worker_registered", offset=offset) if e["stage"] == 1]:
+                    assert procs["r0s1"].poll() is None and time.monotonic() < t_end, \
+                        (tmp_path / "direct.log").read_text()
+                    time.sleep(0.1)
+                time.sleep(1.0)
+        t_end = time.monotonic() + 90
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < t_end:
+            time.sleep(0.2)
+        codes = {n: p.poll() for n, p in procs.items()}
+        assert codes == {"coordinator": 0, "r0s0": 0, "r0s1": 0}, \
+            f"{codes} (None: still running after 90 s)\n{(tmp_path / 'direct.log').read_text()[-6000:]}"
+        assert read_events(own_copy, "job_done")
+    finally:
+        try:
+            os.killpg(coord.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in procs.values():
+            p.wait(10)
+        logs.close()
+
+
+def test_the_summary_counts_this_launchs_faults_only(own_copy):
+    """A fault-free --resume printed `1 worker faults` from an earlier launch's
+    event in the same metrics.jsonl."""
+    from crucible.metrics import append_event
+
+    append_event(own_copy, {"event": "fault", "worker": "w-old", "replica": 0, "stage": 1, "reason": "earlier"})
+    code, out, _ = _launch(["--no-check", "--run-dir", own_copy, "--resume", "--replicas", "1", "--stages", "2",
+                            "--steps", "14", *SMALL, "checkpoint.minimum_interval_s=0"], child_env(), timeout=120)
+    assert code == 0, out
+    assert "crucible: finished." in out and "r0: 14 steps" in out, out
+    assert "worker faults" not in out, out
+
+
 # ---- usage errors: one line naming the flag or value, exit status 2, nothing started --------------------------
 
 JOB = ["--replicas", "1", "--stages", "2", "--steps", "20", *SMALL]
@@ -248,6 +359,15 @@ def test_a_bad_chaos_spec_is_refused_before_anything_starts(spec, why, tmp_path)
     line = _usage_error("launch", "--run-dir", str(run), "--chaos", spec, *JOB)
     assert line.startswith("crucible: --chaos: ") and why in line, line
     assert not run.exists(), "the launch wrote its run directory before refusing --chaos"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_respawn_delay_that_is_no_number_is_refused(value, tmp_path):
+    """--respawn-delay nan was taken as "never" (every comparison with nan is false)."""
+    run = tmp_path / "run"
+    line = _usage_error("launch", "--run-dir", str(run), "--respawn-delay", value, *JOB)
+    assert line == f"crucible: --respawn-delay {value}: must be a finite number of seconds (negative = never)", line
+    assert not run.exists()
 
 
 def test_a_file_where_a_directory_belongs(tmp_path):

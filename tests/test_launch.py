@@ -112,6 +112,21 @@ def test_no_respawn_launch_exits_when_every_worker_is_dead(start_job):
     assert _gone([p for n, p in _pids(job).items() if n != "launcher"]) == []
 
 
+def test_no_respawn_job_that_finishes_without_a_worker_is_finished(start_job):
+    """--respawn-delay -1 and an inner stage killed: the replica trains on
+    without it to train.steps and the coordinator logs job_done. That is a
+    finished job (exit 0), not "every worker has exited" (the killed one
+    exited -9, so not every worker exited 0)."""
+    job = start_job(["--replicas", "1", "--stages", "3", "--steps", "40", "--respawn-delay", "-1",
+                     "--chaos", "r0s1@step=3"], TINY)
+    assert job.wait(120) == 0, job.output()
+    with open(job.log_path) as f:
+        out = f.read()       # (the launcher's terminal alone)
+    assert "crucible: chaos: SIGKILL r0s1" in out and "not restarted (--respawn-delay < 0)" in out, out
+    assert "crucible: finished." in out and "failed" not in out, out
+    assert job.events("job_done") and job.events("step")[-1]["step"] == 39
+
+
 def _kill(run_dir, name):
     return subprocess.run(crucible_cmd("kill", "--run-dir", str(run_dir), name), capture_output=True, text=True,
                           env=child_env(), cwd=ROOT, timeout=30)

@@ -31,6 +31,22 @@ def _full(m: Membership, numel: int = 10, now: float = 0.0) -> dict:
     return ids
 
 
+def test_a_replica_done_moves_the_job_epoch_but_not_its_route_epoch():
+    """Its state reaches every route watcher (they are sent routes when the
+    job's epoch moves): a stage whose upstream stream never opened ends on
+    it. Before, the state changed with no epoch change, so it was never sent.
+    The replica's own route epoch stays: its final COMMIT, still on its way
+    down the route, must not turn stale."""
+    m = Membership(2, 2)
+    _full(m)
+    epoch, routes = m.epoch, dict(m.route_epoch)
+    assert m.replica_done(0) is True
+    assert m.replicas[0].state == "done" and m.epoch > epoch and m.route_epoch == routes
+    assert m.recompute_routes() == []
+    epoch = m.epoch
+    assert m.replica_done(0) is False and m.epoch == epoch       # (said twice: nothing new)
+
+
 def test_replicas_start_together_and_skip_or_pause():
     m = Membership(2, 3)
     ids = {}

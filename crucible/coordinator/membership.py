@@ -307,8 +307,19 @@ class Membership:
         for w in dead[:-KEEP_DEAD]:
             del self.workers[w.worker_id]
 
-    def replica_done(self, r: int) -> None:
-        self.replicas[r].state = "done"
+    def replica_done(self, r: int) -> bool:
+        """Replica r trained its last step (its stage 0 says so). The job's
+        epoch moves on, so that every route watcher is sent the state: a
+        stage whose upstream stream never opened (nothing was left to train)
+        ends on it. The replica's route epoch stays: frames of its last step
+        still on their way (its final COMMIT) are not stale. False when it
+        was done already."""
+        rep = self.replicas[r]
+        if rep.state == "done":
+            return False
+        rep.state = "done"
+        self.counter += 1
+        return True
 
     # ---- routes --------------------------------------------------------------------
 

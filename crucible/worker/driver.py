@@ -38,6 +38,13 @@ class Driver:
 
     def run(self) -> None:
         recovering = False
+        if self.progress.step >= self.cfg.train.steps:
+            # Nothing to train (resumed at or past train.steps): the replica is
+            # done only once it started, i.e. every slot of the job registered
+            # (so every stage hears of it: Reactor.finished), not while the
+            # others are still starting (the coordinator would end the job
+            # before they could register).
+            self.links.wait_started()
         while self.progress.step < self.cfg.train.steps:
             waited = self.links.wait_training()
             if waited > 0.05:

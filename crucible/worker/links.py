@@ -143,6 +143,16 @@ class Links:
             self.idle()      # off the lock: a paused replica snapshots its frozen state for a pending save
         return time.perf_counter() - t0
 
+    def wait_started(self) -> None:
+        """Block until the replica has started (training, paused or done: every
+        slot of the job was filled once)."""
+        while True:
+            self.check_stop()
+            with self.cv:
+                if self.route is not None and self.route.state in ("training", "paused", "done"):
+                    return
+                self.cv.wait(0.1)
+
     # ---- the stream from the predecessor (the data plane attaches it) ----------------
 
     def attach_upstream(self, stream) -> None:

@@ -36,6 +36,8 @@ class Reactor:
                     K.EVAL: self.on_eval, K.EVAL_RESULT: self.on_eval_result}
         while True:
             self.links.check_stop()
+            if self.finished():
+                return  # the replica is done and this stage applied its last step
             if self.links.in_route():
                 self.links.connect()
             ev = self.links.next_event(self.st, timeout=1e9)
@@ -47,6 +49,16 @@ class Reactor:
                         self.suspect(ev.peer, "stream from predecessor closed", ev.epoch)
                 continue
             handlers[ev.kind](ev)
+
+    def finished(self) -> bool:
+        """The coordinator says the replica is done (its route's state: sent to
+        every route watcher when the replica becomes done, and in the
+        registration's reply) and this stage has applied every step: nothing
+        more will come. The stream from the
+        predecessor closing says the same in the ordinary ending, but it never
+        opens when there was nothing to train (a resume at or past
+        train.steps): this is what ends such a stage."""
+        return self.links.route_state() == "done" and self.progress.step >= self.cfg.train.steps
 
     def on_forward(self, ev: Event) -> None:
         if ev.micro == 0:
