@@ -56,6 +56,8 @@ KINDS: dict[str, str] = {
     "fault": "a worker declared dead: kind (worker_dead), worker, replica, stage, pid, reason, probe_s",
     "route_change": "epoch, reason, routes (replica -> stages), states (replica -> state)",
     "job_done": "every replica is done: elapsed_s, steps",
+    "job_stopped": "the coordinator got SIGTERM or SIGINT (a preemption notice) before the last step: it takes "
+                   "a final checkpoint and stops every worker: signal, steps (per replica)",
     "job_rollback": "a stage lost every copy: every worker restarts from the latest checkpoint: reason, replica, "
                     "stage, to_step",
     "outer_round": "a round closed: stage, round, contributors, dropped, bytes, seconds (logged just before the "

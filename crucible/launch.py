@@ -427,6 +427,13 @@ class Launcher:
                 break
             if self._all_done():
                 self._wait_for(lambda: self.coord.poll() is not None, 10.0)
+                sig = self._stopped_by_coordinator()
+                if sig:
+                    # every worker exits 0 after the coordinator's stop too: the job did not finish
+                    print(f"\ncrucible: the coordinator got {sig.name}: it stopped the job (after a final "
+                          f"checkpoint where checkpointing is on)", flush=True)
+                    self.stopping = sig
+                    return exits.interrupted(sig)
                 break
             if not respawn and exited:
                 # (job_done may be on its way to the file: the coordinator writes it behind a queue)
@@ -491,6 +498,16 @@ class Launcher:
 
     def _all_done(self) -> bool:
         return all(w.poll() == 0 for w in self.workers.values())
+
+    def _stopped_by_coordinator(self) -> signal.Signals | None:
+        """The signal that made the coordinator stop this launch's job
+        (``job_stopped``), or None."""
+        for e in metrics.read_events(self.run_dir, "job_stopped", offset=self.offset):
+            try:
+                return signal.Signals[e.get("signal") or "SIGTERM"]
+            except KeyError:
+                return signal.SIGTERM
+        return None
 
     def _job_done(self) -> bool:
         """The coordinator logged job_done in this launch: every replica trained

@@ -207,3 +207,24 @@ def test_kill_with_a_malformed_pids_json_says_so_in_one_line(tmp_path):
         out = _kill(tmp_path, "r0s0")
         assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, (content, out.stderr)
         assert "Traceback" not in out.stderr and "pids.json" in out.stderr, (content, out.stderr)
+
+
+def test_a_job_whose_coordinator_got_sigterm_is_stopped_not_finished(start_job):
+    """SIGTERM to the coordinator alone (its host preempted, or a user): it
+    takes a final checkpoint and stops every worker, which exit 0, as at the
+    end of a job. The launcher says it was stopped (exit 143, the resume
+    command), not "finished"."""
+    job = start_job(["--replicas", "1", "--stages", "2", "--steps", "1000000"],
+                    [o for o in TINY if not o.startswith("checkpoint.")] + ["checkpoint.minimum_interval_s=1000"])
+    job.wait_for(lambda st: st["replicas"][0]["step"] >= 5, 120, "training")
+    with open(os.path.join(job.run_dir, "pids.json")) as f:
+        os.kill(json.load(f)["coordinator"], signal.SIGTERM)
+    assert job.wait(90) == 128 + signal.SIGTERM, job.output()
+    with open(job.log_path) as f:
+        out = f.read()
+    assert "crucible: the coordinator got SIGTERM: it stopped the job" in out, out
+    assert "finished" not in out and "interrupted by SIGTERM" in out and "--resume" in out, out
+    (stopped,) = job.events("job_stopped")
+    assert stopped["signal"] == "SIGTERM" and stopped["steps"]["0"] >= 5, stopped
+    assert [e for e in job.events("ckpt_commit") if e.get("final")], "no final checkpoint"
+    assert not job.events("job_done")

@@ -701,6 +701,11 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
         coord.stop(leave=True)
         return 128 + signal.SIGTERM    # not done: a scheduler starts the next one
     else:  # SIGTERM/SIGINT (a preemption notice): a final checkpoint, then every worker stops
+        with coord.cv:
+            steps = coord.m.replica_steps()
+        # (what tells `crucible launch` that its job was stopped, not finished: the workers exit 0 either way)
+        coord.metrics.write({"event": "job_stopped", "signal": signal.Signals(got[0]).name if got else None,
+                             "steps": steps})
         coord.ckpt.final_checkpoint(cfg.checkpoint.preemption_timeout_s)
         coord.ckpt.stop_workers()
     coord.stop()
