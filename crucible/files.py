@@ -34,14 +34,16 @@ def dir_problem(path: str, make: bool = False) -> str | None:
     """Why ``path`` is not a directory and cannot become one (a file is there,
     or at a folder above it), or None: a directory, or a path that
     ``os.makedirs`` can create. With ``make``, also whether the OS lets this
-    process create it (or a folder in it, when it exists): tried, and what the
-    try created is removed again (``/proc/x``, a read-only file system)."""
+    process create folders there: one folder of a name of its own is made in
+    ``path`` (when it exists) or in the deepest folder above it that exists,
+    and removed again (``/proc/x``, a read-only file system). Nothing else is
+    made or removed, so another launch making the same folders at the same
+    time is never undone."""
     p = os.path.abspath(path)
     if os.path.exists(p):
         if not os.path.isdir(p):
             return "not a directory"
-        return _try_mkdir(os.path.join(p, f".crucible-probe-{os.getpid()}"), p, "cannot write in it") \
-            if make else None
+        return _probe(p, "cannot write in it") if make else None
     top = p
     while top != os.path.dirname(top):
         top = os.path.dirname(top)
@@ -49,24 +51,19 @@ def dir_problem(path: str, make: bool = False) -> str | None:
             if not os.path.isdir(top):
                 return f"{top} is not a directory"
             break
-    return _try_mkdir(p, top, "cannot create it") if make else None
+    return _probe(top, "cannot create it") if make else None
 
 
-def _try_mkdir(path: str, existing: str, what: str) -> str | None:
-    """Create ``path`` and the folders missing above it (below ``existing``),
-    then remove them again; the OS's reason when it refuses, else None."""
+def _probe(folder: str, what: str) -> str | None:
+    """Make and remove a folder of this process's own in `folder`: the OS's
+    reason when it refuses, else None."""
+    probe = os.path.join(folder, f".crucible-probe-{os.getpid()}-{os.urandom(4).hex()}")
     try:
-        os.makedirs(path)
-    except FileExistsError:
-        return None                      # made meanwhile by someone else: it is there
+        os.mkdir(probe)
     except OSError as e:
-        where = e.filename if isinstance(e.filename, str) and e.filename != path else ""
-        return f"{what}: {'mkdir ' + where + ': ' if where else ''}{e.strerror or e}"
-    d = path
-    while d != existing and d != os.path.dirname(d):
-        try:
-            os.rmdir(d)
-        except OSError:
-            break                        # something was put in it meanwhile: leave it
-        d = os.path.dirname(d)
+        return f"{what}: {folder}: {e.strerror or e}"
+    try:
+        os.rmdir(probe)
+    except OSError:
+        pass
     return None

@@ -146,7 +146,9 @@ class Launcher:
         self.came_up = False              # a coordinator came up (else there is no summary or resume hint)
         self.last_status: dict | None = None
         self.offset = 0                   # metrics.jsonl's size when this launch started: its events follow
-        self.job_done, self.job_done_size = False, -1   # job_done seen since offset; the file's size when looked
+        self.job_done = False             # job_done seen in this launch's events
+        self.stopped_by: signal.Signals | None = None   # job_stopped seen: the signal the coordinator got
+        self.scanned = None               # how far metrics.jsonl was read for those two (None: from offset)
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}
         self.mps = None                   # crucible.mps.Mps, with job.mps=on
@@ -324,6 +326,13 @@ class Launcher:
             self.failure = str(e)
             print(f"\ncrucible: failed: {e}", file=sys.stderr, flush=True)
             return exits.ERROR
+        except BrokenPipeError:
+            # the reader of our output went away (`crucible launch | head`): stopped as by a signal, final
+            # checkpoint first, the rest of what we say to nobody (stdout to /dev/null), this line to stderr
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            print("crucible: the reader of the output went away: stopping the job", file=sys.stderr, flush=True)
+            self.stopping = signal.SIGPIPE
+            return exits.interrupted(signal.SIGPIPE)
         finally:
             if self.stopping or self.failure:   # a final checkpoint before everything stops
                 preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint)
@@ -418,6 +427,8 @@ class Launcher:
                 self._restart_all()
                 client = StatusClient(self.addr, self.token)
                 continue
+            if self.coord.poll() == 0 and self._stopped_by_coordinator():
+                return self._coordinator_stopped(self.stopped_by)     # (before any worker is restarted)
             self._handle_deaths(respawn)
             if self._restart_due():
                 client = StatusClient(self.addr, self.token)
@@ -426,14 +437,10 @@ class Launcher:
                 self._wait_for_the_end()
                 break
             if self._all_done():
+                # (every worker exits 0 after the coordinator's own stop too: then the job did not finish)
                 self._wait_for(lambda: self.coord.poll() is not None, 10.0)
-                sig = self._stopped_by_coordinator()
-                if sig:
-                    # every worker exits 0 after the coordinator's stop too: the job did not finish
-                    print(f"\ncrucible: the coordinator got {sig.name}: it stopped the job (after a final "
-                          f"checkpoint where checkpointing is on)", flush=True)
-                    self.stopping = sig
-                    return exits.interrupted(sig)
+                if not self._job_done() and self._stopped_by_coordinator():
+                    return self._coordinator_stopped(self.stopped_by)
                 break
             if not respawn and exited:
                 # (job_done may be on its way to the file: the coordinator writes it behind a queue)
@@ -456,7 +463,7 @@ class Launcher:
                 self._show_progress(tty)
         if tty:
             print()
-        if self.stopping:
+        if self.stopping and not self.job_done:          # (a signal after job_done: it finished all the same)
             return exits.interrupted(self.stopping)      # the summary follows the final checkpoint
         self.finished = True
         print(self._summary("finished"), flush=True)
@@ -499,27 +506,56 @@ class Launcher:
     def _all_done(self) -> bool:
         return all(w.poll() == 0 for w in self.workers.values())
 
+    def _scan_ends(self) -> None:
+        """Read what metrics.jsonl gained since the last look (whole lines only,
+        so a long run's file is read once, not again at every look) for the
+        two events that say how the job ended: job_done and job_stopped."""
+        pos = self.offset if self.scanned is None else self.scanned
+        try:
+            with open(metrics.path_of(self.run_dir), "rb") as f:
+                f.seek(pos)
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1
+        self.scanned = pos + end
+        for raw in data[:end].splitlines():
+            if b'"job_done"' not in raw and b'"job_stopped"' not in raw:
+                continue
+            try:
+                ev = json.loads(raw)
+            except ValueError:
+                continue
+            if ev.get("event") == "job_done":
+                self.job_done = True
+            elif ev.get("event") == "job_stopped":
+                try:
+                    self.stopped_by = signal.Signals[ev.get("signal") or "SIGTERM"]
+                except KeyError:
+                    self.stopped_by = signal.SIGTERM
+
     def _stopped_by_coordinator(self) -> signal.Signals | None:
         """The signal that made the coordinator stop this launch's job
-        (``job_stopped``), or None."""
-        for e in metrics.read_events(self.run_dir, "job_stopped", offset=self.offset):
-            try:
-                return signal.Signals[e.get("signal") or "SIGTERM"]
-            except KeyError:
-                return signal.SIGTERM
-        return None
+        (``job_stopped``, since its last start by ``_restart_all``), or None."""
+        self._scan_ends()
+        return None if self.job_done else self.stopped_by
 
     def _job_done(self) -> bool:
         """The coordinator logged job_done in this launch: every replica trained
         train.steps steps, whatever became of each worker (one killed on the
-        way, with no respawn, was routed around). Asked only once every worker
-        has exited or the coordinator has exited 0; the file is read again only
-        when it grew."""
-        size = metrics.size(self.run_dir)
-        if not self.job_done and size != self.job_done_size:
-            self.job_done_size = size
-            self.job_done = bool(metrics.read_events(self.run_dir, "job_done", offset=self.offset))
+        way, with no respawn, was routed around)."""
+        self._scan_ends()
         return self.job_done
+
+    def _coordinator_stopped(self, sig: signal.Signals) -> int:
+        """The coordinator stopped the job on a signal of its own (its host
+        preempted): the workers exit 0 after that as at the end of a job, but
+        the job did not finish. Ends as a stop does (summary, resume command)."""
+        start = "\n" if sys.stdout.isatty() else ""      # (after the progress line)
+        print(f"{start}crucible: the coordinator got {sig.name}: it stopped the job (after a final checkpoint "
+              f"where checkpointing is on)", flush=True)
+        self.stopping = sig
+        return exits.interrupted(sig)
 
     def _wait_for(self, cond, timeout: float) -> bool:
         """Wait until ``cond()`` or ``timeout`` seconds or a stop signal; whether cond() held."""
@@ -567,6 +603,8 @@ class Launcher:
               flush=True)
         t0 = time.monotonic()
         self._stop_all(grace=2.0)
+        self._scan_ends()
+        self.stopped_by = None            # (the job_stopped of the coordinator this restart stopped)
         self._log_event({"event": "job_restart", "reason": why})
         self.addr = None
         self.addr = self._start_coordinator("resume")
@@ -579,12 +617,14 @@ class Launcher:
         if not self.cfg.checkpoint.enable_checkpointing:
             return "crucible: no checkpoints (checkpoint.enable_checkpointing = false): nothing to resume"
         from crucible.checkpoint.store import list_checkpoints
+        from crucible.preflight import CheckFailed, check_steps_left
 
         ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
         if not ckpts:
             return "crucible: no checkpoint was committed: a new launch starts from step 0"
-        if ckpts[-1].step >= self.cfg.train.steps:
-            # (the same command would be refused: nothing left to train)
+        try:
+            check_steps_left(ckpts, self.cfg)     # (the pre-flight's rule: the checkpoint a resume would take)
+        except CheckFailed:
             return (f"crucible: newest checkpoint: step {ckpts[-1].step}, train.steps {self.cfg.train.steps}: "
                     f"every step is trained; to train on, --resume with a larger --steps")
         argv = ["crucible", "launch", "--run-dir", self.run_dir, "--resume"]

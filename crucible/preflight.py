@@ -46,7 +46,7 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, 
     train from step 0 over them (and retention would delete them): refused.
     A resume whose newest checkpoint is of another topology or model (its
     shards would not load): refused, naming what differs; so is one with
-    nothing left to train (``_check_steps_left``). With ``verify`` (``crucible
+    nothing left to train (``check_steps_left``). With ``verify`` (``crucible
     check``), a resume is refused as the coordinator would refuse it
     (``store.choose_resume``: every checkpoint damaged or incomplete, its
     shards read and checked); without, only the manifests are read."""
@@ -76,7 +76,7 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, 
             if why:
                 raise CheckFailed(f"--resume: checkpoint {info.path}: {why}")
             if cfg is not None:
-                _check_steps_left(done, cfg)
+                check_steps_left(done, cfg)
             return
         return
     if done:
@@ -84,7 +84,7 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, 
                           f"add --resume to continue from it, or choose another --run-dir")
 
 
-def _check_steps_left(done: list, cfg: Config) -> None:
+def check_steps_left(done: list, cfg: Config) -> None:
     """A resume from a checkpoint whose every replica is at or past
     train.steps has nothing to train: refused (it would start the job only to
     end it). The checkpoint is the one the coordinator would resume from:

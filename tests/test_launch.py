@@ -228,3 +228,56 @@ def test_a_job_whose_coordinator_got_sigterm_is_stopped_not_finished(start_job):
     assert stopped["signal"] == "SIGTERM" and stopped["steps"]["0"] >= 5, stopped
     assert [e for e in job.events("ckpt_commit") if e.get("final")], "no final checkpoint"
     assert not job.events("job_done")
+
+
+def test_the_launcher_reads_how_the_job_ended_once_and_forgets_a_restarts_stop(tmp_path):
+    """job_done and job_stopped are read from this launch's part of
+    metrics.jsonl, each line once (a half-written last line waits for its
+    end); the job_stopped of the coordinator that ``_restart_all`` stopped is
+    forgotten (a finished job was reported as stopped otherwise)."""
+    from crucible.launch import Launcher
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"event": "job_stopped", "signal": "SIGINT"}\n')        # an earlier launch's
+    la = Launcher.__new__(Launcher)
+    la.run_dir, la.offset = str(tmp_path), log.stat().st_size
+    la.job_done, la.stopped_by, la.scanned = False, None, None
+    assert la._stopped_by_coordinator() is None and not la._job_done()
+    with open(log, "a") as f:
+        f.write('{"event": "step", "step": 1}\n{"event": "job_stopped", "signal": "SIGTERM", "steps": {"0": 1}}\n')
+        f.write('{"event": "job_do')                                      # being written
+    assert la._stopped_by_coordinator() == signal.SIGTERM and not la._job_done()
+    la.stopped_by = None                                                  # as _restart_all does after its stop
+    with open(log, "a") as f:
+        f.write('ne", "steps": [3]}\n')
+    assert la._job_done() and la._stopped_by_coordinator() is None
+
+
+def test_a_launch_whose_output_reader_goes_away_stops_with_a_final_checkpoint(tmp_path):
+    """`crucible launch | head -1`: the progress line meets a closed pipe. The
+    job stops as on a signal (final checkpoint, every process gone), one line
+    on stderr, exit 141; it was a silent exit without the final checkpoint."""
+    run = tmp_path / "run"
+    overrides = [o for o in TINY if not o.startswith("checkpoint.")] + ["checkpoint.minimum_interval_s=1000"]
+    proc = subprocess.Popen(crucible_cmd("launch", "--run-dir", str(run), "--replicas", "1", "--stages", "2",
+                                         "--steps", "1000000", *overrides),
+                            cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout.readline().startswith(b"crucible: run directory")
+        t_end = time.monotonic() + 120
+        while not (run / "metrics.jsonl").exists() or b'"event":"step"' not in (run / "metrics.jsonl").read_bytes():
+            assert time.monotonic() < t_end and proc.poll() is None, "no step"
+            time.sleep(0.2)
+        proc.stdout.close()                                           # head -1 exits
+        assert proc.wait(timeout=120) == 128 + signal.SIGPIPE
+        err = proc.stderr.read().decode()
+        assert "crucible: the reader of the output went away: stopping the job" in err and "Traceback" not in err, err
+        events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        assert [e for e in events if e["event"] == "ckpt_commit" and e.get("final")], "no final checkpoint"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

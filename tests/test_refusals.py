@@ -18,6 +18,7 @@ import pytest
 from conftest import ROOT, child_env, crucible_cmd
 
 JOB = ["--replicas", "1", "--stages", "2", "--steps", "3"]
+SMALL = JOB + ["model.preset=small", "data.max_bytes=2000000"]
 CANNOT_MAKE = "/proc/crucible-test/run"     # /proc refuses a new folder, to root too
 
 
@@ -73,6 +74,24 @@ def test_a_run_dir_that_can_be_made_is_tried_and_left_as_it_was(tmp_path):
                             "data.max_bytes=200000")
     assert code == 0 and not lines, out
     assert os.listdir(tmp_path) == []
+
+
+def test_the_run_dir_probe_makes_and_removes_one_folder_of_its_own(tmp_path, monkeypatch):
+    """dir_problem(make=True) tries one folder of a name of its own in the
+    deepest folder that exists, never the run directory's chain: another
+    launch making `runs/` at the same moment is never undone."""
+    from crucible import files
+
+    made = []
+    real = os.mkdir
+    monkeypatch.setattr(os, "mkdir", lambda p, *a, **k: (made.append(str(p)), real(p, *a, **k))[1])
+    assert files.dir_problem(str(tmp_path / "runs" / "a"), make=True) is None
+    (probe,) = made
+    assert os.path.dirname(probe) == str(tmp_path) and os.path.basename(probe).startswith(".crucible-probe-")
+    (tmp_path / "runs").mkdir()                  # made by someone else meanwhile: left alone
+    assert files.dir_problem(str(tmp_path / "runs" / "a"), make=True) is None
+    assert os.path.dirname(made[-1]) == str(tmp_path / "runs") and os.listdir(tmp_path) == ["runs"]
+    assert os.listdir(tmp_path / "runs") == []
 
 
 # ---- --out of report, certs, k8s render ---------------------------------------------------------------------
@@ -176,25 +195,26 @@ def _damaged_run(run_dir) -> str:
 
 
 def test_resume_over_damaged_checkpoints_fails_the_check_with_the_coordinators_line(tmp_path):
+    # (a small model and corpus: the pre-flight builds the model and reads the data, under _run's 30 s on a busy box)
     run = tmp_path / "run"
     root = _damaged_run(run)
     before = _digest(run)
     want = f"--resume: none of the 2 checkpoint(s) in {root} can be resumed from (newest, step 20: damaged: "
-    line = _refused("check", "--run-dir", str(run), "--resume", *JOB, status=1)
+    line = _refused("check", "--run-dir", str(run), "--resume", *SMALL, status=1)
     assert line.startswith(f"crucible: {want}") and "nothing was moved" in line, line
     # check --no-verify (launch's pre-flight) reads the manifests only: the shards are the coordinator's to read
-    code, lines, out = _run("check", "--run-dir", str(run), "--resume", "--no-verify", *JOB)
+    code, lines, out = _run("check", "--run-dir", str(run), "--resume", "--no-verify", *SMALL)
     assert code == 0, out
     # launch: the coordinator's line, nothing moved
-    code, lines, out = _run("launch", "--run-dir", str(run), "--resume", *JOB)
+    code, lines, out = _run("launch", "--run-dir", str(run), "--resume", *SMALL)
     assert code == 1 and f"the coordinator exited with 1: {want}" in out and "CannotResume" not in out, out
     assert {k: v for k, v in _digest(run).items() if k.startswith("checkpoints")} == before
     # the coordinator alone (what `launch --no-check` shows): the line, no class path
-    code, lines, out = _run("coordinator", "--run-dir", str(run), "--resume", *JOB)
+    code, lines, out = _run("coordinator", "--run-dir", str(run), "--resume", *SMALL)
     assert code == 1 and lines[-1].startswith(f"crucible coordinator: {want}"), out
     assert "CannotResume" not in out
     # launch --no-check: the launcher shows the coordinator's line, without a class path either
-    code, lines, out = _run("launch", "--no-check", "--run-dir", str(run), "--resume", *JOB)
+    code, lines, out = _run("launch", "--no-check", "--run-dir", str(run), "--resume", *SMALL)
     assert code == 1 and f"the coordinator exited with 1: {want}" in out and "CannotResume" not in out, out
     assert {k: v for k, v in _digest(run).items() if k.startswith("checkpoints")} == before
 
