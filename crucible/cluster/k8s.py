@@ -260,7 +260,7 @@ def cmd_render(args) -> int:
             overrides.append(f"{key}={val}")
     cfg = Config.load(args.config, overrides)      # a bad key fails here, named
     if cfg.job.mps == "on":
-        raise SystemExit("crucible k8s: job.mps=on is for crucible launch on one machine; on Kubernetes GPU "
+        raise exits.UsageError("k8s render: job.mps=on is for crucible launch on one machine; on Kubernetes GPU "
                          "sharing is the device plugin's (MPS or time-slicing): leave job.mps off")
     config_text = None
     if args.config:

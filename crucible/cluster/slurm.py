@@ -72,6 +72,7 @@ slot, job_id, node), ``slurm_stuck``, ``slurm_down``.
 
 from __future__ import annotations
 
+from crucible import exits
 from crucible.files import atomic_write
 from crucible.metrics import append_event, read_events
 from crucible.slots import slot_of
@@ -655,7 +656,7 @@ def cmd_up(args) -> int:
     config = os.path.abspath(args.config) if args.config else ""
     cfg = Config.load(config or None, overrides)   # a bad key fails here, named
     if cfg.job.mps == "on":
-        raise SystemExit("crucible slurm up: job.mps=on is for crucible launch on one machine; under Slurm "
+        raise exits.UsageError("slurm up: job.mps=on is for crucible launch on one machine; under Slurm "
                          "ask the site's MPS for the slots (--worker-sbatch=--gres=mps:N) and leave job.mps off")
     _refuse_if_up(run_dir, args.run_dir)
     _prepare_run_dir(run_dir, args.resume)
