@@ -25,6 +25,20 @@ TINY = ["model.n_layer=4", "model.d_model=32", "model.n_head=2", "train.seq_len=
         "checkpoint.enable_checkpointing=false"]
 
 
+def tree_digest(root) -> dict[str, str]:
+    """Every file under `root` (relative path -> sha256): what a refused
+    command must leave as it was."""
+    import hashlib
+
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
 def free_port() -> int:
     """A port nothing on 127.0.0.1 listens on just now."""
     with socket.socket() as s:

@@ -9,7 +9,6 @@ one slot stops the job).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import signal
@@ -20,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY, Job, child_env, crucible_cmd, free_port
+from conftest import ROOT, TINY, Job, child_env, crucible_cmd, free_port, tree_digest
 from crucible.metrics import read_events
 
 BUILDERS = textwrap.dedent('''
@@ -74,15 +73,6 @@ def _env(extra_path: str) -> dict:
     return env
 
 
-def _tree_digest(root: str) -> dict[str, str]:
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
-
 
 def _launch(args: list[str], env: dict, timeout: float = 60.0) -> tuple[int, str, float]:
     """A real `crucible launch` in its own process group, bounded; returns
@@ -124,9 +114,9 @@ def trained(tmp_path_factory):
 def run_copy(trained, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained / "run", run)
-    before = _tree_digest(str(run / "checkpoints"))
+    before = tree_digest(str(run / "checkpoints"))
     yield str(run)
-    assert _tree_digest(str(run / "checkpoints")) == before, "the run directory's checkpoints were touched"
+    assert tree_digest(str(run / "checkpoints")) == before, "the run directory's checkpoints were touched"
 
 
 def _data_file(tmp_path, name: str, payload: bytes) -> str:

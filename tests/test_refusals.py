@@ -7,7 +7,6 @@ Every test here runs without a training job (a coordinator alone at most).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, child_env, crucible_cmd
+from conftest import ROOT, child_env, crucible_cmd, tree_digest
 
 JOB = ["--replicas", "1", "--stages", "2", "--steps", "3"]
 SMALL = JOB + ["model.preset=small", "data.max_bytes=2000000"]
@@ -39,15 +38,6 @@ def _refused(*args: str, status: int = 2, env: dict | None = None) -> str:
     assert len(lines) == 1, out
     return lines[0]
 
-
-def _digest(root) -> dict[str, str]:
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            p = os.path.join(dirpath, name)
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 # ---- a run directory that cannot be made (was a traceback after the pre-flight, or `check passed`) ----------
@@ -198,7 +188,7 @@ def test_resume_over_damaged_checkpoints_fails_the_check_with_the_coordinators_l
     # (a small model and corpus: the pre-flight builds the model and reads the data, under _run's 30 s on a busy box)
     run = tmp_path / "run"
     root = _damaged_run(run)
-    before = _digest(run)
+    before = tree_digest(run)
     want = f"--resume: none of the 2 checkpoint(s) in {root} can be resumed from (newest, step 20: damaged: "
     line = _refused("check", "--run-dir", str(run), "--resume", *SMALL, status=1)
     assert line.startswith(f"crucible: {want}") and "nothing was moved" in line, line
@@ -208,7 +198,7 @@ def test_resume_over_damaged_checkpoints_fails_the_check_with_the_coordinators_l
     # launch: the coordinator's line, nothing moved
     code, lines, out = _run("launch", "--run-dir", str(run), "--resume", *SMALL)
     assert code == 1 and f"the coordinator exited with 1: {want}" in out and "CannotResume" not in out, out
-    assert {k: v for k, v in _digest(run).items() if k.startswith("checkpoints")} == before
+    assert {k: v for k, v in tree_digest(run).items() if k.startswith("checkpoints")} == before
     # the coordinator alone (what `launch --no-check` shows): the line, no class path
     code, lines, out = _run("coordinator", "--run-dir", str(run), "--resume", *SMALL)
     assert code == 1 and lines[-1].startswith(f"crucible coordinator: {want}"), out
@@ -216,7 +206,7 @@ def test_resume_over_damaged_checkpoints_fails_the_check_with_the_coordinators_l
     # launch --no-check: the launcher shows the coordinator's line, without a class path either
     code, lines, out = _run("launch", "--no-check", "--run-dir", str(run), "--resume", *SMALL)
     assert code == 1 and f"the coordinator exited with 1: {want}" in out and "CannotResume" not in out, out
-    assert {k: v for k, v in _digest(run).items() if k.startswith("checkpoints")} == before
+    assert {k: v for k, v in tree_digest(run).items() if k.startswith("checkpoints")} == before
 
 
 # ---- the reader of stdout goes away ----------------------------------------------------------------------------
