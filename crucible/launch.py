@@ -507,28 +507,14 @@ class Launcher:
         return all(w.poll() == 0 for w in self.workers.values())
 
     def _scan_ends(self) -> None:
-        """Read what metrics.jsonl gained since the last look (whole lines only,
-        so a long run's file is read once, not again at every look) for the
-        two events that say how the job ended: job_done and job_stopped."""
-        pos = self.offset if self.scanned is None else self.scanned
-        try:
-            with open(metrics.path_of(self.run_dir), "rb") as f:
-                f.seek(pos)
-                data = f.read()
-        except OSError:
-            return
-        end = data.rfind(b"\n") + 1
-        self.scanned = pos + end
-        for raw in data[:end].splitlines():
-            if b'"job_done"' not in raw and b'"job_stopped"' not in raw:
-                continue
-            try:
-                ev = json.loads(raw)
-            except ValueError:
-                continue
-            if ev.get("event") == "job_done":
+        """Follow metrics.jsonl (``metrics.follow``: each line once) for the two
+        events that say how the job ended: job_done and job_stopped."""
+        events, self.scanned = metrics.follow(self.run_dir, ("job_done", "job_stopped"),
+                                              self.offset if self.scanned is None else self.scanned)
+        for ev in events:
+            if ev["event"] == "job_done":
                 self.job_done = True
-            elif ev.get("event") == "job_stopped":
+            else:
                 try:
                     self.stopped_by = signal.Signals[ev.get("signal") or "SIGTERM"]
                 except KeyError:

@@ -46,6 +46,31 @@ def read(run_dir_or_path: str, kind: str | None = None, offset: int = 0) -> tupl
     return events, bad
 
 
+def follow(run_dir_or_path: str, kinds: tuple[str, ...], offset: int) -> tuple[list[dict], int]:
+    """The events of `kinds` in the whole lines written since byte `offset`,
+    and the offset to follow on from (after the last whole line: a line
+    still being written is read next time, whole). Each line is read once
+    however long the run: for a reader that looks again and again."""
+    try:
+        with open(path_of(run_dir_or_path), "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    events = []
+    for raw in data[:end].splitlines():
+        if not any(f'"{k}"'.encode() in raw for k in kinds):
+            continue                    # (most lines: no parse)
+        try:
+            ev = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(ev, dict) and ev.get("event") in kinds:
+            events.append(ev)
+    return events, offset + end
+
+
 def read_events(run_dir_or_path: str, kind: str | None = None, offset: int = 0) -> list[dict]:
     """The events (of one kind, or all), in file order (from byte ``offset``)."""
     return read(run_dir_or_path, kind, offset)[0]
