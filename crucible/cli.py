@@ -232,11 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _reader_gone():
             print(f"crucible: {exits.last_line(e)}", file=sys.stderr)
             return exits.ERROR
-        # `crucible status --watch | head`: the reader went away. Quietly, as
-        # other tools (killed by SIGPIPE); stdout to /dev/null, so that the
-        # flush at exit does not fail too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return exits.interrupted(signal.SIGPIPE)
+        return exits.quiet_after_broken_pipe()       # (`crucible status --watch | head`: quietly, as other tools)
 
 
 def _reader_gone() -> bool:

@@ -41,6 +41,16 @@ def interrupted(signum: int) -> int:
     return 128 + int(signum)
 
 
+def quiet_after_broken_pipe() -> int:
+    """The reader of our stdout went away (``crucible ... | head``): stdout to
+    /dev/null, so that what is still said, and the flush at exit, do not fail
+    too; the exit code of a process killed by SIGPIPE, as other tools end."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    return interrupted(signal.SIGPIPE)
+
+
 def describe(code: int | None) -> str:
     """A process's exit status in words (Popen's negative codes are signals)."""
     if code is None:

@@ -328,11 +328,11 @@ class Launcher:
             return exits.ERROR
         except BrokenPipeError:
             # the reader of our output went away (`crucible launch | head`): stopped as by a signal, final
-            # checkpoint first, the rest of what we say to nobody (stdout to /dev/null), this line to stderr
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            # checkpoint first, the rest of what we say to nobody, this line to stderr
+            code = exits.quiet_after_broken_pipe()
             print("crucible: the reader of the output went away: stopping the job", file=sys.stderr, flush=True)
             self.stopping = signal.SIGPIPE
-            return exits.interrupted(signal.SIGPIPE)
+            return code
         finally:
             if self.stopping or self.failure:   # a final checkpoint before everything stops
                 preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint)

@@ -63,8 +63,9 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, 
             chosen, _ = store.choose_resume(root, done, cfg.to_dict())
         except store.CannotResume as e:
             raise CheckFailed(str(e)) from None
-        if chosen is not None and _resume_step(chosen) >= cfg.train.steps:
-            raise CheckFailed(_nothing_left(chosen, cfg))
+        why = store.nothing_left(chosen, cfg.train.steps) if chosen is not None else None
+        if why:
+            raise CheckFailed(why)
         return
     if resume:
         for info in reversed(done):     # (the newest whose manifest reads; the coordinator verifies the shards)
@@ -87,34 +88,20 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, 
 def check_steps_left(done: list, cfg: Config) -> None:
     """A resume from a checkpoint whose every replica is at or past
     train.steps has nothing to train: refused (it would start the job only to
-    end it). The checkpoint is the one the coordinator would resume from:
-    the newest that verifies and holds every stage (``store.choose_resume``),
-    so one at or past train.steps is read in full here; one before it is not."""
+    end it). Only the checkpoints at or past train.steps are read in full:
+    the resume passes over those that are damaged or incomplete
+    (``store.choose_resume``), and an older one has steps left."""
     from crucible.checkpoint import store
 
-    for info in reversed(done):
-        if _resume_step(info) < cfg.train.steps:
-            return          # (the coordinator resumes from this one, or an older one: steps are left)
-        if store.stages_missing(info.path, cfg.job.replicas, cfg.job.stages) or store.verify(info.path):
-            continue        # passed over by the resume
-        raise CheckFailed(_nothing_left(info, cfg))
-
-
-def _resume_step(info) -> int:
-    """The step a resume from checkpoint `info` starts at: its slowest
-    replica's (the checkpoint's own step where its manifest does not say)."""
-    from crucible.checkpoint import store
-
+    past = [info for info in done if store.resume_step(info) >= cfg.train.steps]
+    if not past:
+        return
     try:
-        replicas = store.read_manifest(info.path).get("replicas") or {}
-        return min(int(r.get("step", info.step)) for r in replicas.values()) if replicas else info.step
-    except (store.CheckpointCorrupt, OSError, AttributeError, TypeError, ValueError):
-        return info.step
-
-
-def _nothing_left(info, cfg: Config) -> str:
-    return (f"--resume: the checkpoint to resume from is at step {info.step} and train.steps is "
-            f"{cfg.train.steps}: nothing left to train; raise train.steps (--steps) above {info.step} to train on")
+        chosen, _ = store.choose_resume(os.path.dirname(past[0].path), past, cfg.to_dict())
+    except store.CannotResume:
+        return      # (every one of them passed over: the resume goes back to an older one, with steps left)
+    if chosen is not None:
+        raise CheckFailed(store.nothing_left(chosen, cfg.train.steps))
 
 
 def check_data(cfg: Config):

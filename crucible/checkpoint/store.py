@@ -441,6 +441,25 @@ class CannotResume(RuntimeError):
     from step 0 or on shards that do not load."""
 
 
+def resume_step(info: CkptInfo) -> int:
+    """The step a resume from checkpoint ``info`` starts at: its slowest
+    replica's (the checkpoint's own step where its manifest does not say)."""
+    try:
+        replicas = read_manifest(info.path).get("replicas") or {}
+        return min(int(r.get("step", info.step)) for r in replicas.values()) if replicas else info.step
+    except (CheckpointCorrupt, OSError, AttributeError, TypeError, ValueError):
+        return info.step
+
+
+def nothing_left(info: CkptInfo, train_steps: int) -> str | None:
+    """Why a resume from ``info`` has nothing to train (every replica at or
+    past train.steps: the job would start only to end), or None."""
+    if resume_step(info) < train_steps:
+        return None
+    return (f"--resume: the checkpoint to resume from is at step {info.step} and train.steps is {train_steps}: "
+            f"nothing left to train; raise train.steps (--steps) above {info.step} to train on")
+
+
 def stages_missing(ckpt_path: str | os.PathLike, replicas: int, stages: int) -> list[int]:
     """Stages with no shard in any replica in the checkpoint at ``ckpt_path``."""
     names = shard_names(ckpt_path)
@@ -456,7 +475,8 @@ def choose_resume(ckpt_root: str | os.PathLike, done: list[CkptInfo], cfg: Mappi
     reason; ``on_passed_over(info, problems, stages_missing)`` is called for
     each). None when ``done`` is empty. CannotResume (its one line) when it
     is of another topology or model (``resume_mismatch`` with ``cfg``,
-    ``Config.to_dict()``), or when none of ``done`` can be resumed from."""
+    ``Config.to_dict()``), or when none of ``done`` can be resumed from.
+    Whether it has steps left to train is ``nothing_left``'s."""
     job = cfg["job"]
     unusable: dict[int, str] = {}
     for info in reversed(done):
