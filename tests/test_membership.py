@@ -340,6 +340,26 @@ def test_a_report_with_a_malformed_field_is_refused_whole(tmp_path):
     assert [e["event"] for e in lines] == ["marker", "step"]
 
 
+def test_an_unregistered_workers_error_naming_no_slot_is_not_found(tmp_path):
+    """Before registering, only a worker_error of an existing slot is taken: one
+    whose replica or stage is a list, an object, a bool or a string is
+    NOT_FOUND like any other slot that is not there (it was INTERNAL: a list
+    is no dict key), and nothing is recorded."""
+    c, _ = _coordinator(tmp_path)
+    try:
+        for replica, stage in (([0], 1), (0, {"s": 1}), (True, 0), ("0", 1), (0, 7)):
+            ev = json.dumps({"event": "worker_error", "replica": replica, "stage": stage, "error": "x"})
+            with pytest.raises(rpc.RpcFault) as e:
+                c.Report(pb.ReportRequest(events_json=[ev]), None)
+            assert e.value.code == grpc.StatusCode.NOT_FOUND, (replica, stage, e.value)
+        assert c.last_errors == {}
+        ev = json.dumps({"event": "worker_error", "replica": 1, "stage": 0, "error": "boom"})
+        assert c.Report(pb.ReportRequest(events_json=[ev]), None).accepted == 1
+        assert c.last_errors[(1, 0)]["error"] == "boom"
+    finally:
+        c.stop()
+
+
 def test_the_pulse_beats_with_its_registrations_secret(tmp_path, monkeypatch):
     """The pulse process (crucible.worker.pulse) beats for its worker with the
     secret it got in its environment: the coordinator takes it as liveness; with

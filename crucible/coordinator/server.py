@@ -389,8 +389,8 @@ class Coordinator:
             if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
                 raise ValueError(f"event {i} must be a JSON object with a string 'event' field")
             _check_fields(ev, i)
-            if w is None and (ev["event"] != "worker_error" or (ev.get("replica"), ev.get("stage"))
-                              not in self.m.slots):
+            if w is None and (ev["event"] != "worker_error" or not _a_slot(ev.get("replica"), ev.get("stage"))
+                              or (ev["replica"], ev["stage"]) not in self.m.slots):
                 raise rpc.RpcFault(grpc.StatusCode.NOT_FOUND, "only a worker_error of an existing slot may be "
                                                               "reported before registering: register first")
             events.append(ev)
@@ -644,6 +644,12 @@ class Coordinator:
                 "checkpoint": self.ckpt.status(),
                 "isolated": self.m.isolated,
             }
+
+
+def _a_slot(replica, stage) -> bool:
+    """Both are whole numbers (what a slot's key is made of: a list or a
+    dict from a report's JSON is no key, and true is no replica)."""
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in (replica, stage))
 
 
 def _check_fields(ev: dict, i: int) -> None:
