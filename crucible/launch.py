@@ -626,36 +626,53 @@ class Launcher:
         return f"crucible: newest checkpoint: step {ckpts[-1].step}; go on from it with\n  {shlex.join(argv)}"
 
     def _summary(self, ending: str) -> str:
-        """How the job ended, then final loss per replica, its time ledger, and the faults seen."""
+        """How the job ended, then final loss per replica, its time ledger, and the faults seen.
+        An event without what is read from it (a worker's report the coordinator
+        takes as it is: no replica, a loss that is not a number) is passed over."""
         steps, losses, ledger, faults = {}, {}, {}, 0
         path = metrics.path_of(self.run_dir)
         for ev in metrics.read_events(path, offset=self.offset):    # this launch's (not earlier ones' in the run)
-            kind = ev.get("event")
-            if kind == "step":
-                steps[ev["replica"]] = ev["step"] + 1
-                losses[ev["replica"]] = ev["loss"]
-            elif kind == "eval":
-                losses[f"eval{ev['replica']}"] = ev["loss"]
-            elif kind == "goodput":
-                ledger[ev["replica"]] = ev
-            elif kind == "fault":
+            kind, r = ev.get("event"), ev.get("replica")
+            if kind == "fault":
                 faults += 1
+            elif not _whole(r):
+                continue
+            elif kind == "step" and _whole(ev.get("step")):
+                steps[r] = ev["step"] + 1
+                losses[r] = ev.get("loss")
+            elif kind == "eval":
+                losses[f"eval{r}"] = ev.get("loss")
+            elif kind == "goodput":
+                ledger[r] = ev
         lines = []
         for r in sorted(steps):
-            line = f"r{r}: {steps[r]} steps, loss {losses[r]:.3f}"
-            if f"eval{r}" in losses:
+            line = f"r{r}: {steps[r]} steps, loss {_fmt(losses[r])}"
+            if _number(losses.get(f"eval{r}")):
                 line += f", held-out {losses[f'eval{r}']:.3f}"
             g = ledger.get(r)
-            if g and g.get("wall_s"):
+            if g and _number(g.get("wall_s")) and g["wall_s"]:
                 parts = ", ".join(f"{k} {g[k + '_s']:.1f}s" for k in
                                   ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering")
-                                  if g.get(k + "_s"))
-                line += f"; goodput {100 * (g.get('goodput') or 0):.0f}% of {g['wall_s']:.0f}s ({parts})"
+                                  if _number(g.get(k + "_s")) and g[k + "_s"])
+                goodput = g.get("goodput") if _number(g.get("goodput")) else 0
+                line += f"; goodput {100 * goodput:.0f}% of {g['wall_s']:.0f}s ({parts})"
             lines.append(line)
         out = f"crucible: {ending}.\n" + "\n".join(f"  {x}" for x in lines)
         if faults:
             out += f"\n  {faults} worker faults"
         return out + f"\ncrucible: metrics in {path}"
+
+
+def _whole(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _fmt(x) -> str:
+    return f"{x:.3f}" if _number(x) else "-"
 
 
 def preempt(coord_proc, worker_procs, ckpt_cfg, out=None) -> None:

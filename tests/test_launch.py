@@ -253,6 +253,30 @@ def test_the_launcher_reads_how_the_job_ended_once_and_forgets_a_restarts_stop(t
     assert la._job_done() and la._stopped_by_coordinator() is None
 
 
+def test_the_summary_passes_over_reported_events_it_cannot_read(tmp_path):
+    """The coordinator writes a worker's events as they came: an eval without
+    its replica (a Report with the worker's secret) made the launcher end on
+    a KeyError traceback after the job, instead of its summary and exit
+    status. Such lines, and losses or a ledger that are not numbers, are
+    passed over."""
+    from crucible.launch import Launcher
+
+    lines = [{"event": "step", "replica": 0, "step": 9, "loss": 2.5},
+             {"event": "eval", "loss": float("nan")}, {"event": "goodput", "x_s": 1},
+             {"event": "step", "step": 3}, {"event": "step", "replica": [1], "step": 3},
+             {"event": "step", "replica": 1, "step": "3"}, {"event": "step", "replica": 1, "step": 4},
+             {"event": "eval", "replica": 0, "loss": "low"},
+             {"event": "goodput", "replica": 0, "wall_s": "x"},
+             {"event": "goodput", "replica": 1, "wall_s": 10.0, "compute_s": "x", "lost_s": 1.0, "goodput": None},
+             {"event": "fault", "replica": None}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    la = Launcher.__new__(Launcher)
+    la.run_dir, la.offset = str(tmp_path), 0
+    out = la._summary("finished")
+    assert out.splitlines()[:4] == ["crucible: finished.", "  r0: 10 steps, loss 2.500",
+                                    "  r1: 5 steps, loss -; goodput 0% of 10s (lost 1.0s)", "  1 worker faults"], out
+
+
 def test_a_launch_whose_output_reader_goes_away_stops_with_a_final_checkpoint(tmp_path):
     """`crucible launch | head -1`: the progress line meets a closed pipe. The
     job stops as on a signal (final checkpoint, every process gone), one line
