@@ -109,3 +109,14 @@ KINDS: dict[str, str] = {
     "slurm_stuck": "a running job whose slot the coordinator does not see alive was cancelled: slot, job_id, ...",
     "slurm_down": "crucible slurm down finished: jobs_left, seconds, ...",
 }
+
+# The kinds a worker reports (the Report RPC). Every other kind listed above is
+# the coordinator's or a supervisor's own, and the coordinator refuses a report
+# carrying one (INVALID_ARGUMENT): a worker does not say that the job is done
+# or stopped (what the launcher ends on), that a worker died, or where a route
+# goes. ``tests/test_events.py`` checks this against what crucible/worker writes.
+REPORTED = frozenset({
+    "step", "stage_step", "step_aborted", "eval", "goodput", "replica_done", "outer", "outer_resync",
+    "replacement_ready", "stage_lost", "suspect", "worker_error", "ckpt_persister", "ckpt_restore", "ckpt_error",
+    "snapshot", "device", "outer_skipped", "outer_abandoned", "outer_settled", "outer_caught_up",
+})

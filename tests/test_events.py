@@ -7,7 +7,7 @@ import pathlib
 import re
 
 from conftest import ROOT
-from crucible.events import KINDS
+from crucible.events import KINDS, REPORTED
 
 WRITTEN = re.compile(r'"event":\s*"([a-z_]+)"')
 ELSE = re.compile(r'"event":\s*"[a-z_]+"\s+if\s[^\n]*?\belse\s+"([a-z_]+)"')    # "a" if x else "b": b
@@ -48,3 +48,16 @@ def test_no_kind_is_written_as_an_f_string():
     found = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in pathlib.Path(ROOT, "crucible").rglob("*.py")
              if "_pb" not in path.parts for m in F_STRING.finditer(path.read_text())]
     assert not found, found
+
+
+def test_the_kinds_a_worker_reports_are_the_ones_the_coordinator_takes():
+    """``REPORTED`` (what the coordinator takes in a Report; it refuses any
+    other listed kind) is exactly what crucible/worker writes: a worker event
+    left out of it would be refused, a coordinator's kind in it forgeable."""
+    written = set()
+    for path in pathlib.Path(ROOT, "crucible", "worker").rglob("*.py"):
+        text = path.read_text()
+        for rx in (WRITTEN, ELSE, HELPER):
+            written |= set(rx.findall(text))
+    assert written == REPORTED, (sorted(written - REPORTED), sorted(REPORTED - written))
+    assert REPORTED <= set(KINDS)

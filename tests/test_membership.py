@@ -360,6 +360,30 @@ def test_an_unregistered_workers_error_naming_no_slot_is_not_found(tmp_path):
         c.stop()
 
 
+def test_a_worker_cannot_report_the_coordinators_own_events(tmp_path):
+    """A Report with a worker's own secret carrying job_done (what the
+    launcher reads how the job ended from: a coordinator stopped by SIGTERM
+    at step 610 of 100000 was then reported "finished", exit 0), job_stopped,
+    a fault or a route change is refused whole (INVALID_ARGUMENT) and nothing
+    of the batch is written; the worker's own kinds, and kinds not listed,
+    go through."""
+    c, ids = _coordinator(tmp_path)
+    wid, secret = ids[(0, 1)], _secret(c, ids[(0, 1)])
+    marker = json.dumps({"event": "stage_step", "replica": 0, "stage": 1, "step": 1})
+    try:
+        for kind in ("job_done", "job_stopped", "fault", "route_change", "coordinator_start", "ckpt_commit"):
+            with pytest.raises(ValueError, match=f"event 1 \\({kind}\\) is the coordinator's own"):
+                c.Report(pb.ReportRequest(worker_id=wid, secret=secret, source="src", seq=0,
+                                          events_json=[marker, json.dumps({"event": kind, "steps": [9]})]), None)
+        assert c.Report(pb.ReportRequest(worker_id=wid, secret=secret, source="src", seq=0,
+                                         events_json=[marker, json.dumps({"event": "a_new_kind"})]), None).accepted == 2
+    finally:
+        c.stop()
+    written = [json.loads(line)["event"] for line in open(tmp_path / "metrics.jsonl") if '"src":"src"' in line]
+    assert written == ["stage_step", "a_new_kind"]
+    assert not [line for line in open(tmp_path / "metrics.jsonl") if '"job_done"' in line]
+
+
 def test_the_pulse_beats_with_its_registrations_secret(tmp_path, monkeypatch):
     """The pulse process (crucible.worker.pulse) beats for its worker with the
     secret it got in its environment: the coordinator takes it as liveness; with

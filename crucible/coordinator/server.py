@@ -73,6 +73,7 @@ from crucible import PROTOCOL_VERSION, identity, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
+from crucible.events import KINDS, REPORTED
 from crucible.health import Health
 from crucible.coordinator import exporters
 from crucible.coordinator.checkpoints import CheckpointManager
@@ -388,6 +389,8 @@ class Coordinator:
                 raise ValueError(f"event {i} is not JSON: {e}") from None
             if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
                 raise ValueError(f"event {i} must be a JSON object with a string 'event' field")
+            if ev["event"] in KINDS and ev["event"] not in REPORTED:
+                raise ValueError(f"event {i} ({ev['event']}) is the coordinator's own: a worker does not report it")
             _check_fields(ev, i)
             if w is None and (ev["event"] != "worker_error" or not _a_slot(ev.get("replica"), ev.get("stage"))
                               or (ev["replica"], ev["stage"]) not in self.m.slots):
