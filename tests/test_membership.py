@@ -105,9 +105,15 @@ def test_register_refuses_a_stage_of_another_size_and_a_held_slot():
     with pytest.raises(Refused) as e:
         m.register(5, 0, "h:3", 3, "h", False, 416, now=0.0)
     assert e.value.code == "INVALID_ARGUMENT"
-    # the same process taking its slot again after a coordinator restart is allowed
+    # the same process taking its slot again (its registration's reply was lost) is allowed
     w, replacement = m.register(0, 1, "h:1", 1, "h", True, 416, now=1.0)
     assert not replacement and m.holder((0, 1)) is w
+    # ... but not once it has beaten under it: a rejoin naming a live holder's pid and
+    # host (what Status shows anyone with the token) evicted a healthy worker
+    m.heartbeat(w, 3, "alive", now=2.0)
+    with pytest.raises(Refused) as e:
+        m.register(0, 1, "h:9", 1, "h", True, 416, now=3.0)
+    assert e.value.code == "ALREADY_EXISTS" and m.holder((0, 1)) is w and w.state == "alive"
 
 
 def test_stale_and_unknown_workers_and_pulses():

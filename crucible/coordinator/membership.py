@@ -164,7 +164,10 @@ class Membership:
                 self.declare_dead(held, now)
                 held = None
             if held is not None:
-                if not (rejoin and held.pid == pid and held.host == host):
+                # The same process again: its registration's reply was lost, so it
+                # never beat under it. A holder that has beaten is not given up on
+                # its pid and host (anyone with the job's token reads them in Status).
+                if not (rejoin and held.pid == pid and held.host == host and not held.last_heard):
                     raise Refused("ALREADY_EXISTS", f"slot {slot_name(*slot)} is held by live worker "
                                                     f"{held.worker_id}")
                 held.state = "dead"     # the same process taking its slot again: its old record goes
