@@ -390,6 +390,22 @@ def test_a_worker_cannot_report_the_coordinators_own_events(tmp_path):
     assert not [line for line in open(tmp_path / "metrics.jsonl") if '"job_done"' in line]
 
 
+def test_job_info_for_a_slot_that_does_not_exist_is_invalid_argument(tmp_path):
+    """JobInfo answered OK for replica 99 or stage -1 of replica 0, echoing
+    the slot back as if it were one: a worker built a stage for it and only
+    its Register was refused. It is refused as Register refuses it."""
+    c, _ = _coordinator(tmp_path)
+    try:
+        for r, s in ((99, 0), (0, -1), (-1, 1), (0, 2)):
+            with pytest.raises(ValueError, match=f"slot r{r}s{s} does not exist in a 2x2 job"):
+                c.JobInfo(pb.JobInfoRequest(protocol_version=PROTOCOL_VERSION, replica=r, stage=s), None)
+        assert (c.JobInfo(pb.JobInfoRequest(protocol_version=PROTOCOL_VERSION, replica=1, stage=1), None).stage,
+                c.JobInfo(pb.JobInfoRequest(protocol_version=PROTOCOL_VERSION, replica=-1, stage=-1), None).replica) \
+            == (1, -1)      # (every slot is held: none vacant)
+    finally:
+        c.stop()
+
+
 def test_the_pulse_beats_with_its_registrations_secret(tmp_path, monkeypatch):
     """The pulse process (crucible.worker.pulse) beats for its worker with the
     secret it got in its environment: the coordinator takes it as liveness; with

@@ -282,6 +282,8 @@ class Coordinator:
 
     def JobInfo(self, req: pb.JobInfoRequest, context) -> pb.JobInfoReply:
         self._check_version(req.protocol_version)
+        if (req.replica >= 0 or req.stage >= 0) and (req.replica, req.stage) not in self.m.slots:
+            raise ValueError(f"slot r{req.replica}s{req.stage} does not exist in a {self.m.R}x{self.m.S} job")
         with self.cv:
             slot = (req.replica, req.stage) if req.replica >= 0 or req.stage >= 0 else self.m.vacant_slot()
         slot = slot or (-1, -1)
