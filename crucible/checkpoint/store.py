@@ -66,6 +66,7 @@ __all__ = [
     "verify",
     "latest_valid",
     "clean_tmp",
+    "discard_tmp",
     "delete",
 ]
 
@@ -427,6 +428,12 @@ def clean_tmp(ckpt_root: str | os.PathLike, keep_step: int | None = None) -> lis
     if removed:
         fsync_path(root, directory=True)
     return sorted(removed)
+
+
+def discard_tmp(ckpt_root: str | os.PathLike, step: int) -> None:
+    """Remove the temporary directory of the aborted save of ``step`` and the
+    shards in it (best effort: what is left, ``clean_tmp`` removes later)."""
+    shutil.rmtree(tmp_dir(ckpt_root, step, create=False), ignore_errors=True)
 
 
 def set_aside(ckpt_path: str | os.PathLike, label: str) -> str:
