@@ -423,6 +423,25 @@ def test_manifest_edited_to_nonsense_is_damaged(tmp_path, key, value):
     assert store.resume_step(st.list_checkpoints(tmp_path)[-1]) == 20
 
 
+def test_check_resume_says_which_checkpoint_it_takes_and_what_it_passes_over(tmp_path):
+    """`crucible check --resume` said only "check passed" when the newest
+    checkpoint was damaged: the launch then went back to an older one and
+    moved the newest aside, unannounced."""
+    from crucible import preflight
+    from crucible.config import Config
+
+    cfg = Config.load(None, ["job.replicas=1", "job.stages=2", "train.steps=100"])
+    root = tmp_path / "checkpoints"
+    for step in (10, 20):
+        make_ckpt(root, step, extra={"topology": {"replicas": 1, "stages": 2}})
+    assert preflight.check_run_dir(str(tmp_path), True, cfg, verify=True) == "resume: from checkpoint step 20"
+    flip_byte(root / "step_00000020" / "r0s1.shard", 200)
+    line = preflight.check_run_dir(str(tmp_path), True, cfg, verify=True)
+    assert line.startswith("resume: from checkpoint step 10; passed over (and moved aside at the launch): "
+                           "step 20: damaged: r0s1.shard: "), line
+    assert [c.step for c in st.list_checkpoints(root)] == [10, 20]         # (the check moves nothing)
+
+
 def test_latest_valid_falls_back(tmp_path):
     assert st.latest_valid(tmp_path) is None
     for s in (10, 20, 30):
