@@ -149,6 +149,8 @@ class Launcher:
         self.job_done = False             # job_done seen in this launch's events
         self.stopped_by: signal.Signals | None = None   # job_stopped seen: the signal the coordinator got
         self.scanned = None               # how far metrics.jsonl was read for those two (None: from offset)
+        self.ckpt_scanned = None          # ... for the saves' commits and aborts (_watch_checkpoints)
+        self.ckpt_failing = ""            # why saves fail, said once until one commits again
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}
         self.mps = None                   # crucible.mps.Mps, with job.mps=on
@@ -453,6 +455,7 @@ class Launcher:
             if now - last_status >= 0.5:
                 last_status = now
                 self.last_status = client.get(timeout=1.0) or self.last_status
+                self._watch_checkpoints(tty)
             self._chaos_tick(now)
             if self.mps is not None and not self.mps_warned and not self.mps.alive():
                 self.mps_warned = True
@@ -466,7 +469,8 @@ class Launcher:
         if self.stopping and not self.job_done:          # (a signal after job_done: it finished all the same)
             return exits.interrupted(self.stopping)      # the summary follows the final checkpoint
         self.finished = True
-        print(self._summary("finished"), flush=True)
+        self._watch_checkpoints()
+        print(self._summary("finished") + self._end_checkpoint_note(), flush=True)
         return exits.OK
 
     def _restart_due(self) -> bool:
@@ -542,6 +546,48 @@ class Launcher:
               f"where checkpointing is on)", flush=True)
         self.stopping = sig
         return exits.interrupted(sig)
+
+    def _watch_checkpoints(self, tty: bool = False) -> None:
+        """Saves that fail (a full or read-only disk, a shard that cannot be
+        written): one line with the cause on the terminal, said again only
+        after a save has committed in between; and that line when one does.
+        Training goes on meanwhile (the coordinator's log has every abort)."""
+        events, self.ckpt_scanned = metrics.follow(self.run_dir, ("ckpt_abort", "ckpt_commit"),
+                                                   self.offset if self.ckpt_scanned is None else self.ckpt_scanned)
+        start = "\n" if tty else ""      # (after the progress line)
+        for ev in events:
+            if ev["event"] == "ckpt_commit":
+                if self.ckpt_failing:
+                    print(f"{start}crucible: checkpoints commit again (step {ev.get('step')})", flush=True)
+                self.ckpt_failing = ""
+                continue
+            why = str(ev.get("reason") or "")
+            if self.ckpt_failing or " failed: " not in f" {why}":   # (a late target, a lost worker: retried)
+                continue
+            self.ckpt_failing = why
+            if not isinstance(ev.get("step"), int) or ev["step"] >= self.cfg.train.steps:
+                continue      # (the save of the last step: the summary says it)
+            from crucible.checkpoint.store import list_checkpoints
+
+            ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
+            newest = f"step {ckpts[-1].step}" if ckpts else "none"
+            print(f"{start}crucible: the checkpoint of step {ev.get('step')} failed: {why[:300]}; training goes "
+                  f"on, checkpoints are retried (newest checkpoint: {newest})", flush=True)
+
+    def _end_checkpoint_note(self) -> str:
+        """A finished job whose save of the last step did not commit: said, with the
+        newest checkpoint, so that nobody resumes believing it is at the end."""
+        if not self.cfg.checkpoint.enable_checkpointing:
+            return ""
+        from crucible.checkpoint.store import list_checkpoints
+
+        ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
+        if ckpts and ckpts[-1].step >= self.cfg.train.steps:
+            return ""
+        why = f": its save failed ({self.ckpt_failing[:300]})" if self.ckpt_failing else ""
+        newest = f"step {ckpts[-1].step}" if ckpts else "none"
+        return (f"\ncrucible: warning: no checkpoint of the last step ({self.cfg.train.steps}){why}; "
+                f"the newest checkpoint is {newest}")
 
     def _wait_for(self, cond, timeout: float) -> bool:
         """Wait until ``cond()`` or ``timeout`` seconds or a stop signal; whether cond() held."""

@@ -41,7 +41,8 @@ class CheckFailed(Exception):
     """A pre-flight check failed; the message is the one line to show."""
 
 
-def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, verify: bool = False) -> None:
+def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None,
+                  verify: bool = False) -> str | None:
     """A fresh launch into a run directory holding committed checkpoints would
     train from step 0 over them (and retention would delete them): refused.
     A resume whose newest checkpoint is of another topology or model (its
@@ -49,7 +50,9 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, 
     nothing left to train (``check_steps_left``). With ``verify`` (``crucible
     check``), a resume is refused as the coordinator would refuse it
     (``store.choose_resume``: every checkpoint damaged or incomplete, its
-    shards read and checked); without, only the manifests are read."""
+    shards read and checked), and the line returned says which checkpoint it
+    takes and which newer ones it passes over (the coordinator moves those
+    aside); without, only the manifests are read."""
     if not run_dir:
         return
     from crucible.checkpoint import store
@@ -60,13 +63,17 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None, 
     done = store.list_checkpoints(root)
     if resume and verify and cfg is not None:
         try:
-            chosen, _ = store.choose_resume(root, done, cfg.to_dict())
+            chosen, unusable = store.choose_resume(root, done, cfg.to_dict())
         except store.CannotResume as e:
             raise CheckFailed(str(e)) from None
         why = store.nothing_left(chosen, cfg.train.steps) if chosen is not None else None
         if why:
             raise CheckFailed(why)
-        return
+        if chosen is None:
+            return "resume: no checkpoint yet: the job starts from step 0"
+        passed = "; ".join(f"step {step}: {why}" for step, why in sorted(unusable.items(), reverse=True))
+        return f"resume: from checkpoint step {chosen.step}" + \
+            (f"; passed over (and moved aside at the launch): {passed}"[:600] if passed else "")
     if resume:
         for info in reversed(done):     # (the newest whose manifest reads; the coordinator verifies the shards)
             try:
@@ -236,7 +243,8 @@ def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: s
         device = str(devices.resolve(device or cfg.job.device, 0, 0, cfg.job.stages))
     except devices.DeviceError as e:
         raise CheckFailed(str(e)) from None
-    check_run_dir(run_dir, resume, cfg, verify=verify)
+    resume_line = check_run_dir(run_dir, resume, cfg, verify=verify)
     corpus, data_line = check_data(cfg)
     model_line = check_model(cfg, corpus, device)
-    return [data_line, model_line, f"checked in {time.perf_counter() - t0:.1f}s"]
+    return [*([resume_line] if resume_line else []), data_line, model_line,
+            f"checked in {time.perf_counter() - t0:.1f}s"]

@@ -251,6 +251,25 @@ def test_manager_refuses_bad_reports_and_aborts_on_a_failure_or_a_lost_worker(tm
     assert store.list_checkpoints(m.root) == []
 
 
+def test_an_aborted_save_leaves_no_shards_behind(tmp_path):
+    """A save aborted on a full disk (one shard written, the other failed):
+    the shards already written are removed at once, not only after the next
+    commit, which the space they hold could prevent; the committed checkpoint
+    is kept."""
+    c = _coordinator(tmp_path)
+    m = c.ckpt
+    (first,) = _commit_saves(c, 1)
+    m._tick()
+    t = m.target()
+    assert _report(c, "r0s0-x", t).accepted and _report(c, "r0s1-x", t).accepted
+    _report(c, "r1s0-x", t, error="PersistError: persister could not write r1s0.shard: OSError: [Errno 28] "
+                                   "No space left on device")
+    m._tick()
+    assert m.pending is None and "No space" in c.metrics.events[-1]["reason"]
+    assert not store.tmp_dir(m.root, t, create=False).exists()
+    assert [i.step for i in store.list_checkpoints(m.root)] == [first]
+
+
 def test_a_worker_gone_after_its_shard_is_in_does_not_spoil_the_save(tmp_path):
     """A worker that reported its shard and then exits (its own SIGTERM: it
     says it is leaving right after) or dies: the save waits for the others and

@@ -391,6 +391,57 @@ def test_missing_shard_and_garbage_manifest(tmp_path):
     assert any("step 4" in p for p in st.verify(c.path))
 
 
+@pytest.mark.parametrize("key,value", [("replicas", {"0": "x"}), ("replicas", [1, 2]),
+                                       ("replicas", {"0": {"state": "training", "step": "abc"}}),
+                                       ("topology", "2x2"), ("vacant", 3), ("shards", -5)])
+def test_manifest_edited_to_nonsense_is_damaged(tmp_path, key, value):
+    """A manifest whose replicas, topology, vacant slots or shard sizes are not
+    what a commit writes is a damaged checkpoint (verify says so, a resume falls
+    back to the previous one), never a traceback in the coordinator or
+    `ckpt list`, nor a resume told to use --replicas None."""
+    from crucible.checkpoint import store
+    from crucible.config import Config
+
+    cfg = Config().to_dict()
+    topo = {"replicas": cfg["job"]["replicas"], "stages": 2}
+    cfg["job"]["stages"] = 2
+    good = {"replicas": {"0": {"state": "training", "step": 10, "round": 0}}, "topology": topo, "vacant": []}
+    make_ckpt(tmp_path, 10, extra=good)
+    c = make_ckpt(tmp_path, 20, extra=dict(good, replicas={"0": {"state": "training", "step": 20, "round": None}}))
+    assert st.verify(c.path) == []                      # (a paused replica's round may be None)
+    path = pathlib.Path(c.path) / "manifest.json"
+    m = json.loads(path.read_text())
+    if key == "shards":
+        m["shards"][0]["bytes"] = value
+    else:
+        m[key] = value
+    path.write_text(json.dumps(m))
+    (problem,) = st.verify(c.path)
+    assert "malformed" in problem, problem
+    chosen, unusable = store.choose_resume(tmp_path, st.list_checkpoints(tmp_path), cfg)
+    assert chosen.step == 10 and unusable[20].startswith("damaged")
+    assert store.resume_step(st.list_checkpoints(tmp_path)[-1]) == 20
+
+
+def test_check_resume_says_which_checkpoint_it_takes_and_what_it_passes_over(tmp_path):
+    """`crucible check --resume` said only "check passed" when the newest
+    checkpoint was damaged: the launch then went back to an older one and
+    moved the newest aside, unannounced."""
+    from crucible import preflight
+    from crucible.config import Config
+
+    cfg = Config.load(None, ["job.replicas=1", "job.stages=2", "train.steps=100"])
+    root = tmp_path / "checkpoints"
+    for step in (10, 20):
+        make_ckpt(root, step, extra={"topology": {"replicas": 1, "stages": 2}})
+    assert preflight.check_run_dir(str(tmp_path), True, cfg, verify=True) == "resume: from checkpoint step 20"
+    flip_byte(root / "step_00000020" / "r0s1.shard", 200)
+    line = preflight.check_run_dir(str(tmp_path), True, cfg, verify=True)
+    assert line.startswith("resume: from checkpoint step 10; passed over (and moved aside at the launch): "
+                           "step 20: damaged: r0s1.shard: "), line
+    assert [c.step for c in st.list_checkpoints(root)] == [10, 20]         # (the check moves nothing)
+
+
 def test_latest_valid_falls_back(tmp_path):
     assert st.latest_valid(tmp_path) is None
     for s in (10, 20, 30):

@@ -277,6 +277,42 @@ def test_the_summary_passes_over_reported_events_it_cannot_read(tmp_path):
                                     "  r1: 5 steps, loss -; goodput 0% of 10s (lost 1.0s)", "  1 worker faults"], out
 
 
+def test_failing_saves_are_said_once_and_a_finished_job_without_its_last_checkpoint_says_so(tmp_path, capsys):
+    """Saves that fail (here: a full disk) are said on the terminal, once until
+    one commits again; a late target is not. A job that finished while the save
+    of its last step failed said only "finished", and a --resume from it then
+    went back to an older step."""
+    from crucible.config import Config
+    from crucible.launch import Launcher
+
+    full = "r0s1.shard failed: PersistError: persister could not write r0s1.shard: OSError: [Errno 28] No space"
+    log = tmp_path / "metrics.jsonl"
+    la = Launcher.__new__(Launcher)
+    la.run_dir, la.offset, la.ckpt_scanned, la.ckpt_failing = str(tmp_path), 0, None, ""
+    la.cfg = Config.load(None, ["train.steps=200"])
+    step = tmp_path / "checkpoints" / "step_00000103"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"format": "crucible-checkpoint", "version": 1, "step": 103,
+                                                     "time": 0, "checksum": "sha256", "shards": []}))
+    events = [{"event": "ckpt_commit", "step": 103}, {"event": "ckpt_abort", "step": 110, "reason": "r0 learnt "
+              "the target too late (late: ...)"}, {"event": "ckpt_abort", "step": 127, "reason": full},
+              {"event": "ckpt_abort", "step": 145, "reason": full}]
+    log.write_text("".join(json.dumps(e) + "\n" for e in events))
+    la._watch_checkpoints()
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"crucible: the checkpoint of step 127 failed: {full}; training goes on, checkpoints are "
+                   f"retried (newest checkpoint: step 103)"], out
+    with open(log, "a") as f:
+        f.write(json.dumps({"event": "ckpt_commit", "step": 160}) + "\n")
+        f.write(json.dumps({"event": "ckpt_abort", "step": 200, "reason": full}) + "\n")
+    la._watch_checkpoints()
+    assert capsys.readouterr().out.splitlines() == ["crucible: checkpoints commit again (step 160)"]
+    assert la._end_checkpoint_note() == (f"\ncrucible: warning: no checkpoint of the last step (200): its save "
+                                         f"failed ({full}); the newest checkpoint is step 103")
+    step.rename(tmp_path / "checkpoints" / "step_00000200")
+    assert la._end_checkpoint_note() == ""
+
+
 def test_a_launch_whose_output_reader_goes_away_stops_with_a_final_checkpoint(tmp_path):
     """`crucible launch | head -1`: the progress line meets a closed pipe. The
     job stops as on a signal (final checkpoint, every process gone), one line

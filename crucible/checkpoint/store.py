@@ -66,6 +66,7 @@ __all__ = [
     "verify",
     "latest_valid",
     "clean_tmp",
+    "discard_tmp",
     "delete",
 ]
 
@@ -155,10 +156,37 @@ def read_manifest(ckpt_path: str | os.PathLike) -> dict:
     if not isinstance(m.get("step"), int) or not isinstance(shards, list):
         raise CheckpointCorrupt(f"{p}: lacks step/shards")
     for s in shards:
-        if not (isinstance(s, dict) and valid_name(s.get("name")) and isinstance(s.get("bytes"), int)
+        if not (isinstance(s, dict) and valid_name(s.get("name")) and _count(s.get("bytes"))
                 and isinstance(s.get("checksum"), str)):
             raise CheckpointCorrupt(f"{p}: malformed shard entry {str(s)[:100]!r}")
+    why = _malformed_extra(m)
+    if why:
+        raise CheckpointCorrupt(f"{p}: malformed {why}")
     return m
+
+
+def _count(x: Any, least: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= least
+
+
+def _malformed_extra(m: dict) -> str | None:
+    """What is wrong with the committer's keys that a resume and the tools read
+    (``replicas``, ``topology``, ``vacant``), where present; None when nothing."""
+    replicas, topo, vacant = m.get("replicas"), m.get("topology"), m.get("vacant")
+    if replicas is not None:
+        if not isinstance(replicas, dict):
+            return f"replicas {str(replicas)[:100]!r}"
+        for k, v in replicas.items():
+            if not (k.isdigit() and isinstance(v, dict) and _count(v.get("step"))
+                    and (v.get("round") is None or _count(v.get("round")))
+                    and isinstance(v.get("state", ""), str)):
+                return f"replica entry {k!r}: {str(v)[:100]!r}"
+    if topo is not None and not (isinstance(topo, dict) and _count(topo.get("replicas"), 1)
+                                 and _count(topo.get("stages"), 1)):
+        return f"topology {str(topo)[:100]!r}"
+    if vacant is not None and not (isinstance(vacant, list) and all(isinstance(v, str) for v in vacant)):
+        return f"vacant {str(vacant)[:100]!r}"
+    return None
 
 
 def load_shard(ckpt_path: str | os.PathLike, name: str) -> dict:
@@ -400,6 +428,12 @@ def clean_tmp(ckpt_root: str | os.PathLike, keep_step: int | None = None) -> lis
     if removed:
         fsync_path(root, directory=True)
     return sorted(removed)
+
+
+def discard_tmp(ckpt_root: str | os.PathLike, step: int) -> None:
+    """Remove the temporary directory of the aborted save of ``step`` and the
+    shards in it (best effort: what is left, ``clean_tmp`` removes later)."""
+    shutil.rmtree(tmp_dir(ckpt_root, step, create=False), ignore_errors=True)
 
 
 def set_aside(ckpt_path: str | os.PathLike, label: str) -> str:

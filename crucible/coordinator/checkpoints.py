@@ -38,7 +38,10 @@ except where the dead worker held an inner stage that its replica now skips
 (``on_stage_failure = skip``): that replica still reaches T, so the save goes
 on with the slot vacant (``ckpt_vacant``; a replacement that reaches T in
 time adds its shard). Its
-leftovers are removed after the next commit (or at the next start). Then the
+temporary directory is removed at once (off the lock, before the next save is
+named), so that its shards do not hold space the next save needs on a full
+disk; what a writer still in flight leaves there is removed after the next
+commit (or at the next start). Then the
 retention policy deletes committed checkpoints older than the newest one
 that it does not preserve.
 
@@ -463,11 +466,14 @@ class CheckpointManager:
             reason = p.abort or self._lost(p, steps, mono)
             if reason:
                 self._abort(p, reason)
-                return True
-            if not self._all_in(p, mono):
+            elif not self._all_in(p, mono):
                 return False
-            p.committing = True
-        self._commit(p)
+            else:
+                p.committing = True
+        if reason:
+            store.discard_tmp(self.root, p.step)
+        else:
+            self._commit(p)
         return True
 
     def _all_in(self, p: Save, mono: float) -> bool:
@@ -662,6 +668,7 @@ class CheckpointManager:
             with self.cv:
                 p.committing = False
                 self._abort(p, f"commit failed: {type(e).__name__}: {e}")
+            store.discard_tmp(self.root, p.step)
             return
         with self.cv:
             pending = self._committed(p, reports, extra["vacant"], time.monotonic() - t0)
