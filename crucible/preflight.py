@@ -95,12 +95,17 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None,
 def check_steps_left(done: list, cfg: Config) -> None:
     """A resume from a checkpoint whose every replica is at or past
     train.steps has nothing to train: refused (it would start the job only to
-    end it). Only the checkpoints at or past train.steps are read in full:
-    the resume passes over those that are damaged or incomplete
-    (``store.choose_resume``), and an older one has steps left."""
+    end it). Only the newest checkpoints at or past train.steps (those newer
+    than the newest with steps left) are read in full: the resume passes over
+    those that are damaged or incomplete (``store.choose_resume``), and then
+    takes one with steps left."""
     from crucible.checkpoint import store
 
-    past = [info for info in done if store.resume_step(info) >= cfg.train.steps]
+    past = []       # (oldest first)
+    for info in reversed(done):
+        if store.resume_step(info) < cfg.train.steps:
+            break
+        past.insert(0, info)
     if not past:
         return
     try:

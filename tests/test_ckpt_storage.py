@@ -420,7 +420,28 @@ def test_manifest_edited_to_nonsense_is_damaged(tmp_path, key, value):
     assert "malformed" in problem, problem
     chosen, unusable = store.choose_resume(tmp_path, st.list_checkpoints(tmp_path), cfg)
     assert chosen.step == 10 and unusable[20].startswith("damaged")
-    assert store.resume_step(st.list_checkpoints(tmp_path)[-1]) == 20
+
+
+def test_nothing_left_to_train_goes_by_the_checkpoint_the_resume_takes(tmp_path):
+    """The resume takes the newest checkpoint (step 160: replica 1 paused at
+    90, so steps are left at train.steps 100) even where an older one (150)
+    is past train.steps: the launch's pre-flight (check_steps_left, manifests
+    and the newest checkpoints only) and `check` (every checkpoint) agree.
+    The pre-flight once refused this resume, naming step 150."""
+    from crucible import preflight
+    from crucible.config import Config
+
+    cfg = Config.load(None, ["job.replicas=2", "job.stages=2", "train.steps=100"])
+    root = tmp_path / "checkpoints"
+    topo = {"replicas": 2, "stages": 2}
+    make_ckpt(root, 150, extra={"topology": topo, "replicas": {"0": {"step": 150}, "1": {"step": 150}}})
+    for verify in (False, True):
+        with pytest.raises(preflight.CheckFailed, match="at step 150 and train.steps is 100: nothing left"):
+            preflight.check_run_dir(str(tmp_path), True, cfg, verify=verify)
+    make_ckpt(root, 160, extra={"topology": topo, "replicas": {"0": {"step": 160}, "1": {"step": 90}}})
+    preflight.check_steps_left(st.list_checkpoints(root), cfg)
+    assert preflight.check_run_dir(str(tmp_path), True, cfg, verify=False) is None
+    assert preflight.check_run_dir(str(tmp_path), True, cfg, verify=True) == "resume: from checkpoint step 160"
 
 
 def test_check_resume_says_which_checkpoint_it_takes_and_what_it_passes_over(tmp_path):

@@ -261,7 +261,7 @@ def test_every_worker_exits_when_its_replica_is_done_before_it_trained(own_copy,
     the replica is done. Stage 0 says its replica is done only once every
     slot registered (else the coordinator could end the job before a later
     stage registered, leaving it retrying a coordinator that is gone). Every
-    process exits 0."""
+    process exits 0, and the coordinator's log says why the job ended at once."""
     env = dict(child_env(), CRUCIBLE_TOKEN=open(os.path.join(own_copy, "token")).read().strip())
     addr_file = os.path.join(own_copy, "coordinator.addr")
     os.unlink(addr_file)       # (the trained run's coordinator's)
@@ -296,6 +296,10 @@ def test_every_worker_exits_when_its_replica_is_done_before_it_trained(own_copy,
         assert codes == {"coordinator": 0, "r0s0": 0, "r0s1": 0}, \
             f"{codes} (None: still running after 90 s)\n{(tmp_path / 'direct.log').read_text()[-6000:]}"
         assert read_events(own_copy, "job_done")
+        # (what `launch` and `check` refuse, the coordinator alone says, and ends the job)
+        assert "--resume: the checkpoint to resume from is at step 12 and train.steps is 6: nothing left to train; " \
+               "raise train.steps (--steps) above 12 to train on; the job ends as soon as its workers register" \
+               in (tmp_path / "direct.log").read_text()
     finally:
         try:
             os.killpg(coord.pid, signal.SIGKILL)
