@@ -440,7 +440,7 @@ class Launcher:
                 break
             if self._all_done():
                 # (every worker exits 0 after the coordinator's own stop too: then the job did not finish)
-                self._wait_for(lambda: self.coord.poll() is not None, 10.0)
+                self._wait_for(lambda: self.coord.poll() is not None, END_WAIT_S)
                 if not self._job_done() and self._stopped_by_coordinator():
                     return self._coordinator_stopped(self.stopped_by)
                 break
@@ -681,9 +681,9 @@ class Launcher:
             kind, r = ev.get("event"), ev.get("replica")
             if kind == "fault":
                 faults += 1
-            elif not _whole(r):
+            elif not metrics.whole(r):
                 continue
-            elif kind == "step" and _whole(ev.get("step")):
+            elif kind == "step" and metrics.whole(ev.get("step")):
                 steps[r] = ev["step"] + 1
                 losses[r] = ev.get("loss")
             elif kind == "eval":
@@ -693,14 +693,14 @@ class Launcher:
         lines = []
         for r in sorted(steps):
             line = f"r{r}: {steps[r]} steps, loss {_fmt(losses[r])}"
-            if _number(losses.get(f"eval{r}")):
+            if metrics.number(losses.get(f"eval{r}")):
                 line += f", held-out {losses[f'eval{r}']:.3f}"
             g = ledger.get(r)
-            if g and _number(g.get("wall_s")) and g["wall_s"]:
+            if g and metrics.number(g.get("wall_s")) and g["wall_s"]:
                 parts = ", ".join(f"{k} {g[k + '_s']:.1f}s" for k in
                                   ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering")
-                                  if _number(g.get(k + "_s")) and g[k + "_s"])
-                goodput = g.get("goodput") if _number(g.get("goodput")) else 0
+                                  if metrics.number(g.get(k + "_s")) and g[k + "_s"])
+                goodput = g.get("goodput") if metrics.number(g.get("goodput")) else 0
                 line += f"; goodput {100 * goodput:.0f}% of {g['wall_s']:.0f}s ({parts})"
             lines.append(line)
         out = f"crucible: {ending}.\n" + "\n".join(f"  {x}" for x in lines)
@@ -709,16 +709,8 @@ class Launcher:
         return out + f"\ncrucible: metrics in {path}"
 
 
-def _whole(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _fmt(x) -> str:
-    return f"{x:.3f}" if _number(x) else "-"
+    return f"{x:.3f}" if metrics.number(x) else "-"
 
 
 def preempt(coord_proc, worker_procs, ckpt_cfg, out=None) -> None:

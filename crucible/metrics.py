@@ -17,6 +17,16 @@ import time
 FILE = "metrics.jsonl"
 
 
+def whole(x) -> bool:
+    """A field of an event line is an integer (a bool is not: true is no step)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def number(x) -> bool:
+    """A field of an event line is an int or a float (NaN too: a diverged loss)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def path_of(run_dir_or_path: str) -> str:
     p = os.fspath(run_dir_or_path)
     return os.path.join(p, FILE) if os.path.isdir(p) else p

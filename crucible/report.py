@@ -138,7 +138,7 @@ class Run:
 
 
 def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return metrics.number(x) and math.isfinite(x)
 
 
 def _color(r: int) -> str:

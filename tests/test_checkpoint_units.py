@@ -231,6 +231,8 @@ def test_manager_refuses_bad_reports_and_aborts_on_a_failure_or_a_lost_worker(tm
     assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(ValueError):
         _report(c, "r0s0-x", t, checksum="nothex")
+    with pytest.raises(ValueError):     # (the manifest would hold it, and read_manifest calls that damaged)
+        _report(c, "r0s0-x", t, outer_round=-1)
     with pytest.raises(rpc.RpcFault) as e:
         m.report_shard(pb.ShardReport(worker_id="nobody", ckpt_step=t, name="r0s0.shard"), None)
     assert e.value.code == grpc.StatusCode.NOT_FOUND
@@ -251,22 +253,33 @@ def test_manager_refuses_bad_reports_and_aborts_on_a_failure_or_a_lost_worker(tm
     assert store.list_checkpoints(m.root) == []
 
 
-def test_an_aborted_save_leaves_no_shards_behind(tmp_path):
+def test_an_aborted_saves_shards_go_when_the_next_save_is_named_at_another_step(tmp_path):
     """A save aborted on a full disk (one shard written, the other failed):
-    the shards already written are removed at once, not only after the next
-    commit, which the space they hold could prevent; the committed checkpoint
-    is kept."""
+    the shards already written went only after the next commit, which the
+    space they hold could prevent. They go as soon as a save is named at
+    another step; a save named again at the same step keeps them (a paused
+    replica's writer may still be at one); the committed checkpoint stays."""
     c = _coordinator(tmp_path)
     m = c.ckpt
     (first,) = _commit_saves(c, 1)
     m._tick()
     t = m.target()
+    full = "PersistError: persister could not write r1s0.shard: OSError: [Errno 28] No space left on device"
     assert _report(c, "r0s0-x", t).accepted and _report(c, "r0s1-x", t).accepted
-    _report(c, "r1s0-x", t, error="PersistError: persister could not write r1s0.shard: OSError: [Errno 28] "
-                                   "No space left on device")
+    _report(c, "r1s0-x", t, error=full)
     m._tick()
     assert m.pending is None and "No space" in c.metrics.events[-1]["reason"]
-    assert not store.tmp_dir(m.root, t, create=False).exists()
+    tmp = store.tmp_dir(m.root, t, create=False)
+    m.retry_at = 0.0
+    m._tick()                                   # the replicas have not moved: the same step again
+    assert m.target() == t and (tmp / "r0s0.shard").exists()
+    _report(c, "r1s0-x", t, error=full)
+    m._tick()
+    for rep in c.replicas:
+        rep.step = t + 1
+    m.retry_at = 0.0
+    m._tick()
+    assert m.target() > t and not tmp.exists()
     assert [i.step for i in store.list_checkpoints(m.root)] == [first]
 
 

@@ -114,6 +114,18 @@ def test_register_refuses_a_stage_of_another_size_and_a_held_slot():
     with pytest.raises(Refused) as e:
         m.register(0, 1, "h:9", 1, "h", True, 416, now=3.0)
     assert e.value.code == "ALREADY_EXISTS" and m.holder((0, 1)) is w and w.state == "alive"
+    # A restarted coordinator whose saved state holds that registration: the
+    # same process, not known by its newer id, takes the slot back until the
+    # restored registration beats to the new coordinator.
+    again = Membership(2, 2)
+    again.restore(m.to_dict(), now=10.0)
+    old = again.holder((0, 1))
+    w2, replacement = again.register(0, 1, "h:1", 1, "h", True, 416, now=11.0)
+    assert not replacement and again.holder((0, 1)) is w2 and old.state == "dead"
+    again.heartbeat(w2, 4, "alive", now=12.0)
+    with pytest.raises(Refused) as e:
+        again.register(0, 1, "h:1", 1, "h", True, 416, now=13.0)
+    assert e.value.code == "ALREADY_EXISTS"
 
 
 def test_stale_and_unknown_workers_and_pulses():

@@ -66,7 +66,6 @@ __all__ = [
     "verify",
     "latest_valid",
     "clean_tmp",
-    "discard_tmp",
     "delete",
 ]
 
@@ -177,7 +176,7 @@ def _malformed_extra(m: dict) -> str | None:
         if not isinstance(replicas, dict):
             return f"replicas {str(replicas)[:100]!r}"
         for k, v in replicas.items():
-            if not (k.isdigit() and isinstance(v, dict) and _count(v.get("step"))
+            if not (k.isascii() and k.isdigit() and isinstance(v, dict) and _count(v.get("step"))
                     and (v.get("round") is None or _count(v.get("round")))
                     and isinstance(v.get("state", ""), str)):
                 return f"replica entry {k!r}: {str(v)[:100]!r}"
@@ -428,12 +427,6 @@ def clean_tmp(ckpt_root: str | os.PathLike, keep_step: int | None = None) -> lis
     if removed:
         fsync_path(root, directory=True)
     return sorted(removed)
-
-
-def discard_tmp(ckpt_root: str | os.PathLike, step: int) -> None:
-    """Remove the temporary directory of the aborted save of ``step`` and the
-    shards in it (best effort: what is left, ``clean_tmp`` removes later)."""
-    shutil.rmtree(tmp_dir(ckpt_root, step, create=False), ignore_errors=True)
 
 
 def set_aside(ckpt_path: str | os.PathLike, label: str) -> str:

@@ -38,12 +38,12 @@ except where the dead worker held an inner stage that its replica now skips
 (``on_stage_failure = skip``): that replica still reaches T, so the save goes
 on with the slot vacant (``ckpt_vacant``; a replacement that reaches T in
 time adds its shard). Its
-temporary directory is removed at once (off the lock, before the next save is
-named), so that its shards do not hold space the next save needs on a full
-disk; what a writer still in flight leaves there is removed after the next
-commit (or at the next start). Then the
-retention policy deletes committed checkpoints older than the newest one
-that it does not preserve.
+temporary directory is removed as soon as the next save is named at another
+step (off the lock), so that its shards do not hold space that save needs on
+a full disk; a save named again at the same step keeps the shards already
+written for it. Other leftovers are removed after the next commit (or at the
+next start). Then the retention policy deletes committed checkpoints older
+than the newest one that it does not preserve.
 
 Events in metrics.jsonl: ``ckpt_start`` (step, replica steps, margin),
 ``ckpt_commit`` (step, stall_s = the largest snapshot stall of the workers,
@@ -201,6 +201,7 @@ class CheckpointManager:
         self.latest_committed_step: int | None = None
         self.committed = 0
         self.aborted = 0
+        self.left_behind = False                    # an aborted save's .tmp-step_T is still there
         self.boost = 1.0
         self.samples: collections.deque = collections.deque(maxlen=200)   # (monotonic, highest step)
         self.moving_since: float | None = None      # the sample before the steps first moved
@@ -342,8 +343,8 @@ class CheckpointManager:
             if req.error:
                 self._shard_failed(req, w, name, p if current else None)
                 return pb.ShardAck(accepted=False)
-            if not _HEX64.match(req.checksum) or req.bytes <= 0:
-                raise ValueError("a shard report needs bytes > 0 and a hex sha256 checksum")
+            if not _HEX64.match(req.checksum) or req.bytes <= 0 or req.outer_round < 0:
+                raise ValueError("a shard report needs bytes > 0, a hex sha256 checksum and an outer_round >= 0")
             if not current:
                 return pb.ShardAck(accepted=self._early_end_shard(req, w, name))
             expected = req.worker_id in p.required
@@ -460,20 +461,26 @@ class CheckpointManager:
             if p is None:
                 if self.enabled and not self.stopping.is_set():
                     self._start_next(steps, mono)
-                return False
-            if p.committing:
-                return False
-            reason = p.abort or self._lost(p, steps, mono)
-            if reason:
-                self._abort(p, reason)
-            elif not self._all_in(p, mono):
+                keep = self.pending.step if self.pending is not None and self.left_behind else None
+                if keep is None:
+                    return False
+                self.left_behind = False
+            elif p.committing:
                 return False
             else:
+                reason = p.abort or self._lost(p, steps, mono)
+                if reason:
+                    self._abort(p, reason)
+                    return True
+                if not self._all_in(p, mono):
+                    return False
                 p.committing = True
-        if reason:
-            store.discard_tmp(self.root, p.step)
-        else:
-            self._commit(p)
+        if p is None:
+            # (the aborted save's shards, unless it is named again at its step and keeps them: on a
+            # full disk they hold the space the new save needs; a writer still at one loses its file)
+            store.clean_tmp(self.root, keep_step=keep)
+            return False
+        self._commit(p)
         return True
 
     def _all_in(self, p: Save, mono: float) -> bool:
@@ -646,6 +653,7 @@ class CheckpointManager:
         self.pending = None
         self.aborted += 1
         self.aborts_in_row += 1
+        self.left_behind = True
         self.last_start = self.committed_start       # nothing was saved: the interval runs from the last commit
         self.retry_at = time.monotonic() + min(RETRY_CAP_S, 2.0 ** (self.aborts_in_row - 1))
         self.metrics.write({"event": "ckpt_abort", "step": p.step, "reason": reason, "final": p.final,
@@ -668,7 +676,6 @@ class CheckpointManager:
             with self.cv:
                 p.committing = False
                 self._abort(p, f"commit failed: {type(e).__name__}: {e}")
-            store.discard_tmp(self.root, p.step)
             return
         with self.cv:
             pending = self._committed(p, reports, extra["vacant"], time.monotonic() - t0)

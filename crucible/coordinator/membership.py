@@ -133,6 +133,7 @@ class Membership:
         self.stage_numel: dict[int, int] = {}
         self.job_started = False
         self.restored = False        # continued from a previous incarnation's state
+        self.restored_at = 0.0       # ... at this time (time.time(), as the heartbeats' `now`)
         self.isolated = False        # a majority of the live workers is silent: we are the one cut off
 
     @property
@@ -164,10 +165,12 @@ class Membership:
                 self.declare_dead(held, now)
                 held = None
             if held is not None:
-                # The same process again: its registration's reply was lost, so it
-                # never beat under it. A holder that has beaten is not given up on
-                # its pid and host (anyone with the job's token reads them in Status).
-                if not (rejoin and held.pid == pid and held.host == host and not held.last_heard):
+                # The same process again: its registration's reply was lost, or a
+                # restarted coordinator restored an older registration of it: it
+                # has not beaten under that one to this coordinator. A holder that
+                # has is not given up on its pid and host (anyone with the job's
+                # token reads them in Status).
+                if not (rejoin and held.pid == pid and held.host == host and held.last_heard <= self.restored_at):
                     raise Refused("ALREADY_EXISTS", f"slot {slot_name(*slot)} is held by live worker "
                                                     f"{held.worker_id}")
                 held.state = "dead"     # the same process taking its slot again: its old record goes
@@ -481,4 +484,4 @@ class Membership:
         self.routes = {int(r): list(v) for r, v in d["routes"].items()}
         self.route_epoch = {int(r): int(v) for r, v in d["route_epoch"].items()}
         self.stage_numel = {int(s): int(n) for s, n in d["stage_numel"].items()}
-        self.restored = True
+        self.restored, self.restored_at = True, now

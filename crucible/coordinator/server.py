@@ -69,7 +69,7 @@ import time
 
 import grpc
 
-from crucible import PROTOCOL_VERSION, identity, rpc
+from crucible import PROTOCOL_VERSION, identity, metrics, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
@@ -394,8 +394,9 @@ class Coordinator:
             if ev["event"] in KINDS and ev["event"] not in REPORTED:
                 raise ValueError(f"event {i} ({ev['event']}) is the coordinator's own: a worker does not report it")
             _check_fields(ev, i)
-            if w is None and (ev["event"] != "worker_error" or not _a_slot(ev.get("replica"), ev.get("stage"))
-                              or (ev["replica"], ev["stage"]) not in self.m.slots):
+            slot = (ev.get("replica"), ev.get("stage"))     # (a list from the JSON is no key, true no replica)
+            if w is None and (ev["event"] != "worker_error" or not all(map(metrics.whole, slot))
+                              or slot not in self.m.slots):
                 raise rpc.RpcFault(grpc.StatusCode.NOT_FOUND, "only a worker_error of an existing slot may be "
                                                               "reported before registering: register first")
             events.append(ev)
@@ -651,12 +652,6 @@ class Coordinator:
             }
 
 
-def _a_slot(replica, stage) -> bool:
-    """Both are whole numbers (what a slot's key is made of: a list or a
-    dict from a report's JSON is no key, and true is no replica)."""
-    return all(isinstance(x, int) and not isinstance(x, bool) for x in (replica, stage))
-
-
 def _check_fields(ev: dict, i: int) -> None:
     """The fields of a reported event that the coordinator acts on have the
     right types (checked before any of the batch is taken: a bad one refuses
@@ -665,7 +660,7 @@ def _check_fields(ev: dict, i: int) -> None:
         v = ev.get(key)
         if v is None and not required:
             return
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2 ** bits:
+        if not metrics.whole(v) or not 0 <= v < 2 ** bits:
             raise ValueError(f"event {i} ({ev['event']}): {key!r} must be a whole number in [0, 2**{bits}), "
                              f"not {v!r}"[:300])
 
@@ -677,7 +672,7 @@ def _check_fields(ev: dict, i: int) -> None:
         whole("epoch", 64)
     if ev["event"] in ("step", "eval"):
         loss = ev.get("loss")
-        if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool)):
+        if loss is not None and not metrics.number(loss):
             raise ValueError(f"event {i} ({ev['event']}): 'loss' must be a number, not {loss!r}"[:300])
 
 
