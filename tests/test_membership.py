@@ -156,8 +156,16 @@ def test_a_replacement_is_told_how_far_its_dead_predecessor_may_have_got():
     m.replicas[0].step = 171
     w, replacement = m.register(0, 1, "h:9", 9, "h", False, 11, now=2.0)
     assert replacement and w.slot_step == 105
+    # a replacement that dies while it joins applied nothing: its successor is
+    # told what the slot lost before it, however far the replica went since
+    m.declare_dead(w, now=2.5)
+    m.heartbeat(head, 150, "alive", now=2.5)
+    w, replacement = m.register(0, 1, "h:9", 9, "h", False, 11, now=2.6)
+    assert replacement and w.slot_step == 105
     # no step on a newer epoch heard yet (a paused replica, or a fast replacement):
     # stage 0 has applied at least as much as any stage after it
+    m.heartbeat(w, 150, "ready", now=2.7)
+    m.recompute_routes()
     m.declare_dead(w, now=3.0)
     m.heartbeat(head, 172, "alive", now=3.0)
     w2, _ = m.register(0, 1, "h:10", 10, "h", False, 11, now=4.0)
