@@ -556,6 +556,20 @@ def test_reports_are_written_once(tmp_path):
     assert last_sequence_numbers(str(tmp_path / "metrics.jsonl")) == {"abc": 13}
 
 
+def test_tokens_per_second_is_timed_by_when_the_steps_were_taken(tmp_path):
+    """A restarted coordinator gets the steps its predecessor missed in a burst
+    (the workers' reports were held back): the rate over their arrival times
+    was shown as millions of tokens/s. The workers' stamps time it."""
+    c, ids = _coordinator(tmp_path)
+    try:
+        t0 = time.time() - 10.0
+        batch = [json.dumps({"event": "step", "step": i, "tokens": 256, "time": t0 + i}) for i in range(5)]
+        c.Report(pb.ReportRequest(worker_id=ids[(0, 0)], events_json=batch, secret=_secret(c, ids[(0, 0)])), None)
+        assert c.status()["replicas"][0]["tokens_per_s"] == pytest.approx(256.0)
+    finally:
+        c.stop()
+
+
 @pytest.mark.parametrize("leave", [True, False])
 def test_a_coordinator_that_leaves_tells_no_worker_to_stop(tmp_path, leave):
     """SIGTERM under a scheduler (`leave`): the workers go on with the next
