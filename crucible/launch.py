@@ -478,6 +478,8 @@ class Launcher:
         now = time.monotonic()
         for name, w in self.workers.items():
             if w.restart_at is not None and now >= w.restart_at:
+                if self._job_done():
+                    continue     # (it finished during the back-off: a replacement would find no job to join)
                 w.restarts += 1
                 self._start_worker(*slot_of(name))
         if self.coord.restart_at is not None and now >= self.coord.restart_at:

@@ -362,6 +362,63 @@ def test_a_save_that_would_hold_no_copy_of_a_stage_is_aborted(tmp_path):
     assert m.pending is None and "r1s1 lost" in c.metrics.events[-1]["reason"]
 
 
+def test_no_save_is_named_while_every_copy_of_a_stage_is_off_its_route(tmp_path):
+    """r0s1 dead (replica 0 skips it), then the whole of replica 1 (paused):
+    stage 1 has no live copy until a replacement joins. A save named then
+    would commit without stage 1 and become the newest checkpoint, the one a
+    stage_lost roll-back names and a --resume cannot use; none is named, and
+    a preemption's final save says why there is none."""
+    c = _coordinator(tmp_path, stages=3)
+    m = c.ckpt
+    (first,) = _commit_saves(c, 1)
+    _lose(c, "r0s1-x")
+    for s in range(3):
+        _lose(c, f"r1s{s}-x")
+    assert c.m.replica_states() == {0: "training", 1: "paused"}
+    with c.cv:
+        m.final.ask()
+    for _ in range(3):
+        m._tick()
+        assert m.pending is None
+        for rep in c.replicas:
+            rep.step += 5
+    assert m.latest_committed_step == first
+    assert [e["reason"] for e in c.metrics.events if e["event"] == "ckpt_final_skipped"] == \
+        ["no live copy of stage(s) [1]"]
+    # A copy back on a route (the replacement of r0s1 joined): saves go on.
+    from crucible.coordinator.membership import WorkerInfo
+
+    w = WorkerInfo("r0s1-y", 0, 1, "127.0.0.1:999", 2, "h", step=first + 15)
+    with c.cv:
+        c.workers[w.worker_id] = w
+        c.m.slots[(0, 1)] = w.worker_id
+        c.m.recompute_routes()
+    m._tick()
+    assert m.pending is not None and sorted(m.pending.required.values()) == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_a_save_whose_only_copy_of_a_stage_was_a_paused_replicas_is_not_committed(tmp_path):
+    """r0s1 dead (skipped), r1s0 dead (replica 1 paused, its r1s1 alive: the
+    save may take its frozen state). r1s1 dies before its shard is in: the
+    save, all in without it, would hold no copy of stage 1: aborted."""
+    c = _coordinator(tmp_path, stages=3)
+    m = c.ckpt
+    (first,) = _commit_saves(c, 1)
+    for rep in c.replicas:
+        rep.step = first + 10
+    _lose(c, "r0s1-x")
+    _lose(c, "r1s0-x")
+    m._tick()
+    t = m.target()
+    assert t > first and sorted(m.pending.optional.values()) == [(1, 1), (1, 2)]
+    for wid in ("r0s0-x", "r0s2-x", "r1s2-x"):
+        assert _report(c, wid, t).accepted
+    _lose(c, "r1s1-x")
+    m._tick()
+    assert m.pending is None and m.latest_committed_step == first
+    assert c.metrics.events[-1]["event"] == "ckpt_abort" and "no copy of stage(s) [1]" in c.metrics.events[-1]["reason"]
+
+
 @pytest.mark.parametrize("policy", ["wait", "restart"])
 def test_an_inner_stage_lost_aborts_the_save_unless_its_replica_skips_it(tmp_path, policy):
     c = _named(tmp_path, **{"fault.on_stage_failure": policy})

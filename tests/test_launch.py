@@ -253,6 +253,31 @@ def test_the_launcher_reads_how_the_job_ended_once_and_forgets_a_restarts_stop(t
     assert la._job_done() and la._stopped_by_coordinator() is None
 
 
+def test_no_replacement_is_started_once_the_job_is_done(tmp_path):
+    """A worker that died near the end has its restart due after job_done: it
+    was started all the same, found the coordinator gone, and the launcher
+    waited 10 s for it before it said it had to stop it."""
+    from crucible.launch import Launcher, Proc
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("")
+    la = Launcher.__new__(Launcher)
+    la.run_dir, la.offset = str(tmp_path), 0
+    la.job_done, la.stopped_by, la.scanned = False, None, None
+    la.workers = {"r1s1": Proc("r1s1", ["true"], str(tmp_path / "r1s1.log"), {})}
+    la.coord = Proc("coordinator", ["true"], str(tmp_path / "coordinator.log"), {})
+    started = []
+    la._start_worker = lambda r, s: started.append((r, s))
+    la.workers["r1s1"].restart_at = time.monotonic() - 1.0
+    log.write_text('{"event": "job_done", "steps": [150, 150]}\n')
+    assert la._restart_due() is False and started == []
+    la.job_done = False                                          # (a job not done: the restart goes ahead)
+    la.scanned = None
+    log.write_text("")
+    la._restart_due()
+    assert started == [(1, 1)]
+
+
 def test_the_summary_passes_over_reported_events_it_cannot_read(tmp_path):
     """The coordinator writes a worker's events as they came: an eval without
     its replica (a Report with the worker's secret) made the launcher end on

@@ -168,8 +168,16 @@ def test_a_replacement_is_told_how_far_its_dead_predecessor_may_have_got():
     m.replicas[0].step = 171
     w, replacement = m.register(0, 1, "h:9", 9, "h", False, 11, now=2.0)
     assert replacement and w.slot_step == 105
+    # a replacement that dies while it joins applied nothing: its successor is
+    # told what the slot lost before it, however far the replica went since
+    m.declare_dead(w, now=2.5)
+    m.heartbeat(head, 150, "alive", now=2.5)
+    w, replacement = m.register(0, 1, "h:9", 9, "h", False, 11, now=2.6)
+    assert replacement and w.slot_step == 105
     # no step on a newer epoch heard yet (a paused replica, or a fast replacement):
     # stage 0 has applied at least as much as any stage after it
+    m.heartbeat(w, 150, "ready", now=2.7)
+    m.recompute_routes()
     m.declare_dead(w, now=3.0)
     m.heartbeat(head, 172, "alive", now=3.0)
     w2, _ = m.register(0, 1, "h:10", 10, "h", False, 11, now=4.0)
@@ -558,6 +566,20 @@ def test_reports_are_written_once(tmp_path):
     from crucible.coordinator.persist import last_sequence_numbers
 
     assert last_sequence_numbers(str(tmp_path / "metrics.jsonl")) == {"abc": 13}
+
+
+def test_tokens_per_second_is_timed_by_when_the_steps_were_taken(tmp_path):
+    """A restarted coordinator gets the steps its predecessor missed in a burst
+    (the workers' reports were held back): the rate over their arrival times
+    was shown as millions of tokens/s. The workers' stamps time it."""
+    c, ids = _coordinator(tmp_path)
+    try:
+        t0 = time.time() - 10.0
+        batch = [json.dumps({"event": "step", "step": i, "tokens": 256, "time": t0 + i}) for i in range(5)]
+        c.Report(pb.ReportRequest(worker_id=ids[(0, 0)], events_json=batch, secret=_secret(c, ids[(0, 0)])), None)
+        assert c.status()["replicas"][0]["tokens_per_s"] == pytest.approx(256.0)
+    finally:
+        c.stop()
 
 
 @pytest.mark.parametrize("leave", [True, False])

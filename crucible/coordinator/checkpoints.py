@@ -25,6 +25,11 @@ however long ``minimum_interval_s`` is. The save expects a shard from every
 live worker on the route of every training replica; a slot off its route
 (dead, being replaced) is recorded as vacant, and a paused replica as paused
 with its last step (its slots vacant: the replacement rule restores them).
+No save is named while every copy of a stage is off its route, and none
+commits without a shard of every stage (the only copy was a paused
+replica's, whose worker went away): a checkpoint without a stage could not
+be resumed from (nor rolled back to), so the newest one that holds it stays
+the newest.
 
 Commit. Each worker writes its shard into ``checkpoints/.tmp-step_T/`` and
 reports its size and checksum (``ReportShard``). When every expected shard
@@ -469,11 +474,13 @@ class CheckpointManager:
                 return False
             else:
                 reason = p.abort or self._lost(p, steps, mono)
+                if not reason:
+                    if not self._all_in(p, mono):
+                        return False
+                    reason = self._stage_missing(p)
                 if reason:
                     self._abort(p, reason)
                     return True
-                if not self._all_in(p, mono):
-                    return False
                 p.committing = True
         if p is None:
             # (the aborted save's shards, unless it is named again at its step and keeps them: on a
@@ -575,6 +582,14 @@ class CheckpointManager:
             return self.final.impossible(f"the job ends (step {self.end_step}) before step {target}")
         if self.latest_committed_step is not None and target <= self.latest_committed_step:
             return
+        required, optional, _, _ = self._cut(steps)
+        held = {s for _, s in [*required.values(), *optional.values()]}
+        lost = [s for s in range(self.job_cfg.job.stages) if s not in held]
+        if lost:
+            # Every copy of a stage is off its route (dead, joining): a checkpoint
+            # without it could not be resumed from, nor rolled back to; the last
+            # one that holds every stage stays the newest until a copy is back.
+            return self.final.impossible(f"no live copy of stage(s) {lost}")
         p = self._name(target, steps, mono, final=ctx.reached_preemption)
         self.metrics.write({"event": "ckpt_start", "step": target, "margin": margin, "final": p.final,
                             "replica_steps": {str(r): s for r, s in steps.items()},
@@ -585,6 +600,16 @@ class CheckpointManager:
         shard from every live worker on the route of a training (or finished)
         replica; a paused replica's live workers may send their frozen state;
         every other slot is vacant."""
+        required, optional, vacant, replicas = self._cut(steps)
+        self.pending = Save(step=step, started=time.time(), started_mono=mono, required=required,
+                            optional=optional, replicas=replicas, vacant=vacant, final=final, end=end)
+        self.last_start = mono
+        self.cv.notify_all()
+        return self.pending
+
+    def _cut(self, steps: dict[int, int]) -> tuple[dict, dict, list, dict]:
+        """Under the lock: who a save named now expects a shard from (required,
+        optional: worker id -> slot), its vacant slots and its replicas' records."""
         required, optional, vacant, replicas = {}, {}, [], {}
         for r, state in self.m.replica_states().items():
             route = self.m.route(r)
@@ -597,11 +622,7 @@ class CheckpointManager:
                     optional[w.worker_id] = (r, s)      # its frozen state, if it can snapshot it
                 else:
                     vacant.append(f"r{r}s{s}")
-        self.pending = Save(step=step, started=time.time(), started_mono=mono, required=required,
-                            optional=optional, replicas=replicas, vacant=vacant, final=final, end=end)
-        self.last_start = mono
-        self.cv.notify_all()
-        return self.pending
+        return required, optional, vacant, replicas
 
     def _expected_names(self, p: Save) -> list[str]:
         return [store.shard_name(r, s) for r, s in p.required.values()]
@@ -647,6 +668,14 @@ class CheckpointManager:
             any(rp["stage"] == s and rp["replica"] != r for rp in p.reports.values())
         return (copy and self.job_cfg.fault.on_stage_failure == "skip" and 0 < s < self.job_cfg.job.stages - 1
                 and self.m.replica_states().get(r) == "training")
+
+    def _stage_missing(self, p: Save) -> str | None:
+        """Why ``p``, all in, may not commit: a stage none of its shards holds
+        (its only copy was a paused replica's, whose worker went away or whose
+        frozen shards disagree): no resume could use it. None when it may."""
+        held = {rp["stage"] for rp in _consistent_reports(p)}
+        missing = [s for s in range(self.job_cfg.job.stages) if s not in held]
+        return f"it would hold no copy of stage(s) {missing}" if missing else None
 
     def _abort(self, p: Save, reason: str) -> None:
         """Under the lock."""

@@ -235,9 +235,14 @@ class Membership:
     # ---- leaving ----------------------------------------------------------------
 
     def declare_dead(self, w: WorkerInfo, now: float) -> None:
+        # A replacement that dies before it entered its route (joining) applied
+        # no step of its own: the slot has lost what its predecessor had, no more
+        # (its next replacement needs a checkpoint that new, not one as new as
+        # the replica's step now).
+        joining = w.state == "joining"
         w.state = "dead"
         w.died_at = now
-        w.step_open = True
+        w.step, w.step_open = (w.slot_step, False) if joining else (w.step, True)
         w.died_epoch = self.route_epoch.get(w.replica, 0)
 
     # How many steps a dead worker had applied decides whether a checkpoint may

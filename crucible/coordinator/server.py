@@ -63,6 +63,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -441,7 +442,15 @@ class Coordinator:
             if isinstance(ev.get("epoch"), int) and self.m.death_bounded(w.replica, rep.step - 1, ev["epoch"]):
                 self.state_file.put(self.m.to_dict())
             rep.loss = ev.get("loss")
-            rep.tokens.append((time.time(), int(ev.get("tokens", 0))))
+            # When the step was taken (the worker's stamp), not when its report came:
+            # reports held back while the coordinator was away (restarted) come in a
+            # burst, and a rate over their arrival times was thousands of times the
+            # real one. A stamp older than the last one (another host's clock) starts over.
+            t = ev.get("time")
+            t = float(t) if metrics.number(t) and math.isfinite(t) else time.time()
+            if rep.tokens and t < rep.tokens[-1][0]:
+                rep.tokens.clear()
+            rep.tokens.append((t, int(ev.get("tokens", 0))))
         elif kind == "eval" and w.stage == 0:
             rep.eval_loss = ev.get("loss")
         elif kind == "goodput" and w.stage == 0:
