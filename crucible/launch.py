@@ -690,25 +690,37 @@ class Launcher:
                 losses[r] = ev.get("loss")
             elif kind == "eval":
                 losses[f"eval{r}"] = ev.get("loss")
-            elif kind == "goodput":
-                ledger[r] = ev
+            elif kind == "goodput":     # the last ledger of each stage-0 worker the replica had
+                ledger.setdefault(r, {})[str(ev.get("worker", ""))] = ev
         lines = []
         for r in sorted(steps):
             line = f"r{r}: {steps[r]} steps, loss {_fmt(losses[r])}"
             if metrics.number(losses.get(f"eval{r}")):
                 line += f", held-out {losses[f'eval{r}']:.3f}"
-            g = ledger.get(r)
-            if g and metrics.number(g.get("wall_s")) and g["wall_s"]:
-                parts = ", ".join(f"{k} {g[k + '_s']:.1f}s" for k in
-                                  ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering")
-                                  if metrics.number(g.get(k + "_s")) and g[k + "_s"])
-                goodput = g.get("goodput") if metrics.number(g.get("goodput")) else 0
-                line += f"; goodput {100 * goodput:.0f}% of {g['wall_s']:.0f}s ({parts})"
+            g = _ledger_sum(ledger.get(r, {}).values())
+            if g["wall_s"]:
+                parts = ", ".join(f"{k} {g[k + '_s']:.1f}s" for k in _LEDGER if g[k + "_s"])
+                line += f"; goodput {100 * g['compute_s'] / g['wall_s']:.0f}% of {g['wall_s']:.0f}s ({parts})"
             lines.append(line)
         out = f"crucible: {ending}.\n" + "\n".join(f"  {x}" for x in lines)
         if faults:
             out += f"\n  {faults} worker faults"
         return out + f"\ncrucible: metrics in {path}"
+
+
+_LEDGER = ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering")
+
+
+def _ledger_sum(evs) -> dict:
+    """A replica's time ledger: the last `goodput` event of each of its stage-0
+    workers, summed (a replacement's ledger starts at 0), as `crucible report`
+    does. A part that is not a number is passed over."""
+    tot = dict.fromkeys([k + "_s" for k in _LEDGER] + ["wall_s"], 0.0)
+    for ev in evs:
+        for k in tot:
+            if metrics.number(ev.get(k)) and math.isfinite(ev[k]):
+                tot[k] += ev[k]
+    return tot
 
 
 def _fmt(x) -> str:

@@ -302,6 +302,26 @@ def test_the_summary_passes_over_reported_events_it_cannot_read(tmp_path):
                                     "  r1: 5 steps, loss -; goodput 0% of 10s (lost 1.0s)", "  1 worker faults"], out
 
 
+def test_the_summary_ledger_sums_every_stage0_worker_of_a_replica(tmp_path):
+    """A replica whose stage 0 was replaced has one ledger per stage-0 worker
+    (the replacement's starts at 0). The summary showed only the last one's:
+    "r1: 400 steps ... goodput 32% of 52s" for a replica that trained 81 s,
+    while `crucible report` summed them (35% of 62 s)."""
+    from crucible.launch import Launcher
+
+    lines = [{"event": "step", "replica": 1, "step": 399, "loss": 2.5},
+             {"event": "goodput", "replica": 1, "worker": "r1s0-a", "wall_s": 5.0, "compute_s": 1.0, "goodput": 0.2},
+             {"event": "goodput", "replica": 1, "worker": "r1s0-a", "wall_s": 10.0, "compute_s": 5.0,
+              "paused_s": 1.0, "goodput": 0.5},
+             {"event": "goodput", "replica": 1, "worker": "r1s0-b", "wall_s": 30.0, "compute_s": 3.0,
+              "lost_s": 4.0, "goodput": 0.1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    la = Launcher.__new__(Launcher)
+    la.run_dir, la.offset = str(tmp_path), 0
+    out = la._summary("finished")
+    assert out.splitlines()[1] == "  r1: 400 steps, loss 2.500; goodput 20% of 40s (compute 8.0s, lost 4.0s, paused 1.0s)", out
+
+
 def test_failing_saves_are_said_once_and_a_finished_job_without_its_last_checkpoint_says_so(tmp_path, capsys):
     """Saves that fail (here: a full disk) are said on the terminal, once until
     one commits again; a late target is not. A job that finished while the save
