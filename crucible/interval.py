@@ -208,9 +208,9 @@ def from_run_dir(
       ``W`` = median ``persist_s`` of those lines when they carry it; the
       current interval = median gap between consecutive commits' ``time``.
     * ``M`` observed = wall span of the log (last ``time`` - first) / number
-      of ``{"event": "fault"}`` lines.  With no fault in the log there is no
-      observed ``M``: the report says so, and ``node_mtbf_s / nodes`` is used
-      when given.
+      of ``{"event": "fault"}`` lines.  ``node_mtbf_s / nodes``, when given,
+      is used instead (the notes give the observed one).  With no fault in
+      the log there is no observed ``M``: the report says so.
 
     Unparseable lines (e.g. a last line cut by a crash) are skipped and
     counted in the notes.
@@ -255,16 +255,19 @@ def _observed_cost(out: dict, stalls: list[float], persists: list[float], commit
 def _observed_mtbf(out: dict, fault_times: list[float], span: float, node_mtbf_s: float | None,
                    nodes: int) -> None:
     notes = out["notes"]
-    if fault_times and span > 0:
+    if node_mtbf_s is not None:     # given: it is used (an observed M was taken over it without a word)
+        out["mtbf_s"] = job_mtbf(node_mtbf_s, nodes)
+        out["mtbf_source"] = f"node MTBF {node_mtbf_s:g} s / {nodes} node(s)"
+        if fault_times and span > 0:
+            notes.append(f"the run's own M ({span / len(fault_times):.4g} s: {len(fault_times)} fault(s) in "
+                         f"{span:.0f} s) is not used: --mtbf is")
+    elif fault_times and span > 0:
         out["mtbf_s"] = span / len(fault_times)
         out["mtbf_source"] = f"observed: {len(fault_times)} fault(s) in {span:.0f} s"
         if len(fault_times) < 5:
             notes.append(f"only {len(fault_times)} fault(s) observed: M is a rough estimate")
     else:
         notes.append(f"no faults observed in {span:.0f} s of log: M cannot be observed")
-        if node_mtbf_s is not None:
-            out["mtbf_s"] = job_mtbf(node_mtbf_s, nodes)
-            out["mtbf_source"] = f"node MTBF {node_mtbf_s:g} s / {nodes} node(s)"
 
 
 def _secs(v: float | None) -> str:

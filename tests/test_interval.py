@@ -124,6 +124,19 @@ def test_from_run_dir_no_faults(tmp_path):
     assert d["mtbf_s"] == 3600 and d["young_s"] == pytest.approx(120.0)
 
 
+def test_from_run_dir_given_mtbf_is_used_over_the_observed_one(tmp_path):
+    """`crucible interval --run-dir D --mtbf 86400 --nodes 64` on a run with
+    (injected) faults printed M = span / faults and dropped the given MTBF
+    without a word."""
+    write_log(tmp_path, [{"event": "ckpt_commit", "time": 0.0, "stall_s": 2.0}, {"event": "fault", "time": 10.0},
+                         {"event": "step", "time": 100.0}])
+    d = iv.from_run_dir(tmp_path, node_mtbf_s=86400, nodes=64)
+    assert d["mtbf_s"] == 1350.0 and d["mtbf_source"] == "node MTBF 86400 s / 64 node(s)"
+    assert d["young_s"] == pytest.approx(math.sqrt(2 * 2.0 * 1350))
+    assert any("own M (100 s: 1 fault(s) in 100 s) is not used" in n for n in d["notes"]), d["notes"]
+    assert iv.from_run_dir(tmp_path)["mtbf_s"] == 100.0
+
+
 def test_from_run_dir_missing(tmp_path):
     with pytest.raises(FileNotFoundError):
         iv.from_run_dir(tmp_path)
