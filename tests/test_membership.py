@@ -582,6 +582,24 @@ def test_tokens_per_second_is_timed_by_when_the_steps_were_taken(tmp_path):
         c.stop()
 
 
+def test_a_restarted_coordinator_counts_elapsed_from_the_jobs_start(tmp_path):
+    """`status`'s elapsed (and job_done's elapsed_s) came from the coordinator
+    process's own start: after a coordinator restart 20 s into a 72 s job they
+    said 50 s."""
+    from crucible.coordinator.server import Coordinator
+
+    c, ids = _coordinator(tmp_path)
+    c.m.created -= 100.0                      # the job began 100 s ago
+    c.state_file.put(c.m.to_dict())
+    c.stop()
+    c._lock_file.close()
+    c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)
+    try:
+        assert 100.0 <= c2.status()["elapsed_s"] < 130.0
+    finally:
+        c2.stop()
+
+
 @pytest.mark.parametrize("leave", [True, False])
 def test_a_coordinator_that_leaves_tells_no_worker_to_stop(tmp_path, leave):
     """SIGTERM under a scheduler (`leave`): the workers go on with the next

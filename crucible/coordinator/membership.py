@@ -58,6 +58,8 @@ higher incarnation.
 from __future__ import annotations
 
 import collections
+import math
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
@@ -132,6 +134,7 @@ class Membership:
         self.route_epoch: dict[int, int] = {r: 0 for r in range(replicas)}
         self.stage_numel: dict[int, int] = {}
         self.job_started = False
+        self.created = time.time()   # the job's start (kept across coordinator restarts: status's elapsed)
         self.restored = False        # continued from a previous incarnation's state
         self.restored_at = 0.0       # ... at this time (time.time(), as the heartbeats' `now`)
         self.isolated = False        # a majority of the live workers is silent: we are the one cut off
@@ -460,7 +463,7 @@ class Membership:
     def to_dict(self) -> dict:
         return {
             "replicas_n": self.R, "stages_n": self.S, "incarnation": self.incarnation, "counter": self.counter,
-            "job_started": self.job_started,
+            "job_started": self.job_started, "created": self.created,
             "slots": {slot_name(*k): v for k, v in self.slots.items()},
             "workers": {wid: asdict(w) for wid, w in self.workers.items()},
             "replicas": [{"id": r.id, "state": r.state, "step": r.step, "started": r.started} for r in self.replicas],
@@ -476,6 +479,9 @@ class Membership:
         if (d.get("replicas_n"), d.get("stages_n")) != (self.R, self.S):
             raise ValueError(f"saved membership is of a {d.get('replicas_n')}x{d.get('stages_n')} job")
         self.job_started = bool(d["job_started"])
+        c = d.get("created")        # (a state file written before it was kept: this incarnation's start)
+        if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c):
+            self.created = float(c)
         self.workers = {wid: WorkerInfo(**w) for wid, w in d["workers"].items()}
         for w in self.workers.values():
             if w.state in ("alive", "joining", "done"):

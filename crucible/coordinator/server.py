@@ -491,7 +491,7 @@ class Coordinator:
 
     def _check_finished(self) -> None:
         if self.m.all_done() and not self.finished.is_set():
-            self.metrics.write({"event": "job_done", "elapsed_s": time.time() - self.started,
+            self.metrics.write({"event": "job_done", "elapsed_s": time.time() - self.m.created,
                                 "steps": [r.step for r in self.m.replicas]})
             self.finished.set()
 
@@ -651,7 +651,7 @@ class Coordinator:
                 "run_dir": self.run_dir,
                 "incarnation": self.incarnation,
                 "epoch": self.epoch,
-                "elapsed_s": round(now - self.started, 3),
+                "elapsed_s": round(now - self.m.created, 3),
                 "steps_target": self.cfg.train.steps,
                 "finished": self.finished.is_set(),
                 "replicas": reps,
