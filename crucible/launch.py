@@ -677,6 +677,8 @@ class Launcher:
         """How the job ended, then final loss per replica, its time ledger, and the faults seen.
         An event without what is read from it (a worker's report the coordinator
         takes as it is: no replica, a loss that is not a number) is passed over."""
+        from crucible.report import LEDGER, sum_ledgers
+
         steps, losses, ledger, faults = {}, {}, {}, 0
         path = metrics.path_of(self.run_dir)
         for ev in metrics.read_events(path, offset=self.offset):    # this launch's (not earlier ones' in the run)
@@ -697,30 +699,15 @@ class Launcher:
             line = f"r{r}: {steps[r]} steps, loss {_fmt(losses[r])}"
             if metrics.number(losses.get(f"eval{r}")):
                 line += f", held-out {losses[f'eval{r}']:.3f}"
-            g = _ledger_sum(ledger.get(r, {}).values())
+            g = sum_ledgers(ledger.get(r, {}).values())
             if g["wall_s"]:
-                parts = ", ".join(f"{k} {g[k + '_s']:.1f}s" for k in _LEDGER if g[k + "_s"])
+                parts = ", ".join(f"{k.removesuffix('_s')} {g[k]:.1f}s" for k, _, _ in LEDGER if g[k])
                 line += f"; goodput {100 * g['compute_s'] / g['wall_s']:.0f}% of {g['wall_s']:.0f}s ({parts})"
             lines.append(line)
         out = f"crucible: {ending}.\n" + "\n".join(f"  {x}" for x in lines)
         if faults:
             out += f"\n  {faults} worker faults"
         return out + f"\ncrucible: metrics in {path}"
-
-
-_LEDGER = ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering")
-
-
-def _ledger_sum(evs) -> dict:
-    """A replica's time ledger: the last `goodput` event of each of its stage-0
-    workers, summed (a replacement's ledger starts at 0), as `crucible report`
-    does. A part that is not a number is passed over."""
-    tot = dict.fromkeys([k + "_s" for k in _LEDGER] + ["wall_s"], 0.0)
-    for ev in evs:
-        for k in tot:
-            if metrics.number(ev.get(k)) and math.isfinite(ev[k]):
-                tot[k] += ev[k]
-    return tot
 
 
 def _fmt(x) -> str:

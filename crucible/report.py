@@ -340,18 +340,22 @@ def fig_throughput(run: Run, path: str) -> None:
     _save(fig, path)
 
 
+def sum_ledgers(evs) -> dict:
+    """A replica's ledger: the last ``goodput`` event of every stage-0 worker it
+    had (a replacement's starts at 0), summed; a part that is not a finite
+    number is passed over. Also the launcher's end-of-job summary."""
+    tot = {k: 0.0 for k, _, _ in LEDGER}
+    tot["wall_s"] = 0.0
+    for ev in evs:
+        for k in tot:
+            if _num(ev.get(k)):
+                tot[k] += ev[k]
+    return tot
+
+
 def ledger_totals(run: Run) -> dict[int, dict]:
-    """Each replica's ledger: the last one of every stage-0 worker it had, summed."""
-    out = {}
-    for r in run.replica_ids:
-        tot = {k: 0.0 for k, _, _ in LEDGER}
-        tot["wall_s"] = 0.0
-        for ev in run.ledgers.get(r, {}).values():
-            for k in list(tot):
-                if _num(ev.get(k)):
-                    tot[k] += ev[k]
-        out[r] = tot
-    return out
+    """Each replica's ledger (``sum_ledgers``)."""
+    return {r: sum_ledgers(run.ledgers.get(r, {}).values()) for r in run.replica_ids}
 
 
 def fig_goodput(run: Run, path: str) -> None:
