@@ -582,11 +582,9 @@ def _coerce(key: str, ftype: Any, value: Any) -> Any:
         if tname == "int":
             if isinstance(value, bool):
                 raise ValueError
-            if isinstance(value, float):
-                if not value.is_integer():
-                    raise ValueError
-                return int(value)
-            return int(value)
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            out = int(value)
         if tname == "float":
             if isinstance(value, bool):
                 raise ValueError
@@ -600,4 +598,9 @@ def _coerce(key: str, ftype: Any, value: Any) -> Any:
             return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"bad value for '{key}': expected {tname}, got {value!r}") from None
+    if tname == "int":
+        # What numpy, torch and protobuf take: a larger one is an OverflowError deep inside them.
+        if not -2**63 <= out < 2**63:
+            raise ConfigError(f"bad value for '{key}': must fit in 64 bits (-2**63..2**63-1) (got {out})")
+        return out
     raise ConfigError(f"'{key}' has an unsupported type {tname}")

@@ -59,6 +59,9 @@ def test_toml_and_overrides(tmp_path):
     ("outer.momentum=1", "bad value for 'outer.momentum'"),
     ("debug.stall_outer=r1s1:soon", "bad value for 'debug.stall_outer'"),
     ("debug.stall_outer=r1s1:-5", "bad value for 'debug.stall_outer'"),
+    # past 64 bits: an OverflowError traceback from the timeout check (int x float) or deep in numpy
+    ("fault.suspicion_limit=" + "9" * 400, "bad value for 'fault.suspicion_limit': must fit in 64 bits"),
+    ("train.steps=99999999999999999999", "bad value for 'train.steps': must fit in 64 bits"),
 ])
 def test_bad_keys_and_values_are_named(override, needle):
     with pytest.raises(ConfigError) as e:
