@@ -363,6 +363,12 @@ class Config:
 
     def validate(self) -> None:
         """Every value on its own and against the others; ConfigError names the key."""
+        for key in all_keys():
+            # What numpy, torch and protobuf take: a larger int is an OverflowError deep inside them
+            # (or in the checks below: fault.suspicion_limit x fault.rpc_timeout_s).
+            value = self.get(key)
+            self._need(not isinstance(value, int) or -2**63 <= value < 2**63, key,
+                       "must fit in 64 bits (-2**63..2**63-1)")
         for check in (self._check_model, self._check_train, self._check_outer, self._check_checkpoint,
                       self._check_fault_and_net):
             check()
@@ -582,9 +588,11 @@ def _coerce(key: str, ftype: Any, value: Any) -> Any:
         if tname == "int":
             if isinstance(value, bool):
                 raise ValueError
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            out = int(value)
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError
+                return int(value)
+            return int(value)
         if tname == "float":
             if isinstance(value, bool):
                 raise ValueError
@@ -598,9 +606,4 @@ def _coerce(key: str, ftype: Any, value: Any) -> Any:
             return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"bad value for '{key}': expected {tname}, got {value!r}") from None
-    if tname == "int":
-        # What numpy, torch and protobuf take: a larger one is an OverflowError deep inside them.
-        if not -2**63 <= out < 2**63:
-            raise ConfigError(f"bad value for '{key}': must fit in 64 bits (-2**63..2**63-1) (got {out})")
-        return out
     raise ConfigError(f"'{key}' has an unsupported type {tname}")

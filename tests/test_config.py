@@ -163,3 +163,13 @@ def test_addresses_in_the_config(override, ok):
     else:
         with pytest.raises(ConfigError, match=f"bad value for '{override.split('=')[0]}'"):
             Config.load(None, [override])
+
+
+def test_an_int_past_64_bits_is_a_validation_rule():
+    # refused at load (test_bad_keys_and_values_are_named), but a finished run's stored
+    # configuration is taken as it ran: such a run can still be exported
+    tree = Config().to_dict()
+    tree["train"]["steps"] = 10**20
+    assert Config.from_dict(tree, validate=False).train.steps == 10**20
+    with pytest.raises(ConfigError, match="'train.steps': must fit in 64 bits"):
+        Config.from_dict(tree)
