@@ -535,7 +535,7 @@ class Config:
 
 def _device_ok(spec: str) -> bool:
     name, sep, index = spec.partition(":")
-    return spec == "cpu" or (name == "cuda" and (not sep or index.isdigit()))
+    return spec == "cpu" or (name == "cuda" and (not sep or (index.isascii() and index.isdigit())))
 
 
 def _stall_ok(spec: str) -> bool:
