@@ -123,6 +123,16 @@ def main(args) -> int:
     if not hosts:
         print("crucible certs: --hosts needs at least one host", file=sys.stderr)
         return 2
+    try:      # (before --out is made: a refused command leaves nothing)
+        last = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=args.days)
+    except OverflowError:
+        last = None
+    if args.days < 1 or last is None or last.year > 9999:
+        # 0 wrote certificates (and a CA, kept by later runs) already expired; past the year 9999
+        # an X.509 date cannot say it: an OverflowError traceback
+        print(f"crucible certs: --days must be at least 1 and end before the year 10000 (got {args.days})",
+              file=sys.stderr)
+        return 2
     problem = dir_problem(args.out, make=True)
     if problem:
         print(f"crucible certs: --out {args.out}: {problem}", file=sys.stderr)

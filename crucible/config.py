@@ -363,6 +363,12 @@ class Config:
 
     def validate(self) -> None:
         """Every value on its own and against the others; ConfigError names the key."""
+        for key in all_keys():
+            # What numpy, torch and protobuf take: a larger int is an OverflowError deep inside them
+            # (or in the checks below: fault.suspicion_limit x fault.rpc_timeout_s).
+            value = self.get(key)
+            self._need(not isinstance(value, int) or -2**63 <= value < 2**63, key,
+                       "must fit in 64 bits (-2**63..2**63-1)")
         for check in (self._check_model, self._check_train, self._check_outer, self._check_checkpoint,
                       self._check_fault_and_net):
             check()
@@ -529,7 +535,7 @@ class Config:
 
 def _device_ok(spec: str) -> bool:
     name, sep, index = spec.partition(":")
-    return spec == "cpu" or (name == "cuda" and (not sep or index.isdigit()))
+    return spec == "cpu" or (name == "cuda" and (not sep or (index.isascii() and index.isdigit())))
 
 
 def _stall_ok(spec: str) -> bool:

@@ -48,7 +48,13 @@ def _read_files(paths: list[str], max_bytes: int, skip_unreadable: bool = False)
     for p in paths:
         try:
             with open(p, "rb") as f:
-                b = f.read(max(0, max_bytes - total))
+                # In pieces: one read of max_bytes allocates all of it first (a data.max_bytes
+                # of 1 TB, meant as "no cap", was a MemoryError).
+                pieces, left = [], max(0, max_bytes - total)
+                while left > 0 and (piece := f.read(min(left, 64 << 20))):
+                    pieces.append(piece)
+                    left -= len(piece)
+                b = b"".join(pieces)
         except OSError as e:
             if skip_unreadable:
                 continue

@@ -36,7 +36,7 @@ def resolve(spec: str, replica: int, stage: int, stages: int) -> torch.device:
     if spec == "cpu":
         return torch.device("cpu")
     name, sep, index = spec.partition(":")
-    if name != "cuda" or (sep and not index.isdigit()):
+    if name != "cuda" or (sep and not (index.isascii() and index.isdigit())):   # (int("²") fails)
         raise DeviceError(f"device {spec!r}: must be cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
         raise DeviceError(f"device {spec!r}: this torch ({torch.__version__}) sees no CUDA GPU; install a CUDA "

@@ -59,6 +59,12 @@ def test_toml_and_overrides(tmp_path):
     ("outer.momentum=1", "bad value for 'outer.momentum'"),
     ("debug.stall_outer=r1s1:soon", "bad value for 'debug.stall_outer'"),
     ("debug.stall_outer=r1s1:-5", "bad value for 'debug.stall_outer'"),
+    # past 64 bits: an OverflowError traceback from the timeout check (int x float) or deep in numpy
+    ("fault.suspicion_limit=" + "9" * 400, "bad value for 'fault.suspicion_limit': must fit in 64 bits"),
+    ("train.steps=99999999999999999999", "bad value for 'train.steps': must fit in 64 bits"),
+    # str.isdigit takes these, int() does not ("²") or reads another script's digits ("٣")
+    ("job.device=cuda:²", "bad value for 'job.device': must be cpu, cuda or cuda:N"),
+    ("job.device=cuda:٣", "bad value for 'job.device': must be cpu, cuda or cuda:N"),
 ])
 def test_bad_keys_and_values_are_named(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -160,3 +166,21 @@ def test_addresses_in_the_config(override, ok):
     else:
         with pytest.raises(ConfigError, match=f"bad value for '{override.split('=')[0]}'"):
             Config.load(None, [override])
+
+
+def test_an_int_past_64_bits_is_a_validation_rule():
+    # refused at load (test_bad_keys_and_values_are_named), but a finished run's stored
+    # configuration is taken as it ran: such a run can still be exported
+    tree = Config().to_dict()
+    tree["train"]["steps"] = 10**20
+    assert Config.from_dict(tree, validate=False).train.steps == 10**20
+    with pytest.raises(ConfigError, match="'train.steps': must fit in 64 bits"):
+        Config.from_dict(tree)
+
+
+def test_a_worker_device_with_a_non_ascii_digit_is_refused_in_one_line():
+    # `worker --device cuda:²` on a GPU machine: str.isdigit passed it and int() raised a bare ValueError
+    from crucible.devices import DeviceError, resolve
+
+    with pytest.raises(DeviceError, match="must be cpu, cuda or cuda:N"):
+        resolve("cuda:²", 0, 0, 1)

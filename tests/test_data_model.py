@@ -43,6 +43,14 @@ def test_sources(tmp_path):
         load_tokens(str(tmp_path / "missing"), 1 << 20)
 
 
+def test_a_max_bytes_beyond_memory_reads_what_there_is(tmp_path):
+    # one f.read(max_bytes) allocated all of it first: MemoryError for 1 TB, OverflowError near 2**63
+    (tmp_path / "t.txt").write_bytes(b"hello world")
+    for cap in (1 << 40, 2**63 - 1):
+        assert load_tokens(str(tmp_path / "t.txt"), cap).tobytes() == b"hello world"
+    assert load_tokens(str(tmp_path / "t.txt"), 5).tobytes() == b"hello"
+
+
 def test_builtin_corpus_is_deterministic():
     cfg = Config.load(None, ["data.max_bytes=300000"])
     a, b = Corpus(cfg), Corpus(cfg)

@@ -235,3 +235,17 @@ def test_unusable_tls_files_are_named(tmp_path):
         with pytest.raises(tls.TlsError) as e:
             tls.resolve(ca=files[0], cert=files[1], key=files[2])
         assert str(e.value).startswith(want), (want, str(e.value))
+
+
+@pytest.mark.parametrize("days", [0, -1, 99999999999])
+def test_certs_refuses_days_it_cannot_use_and_makes_nothing(tmp_path, capsys, days):
+    # 0 wrote an expired CA (which later runs keep); 99999999999 was an OverflowError traceback
+    from types import SimpleNamespace
+
+    from crucible import certs
+
+    out = tmp_path / "tls"
+    assert certs.main(SimpleNamespace(out=str(out), hosts="a", days=days, force=False)) == 2
+    assert capsys.readouterr().err == (f"crucible certs: --days must be at least 1 and end before the year "
+                                       f"10000 (got {days})\n")
+    assert not out.exists()
