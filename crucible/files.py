@@ -30,6 +30,24 @@ def atomic_write(path: str, data: str | bytes, fsync: bool = True, mode: int | N
         raise
 
 
+def lock_held(path: str) -> bool:
+    """Another process holds the flock on the file at ``path`` (a running
+    job's ``coordinator.lock``). Nothing is made: a missing file is no lock."""
+    import fcntl
+
+    try:
+        f = open(path, "rb")
+    except OSError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
+
+
 def dir_problem(path: str, make: bool = False) -> str | None:
     """Why ``path`` is not a directory and cannot become one (a file is there,
     or at a folder above it), or None: a directory, or a path that

@@ -37,7 +37,7 @@ import time
 
 from crucible import exits, extras, metrics, procs, rpc
 from crucible.config import Config
-from crucible.files import atomic_write, dir_problem
+from crucible.files import atomic_write, dir_problem, lock_held
 from crucible.slots import slot_name, slot_of
 
 CRASH_LOOP_WINDOW_S = 120.0   # the same error twice within this: the job stops
@@ -121,6 +121,11 @@ class Launcher:
         problem = dir_problem(self.run_dir, make=True)
         if problem:
             raise exits.UsageError(f"--run-dir {args.run_dir or self.run_dir}: {problem}")
+        if lock_held(os.path.join(self.run_dir, "coordinator.lock")):
+            # (before anything is written: a second launch replaced the running job's token and
+            # removed its coordinator.addr, so that `crucible status` lost it, before it was refused)
+            raise exits.UsageError(f"--run-dir {args.run_dir or self.run_dir}: a job is running there (its "
+                                   f"coordinator holds coordinator.lock); let it end, or choose another --run-dir")
         delay = getattr(args, "respawn_delay", procs.RESPAWN_DELAY_S)
         if delay is not None and not math.isfinite(delay):
             raise exits.UsageError(f"--respawn-delay {delay:g}: must be a finite number of seconds "

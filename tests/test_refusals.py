@@ -40,6 +40,31 @@ def _refused(*args: str, status: int = 2, env: dict | None = None) -> str:
 
 
 
+# ---- a launch into a run directory whose job is running -----------------------------------------------------------
+
+def test_a_launch_into_a_running_jobs_run_dir_is_refused_and_changes_nothing(tmp_path):
+    """A second launch (with or without --resume) into the run directory of a
+    running job: it replaced the job's token and removed its coordinator.addr
+    (`crucible status` then lost the job) before its own coordinator was
+    refused the lock. Now one line, exit 2, nothing written."""
+    import fcntl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "token").write_text("the-running-jobs-token\n")
+    (run / "coordinator.addr").write_text("127.0.0.1:1\n")
+    with open(run / "coordinator.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)        # (the running coordinator's)
+        before = tree_digest(run)
+        for extra in ([], ["--resume"], ["--no-check"]):
+            line = _refused("launch", "--run-dir", str(run), *extra, *JOB)
+            assert line == f"crucible: --run-dir {run}: a job is running there (its coordinator holds " \
+                           f"coordinator.lock); let it end, or choose another --run-dir", line
+            assert tree_digest(run) == before
+    line = _refused("launch", "--run-dir", str(run), "--steps", "0")     # (the lock is free: on to the next check)
+    assert "coordinator.lock" not in line, line
+
+
 # ---- a run directory that cannot be made (was a traceback after the pre-flight, or `check passed`) ----------
 
 def test_a_run_dir_that_cannot_be_made_is_named(tmp_path):
