@@ -153,8 +153,8 @@ class Launcher:
         self.offset = 0                   # metrics.jsonl's size when this launch started: its events follow
         self.job_done = False             # job_done seen in this launch's events
         self.stopped_by: signal.Signals | None = None   # job_stopped seen: the signal the coordinator got
-        self.scanned = None               # how far metrics.jsonl was read for those two (None: from offset)
-        self.ckpt_scanned = None          # ... for the saves' commits and aborts (_watch_checkpoints)
+        self.scanned = None               # how far metrics.jsonl was read (_scan_ends; None: from offset)
+        self.ckpt_events: list[dict] = [] # the saves' commits and aborts read since _watch_checkpoints ran
         self.ckpt_failing = ""            # why saves fail, said once until one commits again
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}
@@ -519,11 +519,14 @@ class Launcher:
 
     def _scan_ends(self) -> None:
         """Follow metrics.jsonl (``metrics.follow``: each line once) for the two
-        events that say how the job ended: job_done and job_stopped."""
-        events, self.scanned = metrics.follow(self.run_dir, ("job_done", "job_stopped"),
+        events that say how the job ended, job_done and job_stopped, and the
+        saves' commits and aborts (kept for ``_watch_checkpoints``)."""
+        events, self.scanned = metrics.follow(self.run_dir, ("job_done", "job_stopped", "ckpt_abort", "ckpt_commit"),
                                               self.offset if self.scanned is None else self.scanned)
         for ev in events:
-            if ev["event"] == "job_done":
+            if ev["event"] in ("ckpt_abort", "ckpt_commit"):
+                self.ckpt_events.append(ev)
+            elif ev["event"] == "job_done":
                 self.job_done = True
             else:
                 try:
@@ -559,8 +562,8 @@ class Launcher:
         written): one line with the cause on the terminal, said again only
         after a save has committed in between; and that line when one does.
         Training goes on meanwhile (the coordinator's log has every abort)."""
-        events, self.ckpt_scanned = metrics.follow(self.run_dir, ("ckpt_abort", "ckpt_commit"),
-                                                   self.offset if self.ckpt_scanned is None else self.ckpt_scanned)
+        self._scan_ends()
+        events, self.ckpt_events = self.ckpt_events, []
         start = "\n" if tty else ""      # (after the progress line)
         for ev in events:
             if ev["event"] == "ckpt_commit":
@@ -572,7 +575,7 @@ class Launcher:
             if self.ckpt_failing or " failed: " not in f" {why}":   # (a late target, a lost worker: retried)
                 continue
             self.ckpt_failing = why
-            if not isinstance(ev.get("step"), int) or ev["step"] >= self.cfg.train.steps:
+            if not metrics.whole(ev.get("step")) or ev["step"] >= self.cfg.train.steps:
                 continue      # (the save of the last step: the summary says it)
             from crucible.checkpoint.store import list_checkpoints
 

@@ -333,7 +333,8 @@ def test_failing_saves_are_said_once_and_a_finished_job_without_its_last_checkpo
     full = "r0s1.shard failed: PersistError: persister could not write r0s1.shard: OSError: [Errno 28] No space"
     log = tmp_path / "metrics.jsonl"
     la = Launcher.__new__(Launcher)
-    la.run_dir, la.offset, la.ckpt_scanned, la.ckpt_failing = str(tmp_path), 0, None, ""
+    la.run_dir, la.offset, la.scanned, la.ckpt_events, la.ckpt_failing = str(tmp_path), 0, None, [], ""
+    la.job_done, la.stopped_by = False, None
     la.cfg = Config.load(None, ["train.steps=200"])
     step = tmp_path / "checkpoints" / "step_00000103"
     step.mkdir(parents=True)

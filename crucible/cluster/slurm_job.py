@@ -25,7 +25,6 @@ directory's 0600 file). No torch here: the worker imports it after the exec.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -33,6 +32,7 @@ import sys
 import time
 
 from crucible.cluster.slurm import COORD, SlurmRun, append_event, parse_slot
+from crucible.files import lock_held
 
 
 def _say(msg: str) -> None:
@@ -53,19 +53,6 @@ def _port_free(host: str, port: int) -> bool:
             return False
 
 
-def _lock_free(run_dir: str) -> bool:
-    path = os.path.join(run_dir, "coordinator.lock")
-    if not os.path.exists(path):
-        return True
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return True
-
-
 def _read_addr(run_dir: str) -> str:
     try:
         with open(os.path.join(run_dir, "coordinator.addr")) as f:
@@ -81,7 +68,8 @@ def coordinator_argv(run: SlurmRun, host: str) -> list[str]:
         port = int(prev.rpartition(":")[2])
     if port:
         t_end = time.monotonic() + 30
-        while not (_port_free(host, port) and _lock_free(run.run_dir)) and time.monotonic() < t_end:
+        lock = os.path.join(run.run_dir, "coordinator.lock")
+        while not (_port_free(host, port) and not lock_held(lock)) and time.monotonic() < t_end:
             time.sleep(0.2)
     argv = [run.python, "-m", "crucible", "coordinator", "--run-dir", run.run_dir, "--bind", f"{host}:{port}",
             "--on-sigterm", "leave"]

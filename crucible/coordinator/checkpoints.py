@@ -582,7 +582,8 @@ class CheckpointManager:
             return self.final.impossible(f"the job ends (step {self.end_step}) before step {target}")
         if self.latest_committed_step is not None and target <= self.latest_committed_step:
             return
-        required, optional, _, _ = self._cut(steps)
+        cut = self._cut(steps)
+        required, optional, _, _ = cut
         held = {s for _, s in [*required.values(), *optional.values()]}
         lost = [s for s in range(self.job_cfg.job.stages) if s not in held]
         if lost:
@@ -590,17 +591,18 @@ class CheckpointManager:
             # without it could not be resumed from, nor rolled back to; the last
             # one that holds every stage stays the newest until a copy is back.
             return self.final.impossible(f"no live copy of stage(s) {lost}")
-        p = self._name(target, steps, mono, final=ctx.reached_preemption)
+        p = self._name(target, steps, mono, final=ctx.reached_preemption, cut=cut)
         self.metrics.write({"event": "ckpt_start", "step": target, "margin": margin, "final": p.final,
                             "replica_steps": {str(r): s for r, s in steps.items()},
                             "shards": len(p.required), "vacant": p.vacant})
 
-    def _name(self, step: int, steps: dict[int, int], mono: float, final: bool, end: bool = False) -> Save:
+    def _name(self, step: int, steps: dict[int, int], mono: float, final: bool, end: bool = False,
+              cut: tuple | None = None) -> Save:
         """Under the lock: the save of ``step`` becomes the pending one. It expects a
         shard from every live worker on the route of a training (or finished)
         replica; a paused replica's live workers may send their frozen state;
         every other slot is vacant."""
-        required, optional, vacant, replicas = self._cut(steps)
+        required, optional, vacant, replicas = cut or self._cut(steps)     # (_cut's, when the caller took it)
         self.pending = Save(step=step, started=time.time(), started_mono=mono, required=required,
                             optional=optional, replicas=replicas, vacant=vacant, final=final, end=end)
         self.last_start = mono

@@ -63,7 +63,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from crucible import exits, identity
+from crucible import exits, identity, metrics
 from crucible.slots import slot_name
 
 KEEP_DEAD = 4        # dead worker records kept per slot (to tell a stale worker it is stale)
@@ -480,7 +480,7 @@ class Membership:
             raise ValueError(f"saved membership is of a {d.get('replicas_n')}x{d.get('stages_n')} job")
         self.job_started = bool(d["job_started"])
         c = d.get("created")        # (a state file written before it was kept: this incarnation's start)
-        if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c):
+        if metrics.number(c) and math.isfinite(c):
             self.created = float(c)
         self.workers = {wid: WorkerInfo(**w) for wid, w in d["workers"].items()}
         for w in self.workers.values():
