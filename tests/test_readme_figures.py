@@ -35,8 +35,55 @@ def test_a_figure_edited_by_hand_is_caught():
 
 
 def test_every_result_file_the_readme_names_exists():
-    for path in sorted(set(re.findall(r"bench/results/[a-z0-9_]+\.json", _readme()))):
+    for path in sorted(set(re.findall(r"bench/results/[a-z0-9_-]+\.json", _readme()))):
         assert os.path.exists(os.path.join(ROOT, path)), f"README names {path}, which is not in the repo"
+
+
+def _report_demo():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("report_demo", os.path.join(ROOT, "docs", "report_demo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_report_figure_paragraph_quotes_its_result_file():
+    import json
+    with open(os.path.join(ROOT, "bench", "results", "report-demo.json")) as f:
+        d = json.load(f)
+    fig, text = d["figures"], " ".join(_readme().split())
+    lo, hi = fig["detected_s_range"]
+    joined = [k["replacement_joined_s"] for k in fig["kills"]]
+    for quoted in (f"detected {lo:.2f}-{hi:.2f} s later", f"paused it for {fig['paused_s'][0]:.1f} s",
+                   f"entered {min(joined):.1f}-{max(joined):.1f} s after their kill",
+                   f"{fig['checkpoints_committed']} checkpoints, the last the end save at step "
+                   f"{fig['last_checkpoint_step']}", f"held-out loss {fig['heldout_loss_end']['0']:.3f}",
+                   f"commit `{d['environment']['commit'][:10]}`"):
+        assert quoted in text, f"the README's report paragraph does not say {quoted!r} (report-demo.json)"
+
+
+def test_the_report_demo_reads_kills_detection_and_pauses_off_the_events():
+    ev = [{"event": "step", "time": 100.0, "replica": 0, "step": 1},
+          {"event": "chaos", "time": 110.0, "target": "r1s3"},
+          {"event": "fault", "time": 110.25, "replica": 1, "stage": 3},
+          {"event": "route_change", "time": 110.25, "states": {"0": "training", "1": "paused"}},
+          {"event": "ckpt_commit", "time": 111.0, "step": 40},
+          {"event": "replacement_ready", "time": 114.0, "replica": 1, "stage": 3, "source": "r0s3",
+           "startup_s": {"total": 3.5, "loadavg": 2.0}},
+          {"event": "worker_joined", "time": 114.5, "replica": 1, "stage": 3},
+          {"event": "chaos", "time": 120.0, "target": "r0s1"},
+          {"event": "fault", "time": 120.5, "replica": 0, "stage": 1},
+          {"event": "route_change", "time": 120.5, "states": {"0": "training", "1": "training"}},
+          {"event": "eval", "time": 121.0, "replica": 0, "step": 50, "loss": 2.5},
+          {"event": "eval", "time": 121.0, "replica": 1, "step": 50, "loss": 2.5},
+          {"event": "ckpt_commit", "time": 122.0, "step": 50}]
+    fig = _report_demo().figures(ev)
+    assert [(k["target"], k["at_s"], k["detected_s"], k["replica_while_missing"], k["replacement_joined_s"])
+            for k in fig["kills"]] == [("r1s3", 10.0, 0.25, "paused", 4.5),
+                                      ("r0s1", 20.0, 0.5, "skipped the stage", None)]
+    assert fig["paused_s"] == [4.5] and fig["detected_s_range"] == [0.25, 0.5]
+    assert (fig["checkpoints_committed"], fig["last_checkpoint_step"]) == (2, 50)
+    assert fig["heldout_loss_end"] == {"0": 2.5, "1": 2.5}
 
 
 def test_the_extras_table_lists_what_pyproject_declares():
