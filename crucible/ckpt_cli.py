@@ -243,7 +243,7 @@ def interval_main(args) -> int:
     try:
         if args.run_dir:
             d = interval.from_run_dir(args.run_dir, node_mtbf_s=args.mtbf, nodes=nodes,
-                                      restart_s=args.restart or 0.0)
+                                      restart_s=args.restart)     # (None: measured from the run)
         else:
             if args.cost is None or args.mtbf is None:
                 print("crucible interval: give --cost and --mtbf, or --run-dir", file=sys.stderr)

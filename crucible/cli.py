@@ -107,9 +107,10 @@ def _add_inspection(sub) -> None:
     p.add_argument("--cost", type=float, help="checkpoint cost C in seconds (the snapshot stall)")
     p.add_argument("--mtbf", type=float, help="node mean time between failures, seconds")
     p.add_argument("--nodes", type=int, help="nodes in the job (M = mtbf / nodes)")
-    p.add_argument("--restart", type=float, help="restart time R in seconds")
+    p.add_argument("--restart", type=float,
+                   help="restart time R in seconds (with --run-dir: used instead of the R measured from the run)")
     p.add_argument("--persist", type=float, help="background write time W in seconds")
-    p.add_argument("--run-dir", help="take C (and M, when faults were logged) from a run's metrics.jsonl")
+    p.add_argument("--run-dir", help="take C (and M and R, when faults were logged) from a run's metrics.jsonl")
     p.add_argument("--json", action="store_true")
 
 

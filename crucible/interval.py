@@ -7,8 +7,10 @@ Symbols (all in seconds):
   write, which runs in the background.
 * ``M`` -- the job's mean time between interruptions.  A job on ``N`` nodes
   whose nodes fail independently with MTBF ``m`` has ``M = m / N``; or it is
-  observed from a run's own fault log as ``wall span / number of faults``.
+  observed from a run's own log as ``wall span / number of interruptions``
+  (faults and coordinator restarts: below).
 * ``R`` -- restart time after an interruption (detect, respawn, load).
+  Given (``--restart``), or measured from a run's log (below).
 * ``W`` -- background persist time (optional).  A save is usable only once
   committed, so a failure while it persists rolls back one more interval:
   about ``W`` extra rework per failure.  It adds to rework exactly like
@@ -36,11 +38,50 @@ Its first-order expansion (``tau, C, R << M``) is the familiar
 interval plus the checkpoint per failure) and restart, per unit time;
 ``expected_overhead(..., model="first_order")`` returns that instead.
 
+What a run's ``metrics.jsonl`` gives (``from_run_dir``):
+
+* The interruptions (``M``'s count, and one ``R`` each): every ``fault``
+  (a worker declared dead) and every coordinator restart: a
+  ``coordinator_start`` whose ``restored`` is true (a coordinator that
+  continued its predecessor's state; the first start of a launch, and the
+  start of a ``--resume``, have ``restored`` false).  A whole-job restart
+  (the coordinator's ``job_rollback``, the launcher's ``job_restart`` /
+  ``job_restarted``) is *not* an interruption of its own: only a fault
+  causes one (``fault.on_stage_failure = restart``, or a stage that lost
+  every copy after a fault), and that fault is already counted.  It widens
+  what that fault interrupted instead (below).
+* ``R`` of one interruption, per replica it affected: from the replica's
+  last committed ``step`` (stage 0's, stamped when it was taken) at or
+  before the interruption to its first one after, less one typical step
+  (the median gap between that replica's steps), floored at 0: the time
+  it did not commit steps because of the interruption.  A fault affects its
+  own ``replica``; a fault followed by a whole-job restart (a
+  ``job_rollback`` or ``job_restart`` before that replica's next step)
+  affects every replica (each of the others from the whole-job restart's
+  first event on: they trained until then), and so does a coordinator
+  restart.  The interruption's ``R`` is the largest over the replicas it
+  affected (the job is whole again when the last of them commits).  The
+  run's ``R`` is the median over the interruptions.  After a whole-job
+  restart the first step is one redone from the checkpoint: ``R`` ends
+  there, the redone steps are the model's rework, not restart time (nor is
+  the launcher's own ``job_restarted`` ``seconds`` used: the gap in the
+  steps holds it, and the workers' start-up after it).
+* An interruption is left out of ``R`` (and counted in the notes) when
+  none of its replicas can be measured: no later step (the job ended, was
+  stopped, or the log ends first; a new launch in between counts as the
+  end), no step before it, no ``replica`` in the fault, or the replica's
+  gap already taken by an earlier interruption (two faults in one outage:
+  the outage is counted once, for the first).  All of them still count
+  for ``M``.
+* A given ``--restart`` is used instead of the measured ``R`` (the notes
+  give the measured one), as a given ``--mtbf`` is for ``M``.
+
 No torch here: this module runs anywhere (``crucible interval``).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import statistics
@@ -133,7 +174,8 @@ def plan(
     m = job_mtbf(mtbf_s, nodes)
     out = _empty(source="given")
     out.update(cost_s=float(cost_s), mtbf_s=m, mtbf_source=f"node MTBF {mtbf_s:g} s / {nodes} node(s)",
-               restart_s=float(restart_s), persist_s=persist_s, current_interval_s=interval_s)
+               restart_s=float(restart_s), restart_source="given" if restart_s else None, persist_s=persist_s,
+               current_interval_s=interval_s)
     _fill(out)
     return out
 
@@ -150,6 +192,14 @@ def _empty(source: str) -> dict:
         "faults": None,
         "span_s": None,
         "restart_s": 0.0,
+        "restart_source": None,
+        "restart_measured_s": None,
+        "restart_samples": 0,
+        "restart_min_s": None,
+        "restart_max_s": None,
+        "restart_left_out": 0,
+        "interruptions": [],
+        "coordinator_restarts": 0,
         "young_s": None,
         "daly_s": None,
         "recommended_s": None,
@@ -200,7 +250,7 @@ def from_run_dir(
     *,
     node_mtbf_s: float | None = None,
     nodes: int = 1,
-    restart_s: float = 0.0,
+    restart_s: float | None = None,
 ) -> dict:
     """The model from a run's ``metrics.jsonl``.
 
@@ -208,9 +258,15 @@ def from_run_dir(
       ``W`` = median ``persist_s`` of those lines when they carry it; the
       current interval = median gap between consecutive commits' ``time``.
     * ``M`` observed = wall span of the log (last ``time`` - first) / number
-      of ``{"event": "fault"}`` lines.  ``node_mtbf_s / nodes``, when given,
-      is used instead (the notes give the observed one).  With no fault in
-      the log there is no observed ``M``: the report says so.
+      of interruptions: ``{"event": "fault"}`` lines and coordinator
+      restarts (``coordinator_start`` with ``restored`` true).
+      ``node_mtbf_s / nodes``, when given, is used instead (the notes give
+      the observed one).  With no interruption in the log there is no
+      observed ``M``: the report says so.
+    * ``R`` measured = median over the interruptions of the time their
+      replicas committed no step (see the module docstring).  ``restart_s``,
+      when given (not None), is used instead (the notes give the measured
+      one); ``restart_source`` says which.
 
     Unparseable lines (e.g. a last line cut by a crash) are skipped and
     counted in the notes.
@@ -218,10 +274,11 @@ def from_run_dir(
     path = os.path.join(os.fspath(run_dir), metrics.FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no metrics log in this run directory")
+    if restart_s is not None:
+        restart_s = _check("restart_s", restart_s, positive=False)
     events, bad = metrics.read(path)
     out = _empty(source="run_dir")
     out["run_dir"] = os.fspath(run_dir)
-    out["restart_s"] = float(restart_s)
     if bad:
         out["notes"].append(f"skipped {bad} unparseable line(s) in metrics.jsonl")
     times = [t for t in (_num(ev.get("time")) for ev in events) if t is not None]
@@ -229,14 +286,152 @@ def from_run_dir(
     stalls = [s for s in (_num(ev.get("stall_s")) for ev in commits) if s is not None and s >= 0]
     persists = [p for p in (_num(ev.get("persist_s")) for ev in commits) if p is not None and p >= 0]
     commit_times = [t for t in (_num(ev.get("time")) for ev in commits) if t is not None]
-    fault_times = [t for t in (_num(ev.get("time")) for ev in events if ev["event"] == "fault") if t is not None]
+    stops = _interruptions(events)
     span = (max(times) - min(times)) if times else 0.0
     out["span_s"] = span
-    out["faults"] = len(fault_times)
+    out["faults"] = len(stops)
+    out["coordinator_restarts"] = sum(1 for x in stops if x["kind"] == "coordinator")
     _observed_cost(out, stalls, persists, commit_times)
-    _observed_mtbf(out, fault_times, span, node_mtbf_s, nodes)
+    _observed_mtbf(out, [x["time"] for x in stops], span, node_mtbf_s, nodes)
+    _observed_restart(out, events, stops, restart_s)
     _fill(out)
     return out
+
+
+def _interruptions(events: list[dict]) -> list[dict]:
+    """The interruptions in the log, by time: each ``fault`` and each
+    coordinator restart (``coordinator_start`` with ``restored`` true)."""
+    out = []
+    for i, ev in enumerate(events):
+        t = _num(ev.get("time"))
+        if t is None:
+            continue
+        if ev["event"] == "fault":
+            r = ev.get("replica")
+            out.append({"time": t, "kind": "worker", "worker": ev.get("worker"),
+                        "replica": r if metrics.whole(r) else None, "stage": ev.get("stage"), "_i": i})
+        elif ev["event"] == "coordinator_start" and ev.get("restored") is True:
+            out.append({"time": t, "kind": "coordinator", "incarnation": ev.get("incarnation"), "_i": i})
+    out.sort(key=lambda x: (x["time"], x["_i"]))
+    for x in out:
+        del x["_i"]
+    return out
+
+
+def _launches(events: list[dict]) -> list[float]:
+    """When each launch of the job began: a coordinator start that neither
+    continued its predecessor (``restored``) nor is the launcher's
+    whole-job restart (a ``job_restart`` since the previous start).  A
+    replica's steps before and after one are of different launches."""
+    starts = sorted((t, ev.get("restored") is True) for ev in events if ev["event"] == "coordinator_start"
+                    for t in [_num(ev.get("time"))] if t is not None)
+    restarts = sorted(t for ev in events if ev["event"] == "job_restart" for t in [_num(ev.get("time"))]
+                      if t is not None)
+    out, prev = [], float("-inf")
+    for t, restored in starts:
+        if not restored and not any(prev <= j <= t for j in restarts):
+            out.append(t)
+        prev = t
+    return out
+
+
+def _observed_restart(out: dict, events: list[dict], stops: list[dict], given: float | None) -> None:
+    notes = out["notes"]
+    steps: dict[int, list[float]] = {}
+    for ev in events:
+        t, r = _num(ev.get("time")), ev.get("replica")
+        if ev["event"] == "step" and t is not None and metrics.whole(r):
+            steps.setdefault(r, []).append(t)
+    for ts in steps.values():
+        ts.sort()
+    typical = {r: (statistics.median(b - a for a, b in zip(ts, ts[1:])) if len(ts) >= 2 else 0.0)
+               for r, ts in steps.items()}
+    whole_job = sorted(t for ev in events if ev["event"] in ("job_rollback", "job_restart")
+                       for t in [_num(ev.get("time"))] if t is not None)
+    launches = _launches(events)
+    taken: set[tuple[int, float]] = set()      # (replica, the gap's last step before): an outage counted
+    why_out: dict[str, int] = {}
+    for x in stops:
+        _measure(x, steps, typical, whole_job, launches, taken)
+        if x["left_out"]:
+            why_out[x["left_out"]] = why_out.get(x["left_out"], 0) + 1
+    out["interruptions"] = stops
+    samples = [x["restart_s"] for x in stops if x["restart_s"] is not None]
+    out["restart_samples"] = len(samples)
+    out["restart_left_out"] = sum(why_out.values())
+    if samples:
+        out["restart_measured_s"] = statistics.median(samples)
+        out["restart_min_s"], out["restart_max_s"] = min(samples), max(samples)
+    for why, n in sorted(why_out.items()):
+        notes.append(f"{n} interruption(s) left out of R: {_WHY[why]}")
+    measured = out["restart_measured_s"]
+    if given is not None:
+        out["restart_s"] = given
+        out["restart_source"] = "given: --restart"
+        if measured is not None:
+            notes.append(f"the run's own R ({measured:.4g} s: median of {len(samples)} interruption(s)) is not "
+                         "used: --restart is")
+    elif measured is not None:
+        out["restart_s"] = measured
+        out["restart_source"] = f"measured: median of {len(samples)} interruption(s)"
+        if len(samples) < 5:
+            notes.append(f"R from only {len(samples)} interruption(s): a rough estimate")
+    else:
+        out["restart_s"] = 0.0
+        why = "no interruption in the log" if not stops else "no interruption had its replica's steps on both sides"
+        out["restart_source"] = f"not measured: {why}; taken as 0 (--restart gives it)"
+
+
+def _measure(x: dict, steps: dict[int, list[float]], typical: dict[int, float], whole_job: list[float],
+             launches: list[float], taken: set[tuple[int, float]]) -> None:
+    """One interruption's R (``x["restart_s"]``; per replica in
+    ``x["replicas"]``), or why it has none (``x["left_out"]``)."""
+    t0 = x["time"]
+    x["whole_job"], x["left_out"] = None, None
+    if x["kind"] == "coordinator":
+        affected = sorted(steps)
+    elif x["replica"] is None:
+        affected = []
+        x["left_out"] = "no replica"
+    else:
+        affected = [x["replica"]]
+        nxt = _after(steps.get(x["replica"], []), t0)
+        restart = next((j for j in whole_job if t0 <= j and (nxt is None or j <= nxt)), None)
+        if restart is not None:         # every replica stopped for it: the others from then on
+            affected = sorted(set(steps) | {x["replica"]})
+            x["whole_job"] = restart
+    per, reasons = {}, []
+    for r in affected:
+        ts = steps.get(r, [])
+        t = t0 if r == x.get("replica") or x["whole_job"] is None else x["whole_job"]
+        k = bisect.bisect_right(ts, t)
+        if k == len(ts) or any(t < s <= ts[k] for s in launches):
+            reasons.append("no later step")
+        elif k == 0 or any(ts[k - 1] < s <= t for s in launches):
+            reasons.append("no earlier step")
+        elif (r, ts[k - 1]) in taken:
+            reasons.append("same outage")
+        else:
+            taken.add((r, ts[k - 1]))
+            gap = ts[k] - ts[k - 1]
+            per[str(r)] = {"gap_s": gap, "step_s": typical[r], "restart_s": max(0.0, gap - typical[r])}
+    x["replicas"] = per
+    x["restart_s"] = max(v["restart_s"] for v in per.values()) if per else None
+    if not per and not x["left_out"]:
+        x["left_out"] = next((why for why in _WHY if why in reasons), "no later step")
+
+
+_WHY = {
+    "no later step": "their replica committed no step after them (the job ended, stopped or was relaunched first)",
+    "no earlier step": "their replica had committed no step before them (in that launch)",
+    "same outage": "no step of their replica since an earlier interruption (one outage, counted once)",
+    "no replica": "the fault names no replica",
+}
+
+
+def _after(ts: list[float], t: float) -> float | None:
+    k = bisect.bisect_right(ts, t)
+    return ts[k] if k < len(ts) else None
 
 
 def _observed_cost(out: dict, stalls: list[float], persists: list[float], commit_times: list[float]) -> None:
@@ -255,17 +450,20 @@ def _observed_cost(out: dict, stalls: list[float], persists: list[float], commit
 def _observed_mtbf(out: dict, fault_times: list[float], span: float, node_mtbf_s: float | None,
                    nodes: int) -> None:
     notes = out["notes"]
+    n = len(fault_times)
+    coord = out.get("coordinator_restarts") or 0
+    of_them = f", {coord} of them coordinator restart(s)" if coord else ""
     if node_mtbf_s is not None:     # given: it is used (an observed M was taken over it without a word)
         out["mtbf_s"] = job_mtbf(node_mtbf_s, nodes)
         out["mtbf_source"] = f"node MTBF {node_mtbf_s:g} s / {nodes} node(s)"
         if fault_times and span > 0:
-            notes.append(f"the run's own M ({span / len(fault_times):.4g} s: {len(fault_times)} fault(s) in "
-                         f"{span:.0f} s) is not used: --mtbf is")
+            notes.append(f"the run's own M ({span / n:.4g} s: {n} fault(s) in {span:.0f} s{of_them}) is not "
+                         "used: --mtbf is")
     elif fault_times and span > 0:
-        out["mtbf_s"] = span / len(fault_times)
-        out["mtbf_source"] = f"observed: {len(fault_times)} fault(s) in {span:.0f} s"
-        if len(fault_times) < 5:
-            notes.append(f"only {len(fault_times)} fault(s) observed: M is a rough estimate")
+        out["mtbf_s"] = span / n
+        out["mtbf_source"] = f"observed: {n} fault(s) in {span:.0f} s{of_them}"
+        if n < 5:
+            notes.append(f"only {n} fault(s) observed: M is a rough estimate")
     else:
         notes.append(f"no faults observed in {span:.0f} s of log: M cannot be observed")
 
@@ -297,8 +495,16 @@ def format_report(d: dict) -> str:
     if d.get("persist_s") is not None:
         lines.append(f"persist time W:       {_secs(d['persist_s'])}")
     lines.append(f"interruption M:       {_secs(d.get('mtbf_s'))}" + (f"  ({d['mtbf_source']})" if d.get("mtbf_source") else ""))
-    if d.get("restart_s"):
-        lines.append(f"restart time R:       {_secs(d['restart_s'])}")
+    if d.get("source") == "run_dir" or d.get("restart_s"):
+        r = f"restart time R:       {_secs(d.get('restart_s'))}"
+        if d.get("restart_source"):
+            r += f"  ({d['restart_source']}"
+            if d["restart_source"].startswith("measured"):
+                r += f"; {_secs(d['restart_min_s'])} to {_secs(d['restart_max_s'])}"
+                if d.get("restart_left_out"):
+                    r += f"; {d['restart_left_out']} left out"
+            r += ")"
+        lines.append(r)
     if d.get("young_s") is not None:
         lines.append(f"Young  sqrt(2CM):     {_secs(d['young_s'])}   expected overhead {_pct(d.get('overhead_young'))}")
         lines.append(f"Daly (higher order):  {_secs(d['daly_s'])}   expected overhead {_pct(d.get('overhead_daly'))}")

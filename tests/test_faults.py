@@ -139,3 +139,23 @@ def test_coordinator_killed_and_restarted(job):
                  "training after the coordinator restart")
     # No worker was replaced: they re-registered into their old slots.
     assert all(w["state"] == "alive" for w in st["workers"])
+    # The cost model counts the restart as an interruption (M) and measures R from this run's log:
+    # each worker killed above (when those tests ran) and the restart, from the replica's last committed
+    # step before to its first after, less a typical step.
+    from crucible import interval
+
+    def measured(_):    # (once the log has every replica's steps after the restart: its writer lags status)
+        d = interval.from_run_dir(job.run_dir)
+        return d if all(x["restart_s"] is not None for x in d["interruptions"] if x["kind"] == "coordinator") else None
+
+    d = job.wait_for(measured, 30, "the steps after the restart in metrics.jsonl")
+    faults = job.events("fault")
+    assert d["coordinator_restarts"] == 1 and d["faults"] == len(faults) + 1, (d["faults"], faults)
+    assert d["restart_source"].startswith("measured"), (d["restart_source"], d["notes"])
+    assert d["restart_samples"] >= 1 and d["restart_s"] == d["restart_measured_s"] >= 0
+    coord = [x for x in d["interruptions"] if x["kind"] == "coordinator"]
+    assert len(coord) == 1 and coord[0]["restart_s"] is not None, coord       # (every replica trained after it)
+    if faults:      # a SIGKILLed worker's replica stopped committing for a while: R > 0
+        assert d["restart_s"] > 0 and d["restart_max_s"] > 0, d["interruptions"]
+    assert "restart time R:" in interval.format_report(d) and "1 of them coordinator restart(s)" in \
+        interval.format_report(d)

@@ -144,3 +144,162 @@ def test_from_run_dir_missing(tmp_path):
     d = iv.from_run_dir(tmp_path)
     assert d["cost_s"] is None and d["mtbf_s"] == 100.0
     assert any("cost unknown" in n for n in d["notes"])
+
+
+# ---- R measured from the log: the time a replica committed no step because of an interruption ----
+
+def steps(replica, times):
+    return [{"event": "step", "time": t, "replica": replica, "step": i} for i, t in enumerate(times)]
+
+
+def fault(t, replica, stage=1):
+    return {"event": "fault", "time": t, "kind": "worker_dead", "worker": f"w{replica}{stage}",
+            "replica": replica, "stage": stage}
+
+
+def faulted_log():
+    """Replica 0 steps every second and skips a dead stage (1.5 s from its
+    last step to its next: R 0.5 s); replica 1 (steps every second, a
+    quarter past) loses stage 0 and pauses until a replacement (10 s: R 9 s);
+    a third fault comes after replica 0's last step (left out of R)."""
+    return sorted([{"event": "coordinator_start", "time": 99.0, "restored": False, "incarnation": 1}]
+                  + steps(0, [100, 101, 102, 103, 104, 105, 106.5, 107.5, 108.5, 109.5, 110.5])
+                  + steps(1, [100.25, 101.25, 102.25, 103.25, 113.25, 114.25, 115.25, 116.25])
+                  + [fault(105.25, 0, stage=2), fault(103.75, 1, stage=0), fault(111.0, 0)]
+                  + [{"event": "ckpt_commit", "time": 100.0, "stall_s": 0.5}], key=lambda e: e["time"])
+
+
+def test_restart_measured_skip_pause_and_a_fault_after_the_last_step(tmp_path):
+    write_log(tmp_path, faulted_log())
+    d = iv.from_run_dir(tmp_path)
+    assert d["faults"] == 3 and d["coordinator_restarts"] == 0
+    assert d["span_s"] == 116.25 - 99.0 and d["mtbf_s"] == (116.25 - 99.0) / 3
+    by_time = {x["time"]: x for x in d["interruptions"]}
+    assert by_time[105.25]["restart_s"] == 0.5          # 1.5 s gap - 1 s typical step
+    assert by_time[105.25]["replicas"] == {"0": {"gap_s": 1.5, "step_s": 1.0, "restart_s": 0.5}}
+    assert by_time[103.75]["restart_s"] == 9.0          # 10 s gap - 1 s
+    assert by_time[111.0]["restart_s"] is None and by_time[111.0]["left_out"] == "no later step"
+    assert d["restart_samples"] == 2 and d["restart_left_out"] == 1
+    assert d["restart_s"] == 4.75 and d["restart_measured_s"] == 4.75      # median of 0.5 and 9
+    assert d["restart_min_s"] == 0.5 and d["restart_max_s"] == 9.0
+    assert d["restart_source"] == "measured: median of 2 interruption(s)"
+    assert any(n.startswith("1 interruption(s) left out of R: their replica committed no step after them")
+               for n in d["notes"]), d["notes"]
+    # the measured R goes into the overhead: R + W (no W here)
+    assert d["overhead_daly"] == pytest.approx(iv.expected_overhead(d["daly_s"], 0.5, d["mtbf_s"], 4.75))
+    text = iv.format_report(d)
+    assert "restart time R:       4.75 s  (measured: median of 2 interruption(s); 0.5 s to 9 s; 1 left out)" \
+        in text, text
+    assert "observed: 3 fault(s) in 17 s" in text and "coordinator restart" not in text
+
+
+def test_a_given_restart_is_used_over_the_measured_one(tmp_path):
+    write_log(tmp_path, faulted_log())
+    d = iv.from_run_dir(tmp_path, restart_s=30)
+    assert d["restart_s"] == 30.0 and d["restart_source"] == "given: --restart"
+    assert d["restart_measured_s"] == 4.75 and d["restart_samples"] == 2
+    assert "the run's own R (4.75 s: median of 2 interruption(s)) is not used: --restart is" in d["notes"]
+    assert d["overhead_daly"] == pytest.approx(iv.expected_overhead(d["daly_s"], 0.5, d["mtbf_s"], 30))
+    assert "restart time R:       30 s  (given: --restart)" in iv.format_report(d)
+    d = iv.from_run_dir(tmp_path, restart_s=0)      # 0 given is given: not replaced by the measured 4.75
+    assert d["restart_s"] == 0.0 and d["restart_source"] == "given: --restart"
+    with pytest.raises(ValueError):
+        iv.from_run_dir(tmp_path, restart_s=-1)
+
+
+def test_a_coordinator_restart_is_a_fault_with_an_r_over_every_replica(tmp_path):
+    """Replica 0 trains on through the coordinator's restart (R 0); replica 1
+    stalls 3 s (R 2): the restart's R is the larger, 2 s."""
+    events = ([{"event": "coordinator_start", "time": 99.0, "restored": False, "incarnation": 1},
+               {"event": "coordinator_restored", "time": 105.25, "incarnation": 2, "workers": 4},
+               {"event": "coordinator_start", "time": 105.25, "restored": True, "incarnation": 2}]
+              + steps(0, [100, 101, 102, 103, 104, 105, 106, 107, 108])
+              + steps(1, [100.5, 101.5, 102.5, 103.5, 104.5, 107.5, 108.5, 109.5]))
+    write_log(tmp_path, events)
+    d = iv.from_run_dir(tmp_path)
+    assert d["faults"] == 1 and d["coordinator_restarts"] == 1       # (coordinator_restored: the same restart)
+    assert d["mtbf_s"] == 109.5 - 99.0
+    (x,) = d["interruptions"]
+    assert x["kind"] == "coordinator" and x["incarnation"] == 2
+    assert x["replicas"] == {"0": {"gap_s": 1.0, "step_s": 1.0, "restart_s": 0.0},
+                             "1": {"gap_s": 3.0, "step_s": 1.0, "restart_s": 2.0}}
+    assert x["restart_s"] == 2.0 and d["restart_s"] == 2.0
+    text = iv.format_report(d)
+    assert "observed: 1 fault(s) in 10 s, 1 of them coordinator restart(s)" in text, text
+    assert "restart time R:       2 s  (measured: median of 1 interruption(s); 2 s to 2 s)" in text, text
+
+
+def test_a_whole_job_restart_widens_its_fault_and_is_no_fault_itself(tmp_path):
+    """A stage loses every copy: job_rollback, the launcher restarts the job
+    (a coordinator start that is not restored, and no new launch): one fault,
+    whose R is the longest outage over both replicas (replica 1's, 6 s - 1 s)."""
+    events = ([{"event": "coordinator_start", "time": 99.0, "restored": False},
+               fault(103.5, 0),
+               {"event": "job_rollback", "time": 104.75, "replica": 0, "stage": 1, "to_step": 2},
+               {"event": "job_restart", "time": 105.0, "reason": "stage lost"},
+               {"event": "coordinator_start", "time": 106.0, "restored": False},
+               {"event": "job_restarted", "time": 106.5, "seconds": 1.5}]
+              + steps(0, [100, 101, 102, 103, 108, 109, 110])
+              + steps(1, [100.5, 101.5, 102.5, 103.5, 104.5, 110.5, 111.5]))
+    write_log(tmp_path, events)
+    d = iv.from_run_dir(tmp_path)
+    assert d["faults"] == 1 and d["coordinator_restarts"] == 0
+    (x,) = d["interruptions"]
+    assert x["whole_job"] == 104.75             # (replica 1 trained on until the rollback)
+    assert x["replicas"] == {"0": {"gap_s": 5.0, "step_s": 1.0, "restart_s": 4.0},
+                             "1": {"gap_s": 6.0, "step_s": 1.0, "restart_s": 5.0}}
+    assert d["restart_s"] == 5.0
+
+
+def test_faults_in_one_outage_a_relaunch_and_no_replica(tmp_path):
+    """Two faults of replica 1 with no step between: the outage counts once
+    (for the first), both count for M. A fault of replica 0 before the job
+    was stopped and launched again with --resume: its outage ran into the
+    end, left out. A fault that names no replica: left out."""
+    events = ([{"event": "coordinator_start", "time": 99.0, "restored": False},
+               fault(102.75, 1), fault(103.0, 1, stage=2), fault(105.5, 0),
+               {"event": "fault", "time": 104.0, "worker": "x"},
+               {"event": "job_stopped", "time": 106.0, "signal": "SIGTERM"},
+               {"event": "coordinator_start", "time": 200.0, "restored": False}]
+              + steps(0, [100, 101, 102, 103, 104, 105, 201, 202])
+              + steps(1, [100.5, 101.5, 102.5, 104.5, 105.5, 201.5]))
+    write_log(tmp_path, events)
+    d = iv.from_run_dir(tmp_path)
+    assert d["faults"] == 4
+    by_time = {x["time"]: x for x in d["interruptions"]}
+    assert by_time[102.75]["restart_s"] == 1.0             # 2 s gap - 1 s typical
+    assert by_time[103.0]["left_out"] == "same outage"
+    assert by_time[105.5]["left_out"] == "no later step"    # (the next step is of the next launch)
+    assert by_time[104.0]["left_out"] == "no replica"
+    assert d["restart_s"] == 1.0 and d["restart_samples"] == 1 and d["restart_left_out"] == 3
+    assert sum(n.count("left out of R") for n in d["notes"]) == 3
+    assert "R from only 1 interruption(s): a rough estimate" in d["notes"]
+
+
+def test_restart_not_measurable(tmp_path):
+    write_log(tmp_path, [{"event": "ckpt_commit", "time": 0.0, "stall_s": 2.0}, {"event": "step", "time": 500.0}])
+    d = iv.from_run_dir(tmp_path)
+    assert d["restart_s"] == 0.0 and d["restart_measured_s"] is None and d["interruptions"] == []
+    assert d["restart_source"] == "not measured: no interruption in the log; taken as 0 (--restart gives it)"
+    assert "restart time R:       0 s  (not measured" in iv.format_report(d)
+    # the plan from given numbers: R as given, as before
+    assert "restart time R" not in iv.format_report(iv.plan(50, 40_000))
+    assert "restart time R:       30 s  (given)" in iv.format_report(iv.plan(50, 40_000, restart_s=30))
+
+
+def test_interval_command_measures_r_unless_given(tmp_path):
+    write_log(tmp_path, faulted_log())
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-m", "crucible", "interval", "--run-dir", str(tmp_path), *args],
+                             capture_output=True, text=True, cwd=str(ROOT), env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    d = json.loads(run("--json"))
+    assert d["restart_s"] == 4.75 and d["restart_source"].startswith("measured")
+    assert len(d["interruptions"]) == 3 and d["coordinator_restarts"] == 0
+    d = json.loads(run("--json", "--restart", "0"))
+    assert d["restart_s"] == 0.0 and d["restart_source"] == "given: --restart" and d["restart_measured_s"] == 4.75
+    assert "restart time R:       4.75 s  (measured" in run()
