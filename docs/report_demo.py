@@ -9,7 +9,8 @@ the run's provenance, the figures the README states about it: for each kill,
 how long until the coordinator declared the worker dead, whether its replica
 went on (an inner stage skipped) or paused (first or last stage), how long
 until the replacement joined and how long its start-up took; the checkpoints
-committed and the held-out loss at the end. Prints the JSON. About a minute
+committed and the held-out loss at the end; and ``crucible interval``'s
+cost model of the run (C, M and the restart time R it measured). Prints the JSON. About a minute
 on an idle 2-core machine (longer under load: the load average at the start
 and the end is in the file).
 """
@@ -105,15 +106,22 @@ def main(argv: list[str] | None = None) -> int:
     if "error" in report:
         print(f"report_demo: {report['error']}", file=sys.stderr)
         return 1
+    cost = common.child_json(common.crucible_argv("interval", "--run-dir", run, "--json"), 120, "crucible interval")
+    if "error" in cost:
+        print(f"report_demo: {cost['error']}", file=sys.stderr)
+        return 1
     shutil.copyfile(os.path.join(run, "report", "loss.png"), args.figure)
     events, _ = metrics.read(run)
     result = {"bench": "report-demo", "environment": env,
               "config": {"launch": f"crucible launch --replicas 2 --stages 4 --steps {STEPS} --chaos {CHAOS} "
                                    + " ".join(OVERRIDES),
-                         "report": "crucible report RUN_DIR --json", "figure": "docs/report-loss.png"},
+                         "report": "crucible report RUN_DIR --json",
+                         "interval": "crucible interval --run-dir RUN_DIR --json", "figure": "docs/report-loss.png"},
               "report": {k: report[k] for k in ("state", "events", "elapsed_s", "replicas", "marks",
                                                 "checkpoints", "aborted_checkpoints", "outer_rounds")},
-              "figures": figures(events), "loadavg_end": common.loadavg()}
+              "figures": figures(events),
+              "interval": {k: v for k, v in cost.items() if k not in ("run_dir", "source")},
+              "loadavg_end": common.loadavg()}
     result = common.round_floats(result)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
