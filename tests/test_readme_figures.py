@@ -58,7 +58,8 @@ def test_the_report_figure_paragraph_quotes_its_result_file():
                    f"entered {min(joined):.1f}-{max(joined):.1f} s after their kill",
                    f"{fig['checkpoints_committed']} checkpoints, the last the end save at step "
                    f"{fig['last_checkpoint_step']}", f"held-out loss {fig['heldout_loss_end']['0']:.3f}",
-                   f"commit `{d['environment']['commit'][:10]}`"):
+                   f"commit `{d['environment']['commit'][:10]}`",
+                   f"measured the restart time R at {d['interval']['restart_measured_s']:.2f} s"):
         assert quoted in text, f"the README's report paragraph does not say {quoted!r} (report-demo.json)"
 
 
