@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from crucible.metrics import whole
+
 from .policies import CkptInfo
 from .shard import CheckpointCorrupt, check_file, check_name, fsync_path, read_shard, shard_name, valid_name
 
@@ -165,7 +167,8 @@ def read_manifest(ckpt_path: str | os.PathLike) -> dict:
 
 
 def _count(x: Any, least: int = 0) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= least
+    """An integer field of the manifest (``metrics.whole``: a bool is none) of at least ``least``."""
+    return whole(x) and x >= least
 
 
 def _malformed_extra(m: dict) -> str | None:
