@@ -91,7 +91,12 @@ def test_short_job_finishes_and_loss_falls(start_job):
     for e in steps:
         for k in ("compute_s", "serialize_s", "transport_s", "idle_s", "bytes_out", "raw_bytes_out"):
             assert e[k] >= 0
-    assert job.events("stage_step")
+    stage1 = [e for e in job.events("stage_step") if e["stage"] == 1]
+    assert stage1
+    # serialize_cpu_s: the serializing threads' CPU time, within the wall time serialize_s (2 ms of slack
+    # per step for the clocks), and not nothing: every step serialized and decoded frames on both stages
+    for e in steps + stage1:
+        assert 0 < e["serialize_cpu_s"] <= e["serialize_s"] + 0.002, e
 
 
 def test_kill_validates_its_target(tmp_path):
