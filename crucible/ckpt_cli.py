@@ -234,7 +234,7 @@ def main(args) -> int:
 
 
 def interval_main(args) -> int:
-    from crucible import interval
+    from crucible import interval, metrics
 
     if args.nodes is not None and args.nodes < 1:     # (not taken as 1 node: 0 is refused as -3 is)
         print(f"crucible interval: --nodes must be >= 1, got {args.nodes}", file=sys.stderr)
@@ -250,7 +250,7 @@ def interval_main(args) -> int:
                 return 2
             d = interval.plan(args.cost, args.mtbf, nodes=nodes, restart_s=args.restart or 0.0,
                               persist_s=args.persist)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, metrics.Unreadable) as e:
         print(f"crucible interval: {e}", file=sys.stderr)
         return 2
     print(json.dumps(d, indent=1) if args.json else interval.format_report(d))

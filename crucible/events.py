@@ -14,7 +14,9 @@ KINDS: dict[str, str] = {
     # ---- training (workers) ----
     "step": "stage 0, one per committed step: replica, step, loss, tokens, lr, clip_coef, epoch, route, and the "
             "stage's time split step_s compute_s serialize_s transport_s idle_s, bytes_out raw_bytes_out "
-            "bytes_in raw_bytes_in",
+            "bytes_in raw_bytes_in (bytes_down: of bytes_out, those to the next stage); serialize_cpu_s: of "
+            "serialize_s, the CPU time of the threads that serialized and decoded (the rest is waiting: for the "
+            "GIL, a core, the device)",
     "stage_step": "every other stage, one per committed step: replica, stage, step, and the same time split",
     "step_aborted": "stage 0: an attempt of a step abandoned (route change): replica, step, reason, lost_s",
     "eval": "stage 0: held-out loss: replica, step, loss, seconds",

@@ -47,6 +47,7 @@ CHECK_TIMEOUT_S = 300.0
 END_WAIT_S = 40.0             # the job is done: the coordinator's end (a save in flight commits first)
 JOB_DONE_WAIT_S = 3.0         # every worker exited (no respawn): how long job_done may take to reach the file
 END_GRACE_S = 10.0            # ... and then the workers' exits, before the rest is stopped
+STARTING_STOP_S = 2.0         # the job is done: a replacement still starting gets this after its SIGTERM, then SIGKILL
 
 
 class LaunchFailed(Exception):
@@ -612,7 +613,11 @@ class Launcher:
         """The job is done: the coordinator exits once a checkpoint save still in
         flight has committed (``serve``: up to 30 s), every worker once its
         replica is done. Whoever is still running then is stopped (by run's
-        ``_stop_all``), said here."""
+        ``_stop_all``), said here. A replacement still starting (not among
+        the workers the coordinator last listed) has no job to join and no
+        state to keep: it is stopped at once (``_stop_starting``), not waited
+        for (it sought the coordinator until the END_GRACE_S wait ran out)."""
+        self._stop_starting()
         self._wait_for(lambda: self.coord.poll() is not None, END_WAIT_S)
         self._wait_for(lambda: all(w.poll() is not None for w in self.workers.values()), END_GRACE_S)
         left = [n for n, w in self.workers.items() if w.poll() is None]
@@ -620,6 +625,32 @@ class Launcher:
             start = "\n" if sys.stdout.isatty() else ""      # (after the progress line)
             print(f"{start}crucible: the job is done but {', '.join(left)} did not exit within "
                   f"{END_GRACE_S:.0f}s; stopping {'it' if len(left) == 1 else 'them'}", flush=True)
+
+    def _stop_starting(self) -> None:
+        """Stop the replacements that are running but not registered as far as
+        the coordinator's last status says (started by ``_restart_due`` just
+        before job_done): SIGTERM, then SIGKILL after ``STARTING_STOP_S``."""
+        listed = {w.get("pid") for w in ((self.last_status or {}).get("workers") or [])}
+        starting = {n: w for n, w in self.workers.items()
+                    if w.restarts and w.popen is not None and w.poll() is None and w.pid not in listed}
+        if not starting:
+            return
+        start = "\n" if sys.stdout.isatty() else ""      # (after the progress line)
+        print(f"{start}crucible: the job is done: stopping {', '.join(starting)} "
+              f"({'a replacement' if len(starting) == 1 else 'replacements'} still starting)", flush=True)
+        for w in starting.values():
+            try:
+                w.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        t_end = time.monotonic() + STARTING_STOP_S
+        for w in starting.values():
+            try:
+                w.popen.wait(timeout=max(0.0, t_end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.popen.kill()
+                w.popen.wait()
+            w.poll()
 
     def _signal(self, name: str, sig: int, what: str) -> None:
         proc = self.coord if name == "coordinator" else self.workers.get(name)

@@ -27,20 +27,34 @@ def number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+class Unreadable(OSError):
+    """The run's ``metrics.jsonl`` is there but is no file of events to read
+    (a directory, a file this user may not read); its message is one line
+    naming the path."""
+
+
 def path_of(run_dir_or_path: str) -> str:
+    """The log's path, given a run directory or the log itself (a directory
+    named metrics.jsonl is the log that went wrong, not a run directory)."""
     p = os.fspath(run_dir_or_path)
-    return os.path.join(p, FILE) if os.path.isdir(p) else p
+    return os.path.join(p, FILE) if os.path.isdir(p) and os.path.basename(os.path.normpath(p)) != FILE else p
 
 
 def read(run_dir_or_path: str, kind: str | None = None, offset: int = 0) -> tuple[list[dict], int]:
     """(the events, in file order, of one kind or all; how many lines did not
-    parse). A missing file is no events. ``offset``: only what was written
-    after the file had that many bytes."""
+    parse). A missing file is no events; one that is there but cannot be
+    read (a directory, no permission) raises ``Unreadable``. ``offset``:
+    only what was written after the file had that many bytes."""
     events, bad = [], 0
+    path = path_of(run_dir_or_path)
     try:
-        f = open(path_of(run_dir_or_path), "rb")
-    except OSError:
+        f = open(path, "rb")
+    except (FileNotFoundError, NotADirectoryError):     # (no log: a folder on the way is a file, too)
         return [], 0
+    except IsADirectoryError:
+        raise Unreadable(f"{path}: is a directory, not the run's event log (a file)") from None
+    except OSError as e:
+        raise Unreadable(f"{path}: cannot be read: {e.strerror or e}") from None
     with f:
         f.seek(offset)
         for raw in f:

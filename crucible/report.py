@@ -497,9 +497,9 @@ def _replica_rows(run: "Run") -> list[dict]:
 def build(run_dir: str, out: str | None = None) -> dict:
     """Write ``report.html`` (or ``out``) and its figures; returns a summary."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file (is {run_dir} a run directory?)")
-    events, bad = read_events(path)
+    events, bad = read_events(path)     # (metrics.Unreadable: there, but a directory, or not ours to read)
     run = Run(events)
     out = out or os.path.join(run_dir, "report.html")
     fig_dir = os.path.join(os.path.dirname(os.path.abspath(out)), "report")
@@ -570,7 +570,7 @@ def main(args) -> int:
         return 2
     try:
         summary = build(args.run_dir, args.out)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, metrics.Unreadable) as e:
         print(f"crucible report: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # (a disk full, a folder that changed since the check above)

@@ -70,8 +70,9 @@ def test_runs_and_true_split(result):
             assert st["steps"] >= 2 and positive(st["step_s"]) and positive(st["compute_s"])
             assert st["compute_s"] + st["serialize_s"] + st["transport_s"] + st["idle_s"] <= st["step_s"] * 1.05
             assert 0 <= st["serialize_fraction"] < 1
+            assert 0 <= st["serialize_cpu_s"] <= st["serialize_s"] + 0.002       # (the threads' CPU time of it)
             if S == 1:
-                assert st["serialize_s"] == 0 and st["bytes_out"] == 0
+                assert st["serialize_s"] == 0 and st["serialize_cpu_s"] == 0 and st["bytes_out"] == 0
         v = result["summary"]["variants"][name]
         plain = result["summary"]["plain"][r["precision"]]["tokens_per_s"]
         assert v["relative_to_plain"] == pytest.approx(v["tokens_per_s"] / plain, rel=1e-4)

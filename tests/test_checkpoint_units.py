@@ -443,6 +443,25 @@ def test_manager_resume_falls_back_over_a_damaged_checkpoint(tmp_path):
     assert [i.step for i in store.list_checkpoints(c2.ckpt.root)] == [steps[0]]   # the damaged one set aside
 
 
+def test_the_resume_reads_the_chosen_checkpoints_manifest_once(tmp_path, monkeypatch, caplog):
+    """_resume_from read the manifest, then store.nothing_left read it again
+    (resume_step): it now takes the one read. Its steps and 'nothing left to
+    train' warning are as before."""
+    c = _coordinator(tmp_path)
+    (step,) = _commit_saves(c, 1)
+    reads, real = [], store.read_manifest
+    monkeypatch.setattr(store, "read_manifest", lambda p: reads.append(str(p)) or real(p))
+    for train_steps, warned in ((1000, False), (step, True)):
+        c2 = _coordinator(tmp_path, **{"train.steps": train_steps})
+        (info,) = store.list_checkpoints(c2.ckpt.root)
+        reads.clear()
+        caplog.clear()
+        c2.ckpt._resume_from(info)
+        assert reads == [info.path]
+        assert c2.ckpt.resume_dir == info.path and [r.step for r in c2.replicas] == [step, step]
+        assert ("nothing left to train" in caplog.text) == warned, caplog.text
+
+
 def test_fixed_interval_policy_targets_multiples_of_the_period(tmp_path):
     c = _coordinator(tmp_path, **{"checkpoint.enable_continuous_checkpointing": False,
                                   "checkpoint.checkpoint_period": 25})

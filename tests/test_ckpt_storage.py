@@ -393,7 +393,8 @@ def test_missing_shard_and_garbage_manifest(tmp_path):
 
 @pytest.mark.parametrize("key,value", [("replicas", {"0": "x"}), ("replicas", [1, 2]),
                                        ("replicas", {"0": {"state": "training", "step": "abc"}}),
-                                       ("topology", "2x2"), ("vacant", 3), ("shards", -5)])
+                                       ("topology", "2x2"), ("vacant", 3), ("shards", -5),
+                                       ("topology", {"replicas": True, "stages": 2}), ("shards", True)])
 def test_manifest_edited_to_nonsense_is_damaged(tmp_path, key, value):
     """A manifest whose replicas, topology, vacant slots or shard sizes are not
     what a commit writes is a damaged checkpoint (verify says so, a resume falls

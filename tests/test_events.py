@@ -61,3 +61,16 @@ def test_the_kinds_a_worker_reports_are_the_ones_the_coordinator_takes():
             written |= set(rx.findall(text))
     assert written == REPORTED, (sorted(written - REPORTED), sorted(REPORTED - written))
     assert REPORTED <= set(KINDS)
+
+
+def test_the_step_events_time_split_is_documented_field_by_field():
+    """Every field of a stage's split (StepStats.as_dict, in `step` and
+    `stage_step`) is named in the `step` entry, and is what the benchmarks
+    average (bench.common.STAGE_FIELDS)."""
+    from crucible.bench.common import STAGE_FIELDS
+    from crucible.worker.stats import StepStats
+
+    fields = set(StepStats().as_dict())
+    named = set(re.findall(r"[a-z_]+", KINDS["step"]))
+    assert fields - named == set(), f"fields of step/stage_step not in crucible/events.py: {fields - named}"
+    assert set(STAGE_FIELDS) <= fields and "serialize_cpu_s" in STAGE_FIELDS

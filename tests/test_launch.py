@@ -91,7 +91,12 @@ def test_short_job_finishes_and_loss_falls(start_job):
     for e in steps:
         for k in ("compute_s", "serialize_s", "transport_s", "idle_s", "bytes_out", "raw_bytes_out"):
             assert e[k] >= 0
-    assert job.events("stage_step")
+    stage1 = [e for e in job.events("stage_step") if e["stage"] == 1]
+    assert stage1
+    # serialize_cpu_s: the serializing threads' CPU time, within the wall time serialize_s (2 ms of slack
+    # per step for the clocks), and not nothing: every step serialized and decoded frames on both stages
+    for e in steps + stage1:
+        assert 0 < e["serialize_cpu_s"] <= e["serialize_s"] + 0.002, e
 
 
 def test_kill_validates_its_target(tmp_path):
@@ -276,6 +281,42 @@ def test_no_replacement_is_started_once_the_job_is_done(tmp_path):
     log.write_text("")
     la._restart_due()
     assert started == [(1, 1)]
+
+
+def test_a_replacement_still_starting_when_the_job_is_done_is_stopped_at_once(tmp_path, capsys):
+    """A replacement started just before job_done sought the coordinator, and
+    the launcher waited END_GRACE_S (10 s) for it before it stopped it. Now it
+    is stopped at once (SIGTERM, SIGKILL after STARTING_STOP_S: this one
+    ignores SIGTERM, as a worker importing torch may); a worker the
+    coordinator listed, a replacement included, still ends by itself."""
+    import sys
+
+    from crucible import launch
+    from crucible.launch import Launcher, Proc
+
+    deaf = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('up', flush=True); time.sleep(60)"]
+    la = Launcher.__new__(Launcher)
+    la.stopping = 0
+    la.coord = Proc("coordinator", ["true"], str(tmp_path / "coordinator.log"), {})
+    la.coord.start()
+    la.coord.popen.wait()
+    la.workers = {n: Proc(n, argv, str(tmp_path / f"{n}.log"), {}) for n, argv in
+                  (("r0s0", ["sleep", "1"]), ("r0s1", ["sleep", "1"]), ("r1s1", deaf))}
+    for w in la.workers.values():
+        w.start()
+    la.workers["r0s1"].restarts = la.workers["r1s1"].restarts = 1        # (r0s1's replacement had registered)
+    la.last_status = {"workers": [{"pid": la.workers[n].pid} for n in ("r0s0", "r0s1")] + [{"pid": None}]}
+    t_end = time.monotonic() + 10
+    while "up" not in (tmp_path / "r1s1.log").read_text() and time.monotonic() < t_end:
+        time.sleep(0.05)                                        # (its SIGTERM is ignored from here on)
+    t0 = time.monotonic()
+    la._wait_for_the_end()
+    took = time.monotonic() - t0
+    assert took < 6.0 < launch.END_GRACE_S, took          # (STARTING_STOP_S is 2 s)
+    assert la.workers["r1s1"].poll() == -signal.SIGKILL
+    assert la.workers["r0s0"].poll() == 0 and la.workers["r0s1"].poll() == 0
+    assert capsys.readouterr().out == "crucible: the job is done: stopping r1s1 (a replacement still starting)\n"
 
 
 def test_the_summary_passes_over_reported_events_it_cannot_read(tmp_path):

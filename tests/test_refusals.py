@@ -126,6 +126,22 @@ def test_report_out_that_cannot_be_written_is_named(tmp_path):
     assert f.read_text() == "precious" and os.listdir(run) == ["metrics.jsonl"]
 
 
+def test_report_and_interval_name_a_metrics_log_that_is_a_directory(tmp_path):
+    """report said "no such file", interval reported an empty run (exit 0):
+    metrics.read took the unreadable log for a missing one."""
+    from crucible import metrics
+
+    (tmp_path / "metrics.jsonl").mkdir()
+    why = f"{tmp_path / 'metrics.jsonl'}: is a directory, not the run's event log (a file)"
+    assert _refused("report", str(tmp_path)) == f"crucible report: {why}"
+    assert _refused("interval", "--run-dir", str(tmp_path)) == f"crucible interval: {why}"
+    for given in (tmp_path, tmp_path / "metrics.jsonl"):      # (a run directory, or the log's path)
+        with pytest.raises(metrics.Unreadable, match="is a directory"):
+            metrics.read(str(given))
+    assert metrics.read(str(tmp_path / "none")) == ([], 0)     # (missing: still no events)
+    assert os.listdir(tmp_path) == ["metrics.jsonl"] and os.listdir(tmp_path / "metrics.jsonl") == []
+
+
 def test_certs_out_that_cannot_be_made_is_named(tmp_path):
     f = tmp_path / "f"
     f.write_text("precious")

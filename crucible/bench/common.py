@@ -37,7 +37,7 @@ from crucible.version import version as crucible_version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the source tree
 
-STAGE_FIELDS = ("step_s", "compute_s", "serialize_s", "transport_s", "idle_s",
+STAGE_FIELDS = ("step_s", "compute_s", "serialize_s", "serialize_cpu_s", "transport_s", "idle_s",
                 "bytes_out", "raw_bytes_out", "bytes_in", "raw_bytes_in")
 
 

@@ -126,6 +126,9 @@ DEFINITIONS = {
                    "its frame queued (the codec's kernels and the one copy out included), a receive on the host "
                    "only (its copy in and the codec's kernels are queued on a side stream that the compute "
                    "stream waits for on the device, not on the host)",
+    "serialize_cpu_s": pipeline.DEFINITIONS["serialize_cpu_s"] + "; on a GPU, a send's wait for its copy out "
+                       "is CPU time where CUDA spins for it (its default while the device's contexts are fewer "
+                       "than the cores) and not where it yields or blocks",
     "variant": "S<stages>_<precision>_<codec> (the codec in both directions; int8raw: int8:zstd=0, the quantize "
                "on the device without the CPU's zstd pass); _ckpt: with continuous checkpointing at "
                "minimum_interval_s = 0",
@@ -580,8 +583,8 @@ def summarise(result: dict, p: dict, vs: list[dict], every: dict, peak_given: st
             "mfu": mfu(params, t, peak, v["precision"]),
             "serialize_fraction_max": r.get("serialize_fraction_max"),
             "ser_transport_fraction_max": (r.get("ser_transport_fraction") or {}).get("max"),
-            "split_s_per_step": [{k: row[k] for k in ("stage", "step_s", "compute_s", "serialize_s", "transport_s",
-                                                    "idle_s", "serialize_fraction")}
+            "split_s_per_step": [{k: row[k] for k in ("stage", "step_s", "compute_s", "serialize_s", "serialize_cpu_s",
+                                                    "transport_s", "idle_s", "serialize_fraction")}
                                  for row in r.get("per_stage", [])],
             "bytes_per_step_MB": [{k: b[k] for k in ("boundary", "forward_MB_per_step", "backward_MB_per_step",
                                                     "MB_per_step")} for b in r.get("boundaries", [])],
@@ -696,13 +699,14 @@ def _print_table(result: dict, f) -> None:
     print(f"\ngpu benchmark ({result['settings']['device']}, {result['model'].get('preset') or 'default'} model, "
           f"{_f(s.get('params', 0) / 1e6, '.1f')}M parameters)", file=f)
     print(f"{'variant':<20} {'tok/s':>9} {'x plain':>7} {'MFU':>6} {'stage':>5} {'step_s':>7} {'comp':>7} "
-          f"{'ser':>7} {'trans':>7} {'idle':>7} {'ser%':>5}", file=f)
+          f"{'ser':>7} {'ser cpu':>7} {'trans':>7} {'idle':>7} {'ser%':>5}", file=f)
     for name, v in (s.get("variants") or {}).items():
         for i, st in enumerate(v["split_s_per_step"] or [{}]):
             head = (f"{name:<20} {_f(v['tokens_per_s'], '9.0f'):>9} {_f(v['relative_to_plain'], '.2f'):>7} "
                     f"{_f(v['mfu'], '.1%'):>6}") if i == 0 else f"{'':<20} {'':>9} {'':>7} {'':>6}"
             print(f"{head} {st.get('stage', ''):>5} {_f(st.get('step_s')):>7} {_f(st.get('compute_s')):>7} "
-                  f"{_f(st.get('serialize_s')):>7} {_f(st.get('transport_s')):>7} {_f(st.get('idle_s')):>7} "
+                  f"{_f(st.get('serialize_s')):>7} {_f(st.get('serialize_cpu_s')):>7} {_f(st.get('transport_s')):>7} "
+                  f"{_f(st.get('idle_s')):>7} "
                   f"{_f(st.get('serialize_fraction'), '.1%'):>5}", file=f)
     for prec, b in (s.get("plain") or {}).items():
         print(f"{'plain_' + prec:<20} {_f(b['tokens_per_s'], '9.0f'):>9} {'1.00':>7} {_f(b['mfu'], '.1%'):>6}", file=f)

@@ -41,7 +41,9 @@ Definitions (also written into the JSON under ``definitions``):
   steps counts.
 * Per-stage split (means per step, from the runtime's ``StepStats``):
   ``compute_s`` forward, backward and optimizer; ``serialize_s`` encoding frames
-  to send (their whole serialization) and decoding received ones;
+  to send (their whole serialization) and decoding received ones, and
+  ``serialize_cpu_s`` the CPU time of the threads that did it (the rest of
+  ``serialize_s``: their waits, for the GIL, a core or the device);
   ``transport_s`` the part of the time the stage waited for a frame that the
   frames spent between their serialization on the sender (the stream's send
   queue, gRPC, the link) and the receiver's decode (summed over frames, capped
@@ -84,6 +86,9 @@ DEFINITIONS = {
                     "to the commit of the last step",
     "compute_s": "forward, backward and optimizer step, per step",
     "serialize_s": "encoding frames to send (their whole serialization) and decoding received frames, per step",
+    "serialize_cpu_s": "of serialize_s, the CPU time (time.thread_time) of the threads that encoded and decoded "
+                       "those frames: serialize_s less this is time those threads waited (for the GIL, a core, the "
+                       "device) in the middle of a frame",
     "transport_s": "of the time the stage waited for frames, the part the frames spent between their "
                    "serialization on the sender (the stream's send queue, gRPC, the link) and the receiver's "
                    "decode (summed over frames, capped at the wait)",

@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from crucible.metrics import whole
+
 from .policies import CkptInfo
 from .shard import CheckpointCorrupt, check_file, check_name, fsync_path, read_shard, shard_name, valid_name
 
@@ -165,7 +167,8 @@ def read_manifest(ckpt_path: str | os.PathLike) -> dict:
 
 
 def _count(x: Any, least: int = 0) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= least
+    """An integer field of the manifest (``metrics.whole``: a bool is none) of at least ``least``."""
+    return whole(x) and x >= least
 
 
 def _malformed_extra(m: dict) -> str | None:
@@ -468,20 +471,22 @@ class CannotResume(RuntimeError):
     from step 0 or on shards that do not load."""
 
 
-def resume_step(info: CkptInfo) -> int:
+def resume_step(info: CkptInfo, manifest: Mapping[str, Any] | None = None) -> int:
     """The step a resume from checkpoint ``info`` starts at: its slowest
-    replica's (the checkpoint's own step where its manifest does not say)."""
+    replica's (the checkpoint's own step where its manifest does not say).
+    ``manifest``: ``info``'s, where the caller has read it already."""
     try:
-        replicas = read_manifest(info.path).get("replicas") or {}
+        replicas = (read_manifest(info.path) if manifest is None else manifest).get("replicas") or {}
         return min(int(r.get("step", info.step)) for r in replicas.values()) if replicas else info.step
     except (CheckpointCorrupt, OSError, AttributeError, TypeError, ValueError):
         return info.step
 
 
-def nothing_left(info: CkptInfo, train_steps: int) -> str | None:
+def nothing_left(info: CkptInfo, train_steps: int, manifest: Mapping[str, Any] | None = None) -> str | None:
     """Why a resume from ``info`` has nothing to train (every replica at or
-    past train.steps: the job would start only to end), or None."""
-    if resume_step(info) < train_steps:
+    past train.steps: the job would start only to end), or None.
+    ``manifest``: as for ``resume_step``."""
+    if resume_step(info, manifest) < train_steps:
         return None
     return (f"--resume: the checkpoint to resume from is at step {info.step} and train.steps is {train_steps}: "
             f"nothing left to train; raise train.steps (--steps) above {info.step} to train on")

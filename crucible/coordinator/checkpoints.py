@@ -297,7 +297,7 @@ class CheckpointManager:
         self.metrics.write({"event": "ckpt_resume", "step": chosen.step, "path": chosen.path,
                             "replicas": m.get("replicas"), "vacant": m.get("vacant", [])})
         log.info("resuming from %s (step %d)", chosen.path, chosen.step)
-        done = store.nothing_left(chosen, self.job_cfg.train.steps)
+        done = store.nothing_left(chosen, self.job_cfg.train.steps, m)
         if done:    # (a coordinator started by hand: `launch` and `check` refuse this; here the job ends at once)
             log.warning("%s; the job ends as soon as its workers register", done)
 

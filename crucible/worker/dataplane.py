@@ -71,6 +71,7 @@ class Event:
     sent_at: float = 0.0
     recv_at: float = 0.0
     decode_s: float = 0.0
+    decode_cpu_s: float = 0.0      # of decode_s, the CPU time of the thread that decoded (time.thread_time)
     nbytes: int = 0
     raw_nbytes: int = 0
     note: str = ""                 # for notices: "down_closed", "down_error", ...
@@ -172,11 +173,12 @@ class FrameDecoder:
                 raise WireError(f"micro {f.micro} out of range")
             if f.step < 0:
                 raise WireError(f"step {f.step} < 0")
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             data = f.tensor.data if data is None else data
             ev.x = from_wire(f.tensor, self.dtype, self.act_shape, "activations", codec=self.fwd_codec,
                              device=self.device, side_stream=self.side_stream, data=data)
             ev.targets = tokens_from_wire(f.targets, self.act_shape[:2], self.vocab)
+            ev.decode_cpu_s = time.thread_time() - c0
             ev.decode_s = time.perf_counter() - t0
             ev.targets_msg = f.targets
             ev.nbytes, ev.raw_nbytes = frame_nbytes(f, data)
@@ -199,10 +201,11 @@ class FrameDecoder:
         if f.kind == K.BACKWARD:
             if not 0 <= f.micro < self.M:
                 raise ValueError(f"BACKWARD micro {f.micro} out of range")
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             data = f.tensor.data if data is None else data
             ev.x = from_wire(f.tensor, self.dtype, self.act_shape, "gradient", codec=self.bwd_codec,
                              device=self.device, side_stream=self.side_stream, data=data)
+            ev.decode_cpu_s = time.thread_time() - c0
             ev.decode_s = time.perf_counter() - t0
             ev.nbytes, ev.raw_nbytes = frame_nbytes(f, data)
         elif f.kind != K.EVAL_RESULT:

@@ -232,13 +232,14 @@ class Links:
         send_tokens = tokens_msg is None and tokens is not None and self.decoder.send_tokens
 
         def send() -> None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             tg = targets_msg if targets_msg is not None else tokens_to_wire(targets, vocab)
             tk = tokens_to_wire(tokens, vocab) if send_tokens else tokens_msg
             extra = {"tokens": tk} if tk is not None else {}
             x = h.to(self.decoder.dtype)          # bf16 precision: the boundary is rounded once, here
             out = encode_frame(self.frame(kind, step, micro, epoch, targets=tg, **extra), x, self.decoder.fwd_codec)
-            st.sent(out, time.perf_counter() - t0, down=True)
+            cpu = time.thread_time() - c0           # (read inside the wall interval)
+            st.sent(out, time.perf_counter() - t0, cpu, down=True)
             down.send(out)
 
         self.outbox.submit(send)
@@ -261,10 +262,11 @@ class Links:
         g = g.detach() if g is not None else None
 
         def send() -> None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             f = self.frame(kind, step, micro, up.epoch, **{k: v() if callable(v) else v for k, v in kw.items()})
             out = encode_frame(f, g.to(self.decoder.dtype) if g is not None else None, self.decoder.bwd_codec)
-            st.sent(out, time.perf_counter() - t0)
+            cpu = time.thread_time() - c0
+            st.sent(out, time.perf_counter() - t0, cpu)
             up.send(out)
 
         self.outbox.submit(send)

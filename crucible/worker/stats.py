@@ -48,6 +48,7 @@ class StepStats:
     t0: float = field(default_factory=time.perf_counter)
     compute: float = 0.0
     serialize: float = 0.0
+    serialize_cpu: float = 0.0   # of serialize: the CPU time of the threads that did it (time.thread_time)
     wait: float = 0.0
     transport: float = 0.0
     bytes_out: int = 0
@@ -73,14 +74,18 @@ class StepStats:
 
     def received(self, ev: Event) -> None:
         self.serialize += ev.decode_s
+        self.serialize_cpu += ev.decode_cpu_s
         self.bytes_in += ev.nbytes
         self.raw_in += ev.raw_nbytes
         if ev.sent_at:
             self.transport += max(0.0, ev.recv_at - ev.sent_at)
 
-    def sent(self, out, seconds: float, down: bool = False) -> None:
-        """A frame serialized (``crucible.wire.Outgoing``) in `seconds`."""
+    def sent(self, out, seconds: float, cpu_s: float = 0.0, down: bool = False) -> None:
+        """A frame serialized (``crucible.wire.Outgoing``) in `seconds` of wall
+        time, `cpu_s` of them on the sending thread's CPU (the rest: waiting
+        for the GIL, a core, or the device)."""
         self.serialize += seconds
+        self.serialize_cpu += cpu_s
         n, raw = out.nbytes, out.raw_nbytes
         self.bytes_out += n
         self.raw_out += raw
@@ -92,6 +97,7 @@ class StepStats:
         total = time.perf_counter() - self.t0
         transport = min(self.transport, self.wait)
         return {"step_s": total, "compute_s": self.compute, "serialize_s": self.serialize,
+                "serialize_cpu_s": self.serialize_cpu,
                 "transport_s": transport, "idle_s": max(0.0, self.wait - transport),
                 "bytes_out": self.bytes_out, "raw_bytes_out": self.raw_out,
                 "bytes_in": self.bytes_in, "raw_bytes_in": self.raw_in, "bytes_down": self.bytes_down}
