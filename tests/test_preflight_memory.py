@@ -192,6 +192,40 @@ def test_a_workers_refusal_reads_the_same_whatever_the_host_has():
     assert lines[0] == lines[1] and "more than this host has available (test)" in lines[0], lines
 
 
+def test_check_memory_asks_cuda_only_for_a_job_on_gpus(monkeypatch):
+    """crucible check's memory check (preflight.check_memory): a CPU job never
+    asks torch about CUDA; a job on job.device=cuda compares each GPU the
+    launch would use (round-robin) with its free memory (here faked: no GPU
+    needed), and says how to go on anyway."""
+    import torch
+
+    from crucible import preflight
+
+    def no_cuda(*a, **k):
+        raise AssertionError("CUDA asked about for a CPU job")
+
+    monkeypatch.setattr(torch.cuda, "is_available", no_cuda)
+    monkeypatch.delenv(sizing.SKIP_ENV, raising=False)
+    small = ["job.replicas=1", "job.stages=2", "model.n_layer=2", "checkpoint.enable_checkpointing=false"]
+    assert preflight.check_memory(_cfg(*small)).startswith("memory: ~")
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (asked.append(str(d)) or GiB, 80 * GiB))
+    gpu = _cfg(*small, "job.device=cuda")
+    assert preflight.check_memory(gpu).startswith("memory: ~") and sorted(asked) == ["cuda:0", "cuda:1"]
+    big = _cfg("job.replicas=1", "job.stages=2", "checkpoint.enable_checkpointing=false", "job.device=cuda",
+               "model.d_model=1024", "model.n_head=8")          # (4 blocks a stage: ~1 GiB and a CUDA context)
+    with pytest.raises(sizing.TooBig) as e:
+        preflight.check_memory(big)
+    line = str(e.value)
+    assert line.startswith("model.d_model=1024: ") and "on cuda:0" in line and "cuda:0 has 1.0 GiB free" in line
+    assert line.endswith(preflight.NO_CHECK_HINT), line
+    monkeypatch.setenv(sizing.SKIP_ENV, "1")
+    assert "not compared" in preflight.check_memory(big)
+
+
 def test_a_builder_model_is_not_estimated():
     cfg = _cfg("model.builder=x:y")
     assert "not estimated" in sizing.check(cfg, sizing.launch_slots(), "w", process=True, host=(1, "test"))
