@@ -13,7 +13,14 @@ kernel and started again and again):
   pre-flight compare every worker the launch runs on this host, together,
   with the memory this host has available (and, on GPUs, each GPU's free
   memory);
-* ``crucible worker`` compares its own stage, before building it.
+* ``crucible worker`` compares its own stage, before building it, and exits
+  2 with a line that leaves the amount available out (``check``'s
+  `stable`), so that the launcher's crash-loop rule sees the same line twice
+  and stops the job.
+
+``crucible launch --no-check`` skips the pre-flight and sets ``SKIP_ENV``
+for its workers; set by hand, it skips ``crucible check``'s comparison and a
+worker's too.
 
 The parameters are exact for the built-in model (``crucible/model.py``; the
 tests compare them with ``sum(p.numel())`` of built stages). With

@@ -124,6 +124,8 @@ class Worker:
             return self.exit_code
         except Exception as e:
             self.report_error(e)
+            if isinstance(e, sizing.TooBig):
+                self.exit_code = exits.USAGE      # (crucible.cli: a configuration error's status)
             raise
         finally:
             self.shutdown()
@@ -228,7 +230,7 @@ class Worker:
                                 f"stage {self.stage} ({self.name})", process=False, device_free=free, stable=True,
                                 hint=f"{sizing.SKIP_ENV}=1 (crucible launch --no-check) starts it anyway")
         except sizing.TooBig as e:
-            log.error("%s: %s; %s", self.name, e, e.have)
+            log.error("%s: %s (%s)", self.name, e, e.have)
             raise
         log.info("%s: %s", self.name, line)
 
