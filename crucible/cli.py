@@ -290,6 +290,7 @@ def _fatal(what: str, exc: BaseException) -> int:
 
 def _check(args) -> int:
     from crucible import exits, preflight
+    from crucible.config import ConfigError
 
     cfg = _job_config(args)
     cfg.validate_here()           # (a ConfigError: exit status 2, as launch's)
@@ -299,6 +300,8 @@ def _check(args) -> int:
     except preflight.CheckFailed as e:
         print(f"crucible: {e}", file=sys.stderr, flush=True)
         return exits.ERROR
+    except ConfigError:           # (sizing.TooBig: the job does not fit this host; exit status 2)
+        raise
     except Exception as e:  # noqa: BLE001 - a check must end in one line, never a traceback
         print(f"crucible: the pre-flight check itself failed: {exits.last_line(e)}", file=sys.stderr, flush=True)
         return exits.ERROR
@@ -353,6 +356,7 @@ def _worker(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _setup_logging(f"worker r{args.replica}s{args.stage}")
     from crucible import exits, rpc
+    from crucible.config import ConfigError
     from crucible.procs import PARENT_ENV, die_with_parent
 
     die_with_parent()
@@ -370,6 +374,8 @@ def _worker(args) -> int:
 
         return Worker(args.coordinator, token, args.replica, args.stage, args.bind, args.advertise,
                       args.device).run()
+    except ConfigError:           # (sizing.TooBig: its stage does not fit here; one line, exit status 2)
+        raise
     except Exception as e:  # noqa: BLE001
         return _fatal("worker", e)
 

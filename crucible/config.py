@@ -370,7 +370,7 @@ class Config:
             self._need(not isinstance(value, int) or -2**63 <= value < 2**63, key,
                        "must fit in 64 bits (-2**63..2**63-1)")
         for check in (self._check_model, self._check_train, self._check_outer, self._check_checkpoint,
-                      self._check_fault_and_net):
+                      self._check_fault_and_net, self._check_size):
             check()
 
     def validate_here(self) -> None:
@@ -500,6 +500,17 @@ class Config:
              "net.tls_ca, net.tls_cert and net.tls_key go together (or use net.tls_dir)")
         need(not (tls and self.net.tls_dir), "net.tls_dir", "give net.tls_dir or the three files, not both")
         self._check_timeouts()
+
+    def _check_size(self) -> None:
+        """A model absurd on any machine (over 10**13 parameters, or a stage's
+        bytes past 64 bits: crucible.sizing.absurd), refused naming the key
+        before anything tries to build it. Whether the job fits the machine it
+        runs on is for the pre-flight and each worker (crucible.sizing.check)."""
+        from crucible import sizing
+
+        why = sizing.absurd(self)
+        if why:
+            raise ConfigError(why)
 
     def _check_timeouts(self) -> None:
         """The timeouts must nest (see FaultConfig): each check says why."""

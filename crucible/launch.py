@@ -9,7 +9,11 @@ period. Workers also ask the kernel to kill them if the launcher dies
 (PR_SET_PDEATHSIG), so no orphan outlives a SIGKILLed launcher.
 
 Before it starts or writes anything it runs the pre-flight checks
-(``crucible check``, in a child process: the launcher never imports torch).
+(``crucible check``, in a child process: the launcher never imports torch),
+the memory of every worker it would start first (``crucible.sizing``); a
+job too big for this host ends there, exit status 2. ``--no-check`` skips
+them, and tells its workers not to compare their own stage's memory either
+(``sizing.SKIP_ENV``).
 
 No crash loops. A process that dies of an exception leaves its one-line cause
 in ``logs/<name>.error`` (``crucible.exits``); the launcher prints it with the
@@ -35,7 +39,7 @@ import subprocess
 import sys
 import time
 
-from crucible import exits, extras, metrics, procs, rpc
+from crucible import exits, extras, metrics, procs, rpc, sizing
 from crucible.config import Config
 from crucible.files import atomic_write, dir_problem, lock_held
 from crucible.slots import slot_name, slot_of
@@ -171,6 +175,8 @@ class Launcher:
         env["MKL_NUM_THREADS"] = "1"
         env[procs.PARENT_ENV] = str(os.getpid())
         env["PYTHONUNBUFFERED"] = "1"
+        if getattr(self.args, "no_check", False):
+            env[sizing.SKIP_ENV] = "1"      # --no-check: the workers do not compare their stage's memory either
         if self.mps is not None:
             env.update(self.mps.env)
         return env
@@ -298,6 +304,8 @@ class Launcher:
             lines = [x for x in done.stderr.splitlines() if x.strip()]
             print(lines[-1] if lines else f"crucible: the pre-flight check {exits.describe(done.returncode)}",
                   file=sys.stderr, flush=True)
+            if done.returncode == exits.USAGE:      # a configuration error (the job too big for this host)
+                return exits.USAGE
             return exits.ERROR if done.returncode > 0 else exits.interrupted(-done.returncode)
         return exits.OK
 

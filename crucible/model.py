@@ -28,6 +28,12 @@ codecs work (with ``train.precision = bf16`` the worker rounds them to
 bfloat16 for the wire and hands the next stage float32 again).
 ``train.activation_checkpointing`` applies to the built-in model's blocks;
 a builder's model does its own.
+
+The parameters of each stage, and the memory it needs to train, are worked
+out from the configuration alone in ``crucible/sizing.py`` (torch-free: the
+launcher and ``Config.validate`` use it, and every entry point asks it before
+building anything): a change to the layers here changes the arithmetic
+there (tests/test_preflight_memory.py compares the two).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from crucible.sizing import split_layers
 from crucible.subspace import project, projection
 
 
@@ -104,17 +111,6 @@ class Block(nn.Module):
         x = x + self._write(self.attn(self.ln1(x)))
         x = x + self._write(self.mlp(self.ln2(x)))
         return x
-
-
-def split_layers(n_layer: int, n_stages: int) -> list[range]:
-    """Blocks of each stage: as even as possible, earlier stages take the extras."""
-    base, extra = divmod(n_layer, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
 
 
 def token_shift(vocab_size: int, subspace: torch.Tensor, std: float, seed: int) -> torch.Tensor:

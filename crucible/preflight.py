@@ -23,7 +23,13 @@ What is checked, in order:
   stage gives its input a gradient of the input's shape. Stages are built one
   at a time, so a model too big for one box is never whole in memory here;
 * sizes: a data-plane frame fits ``net.max_message_mb``, and so does each
-  stage's outer-sync contribution (dense under ``outer.mode = diloco``).
+  stage's outer-sync contribution (dense under ``outer.mode = diloco``);
+* memory, first of all, before anything is built (``check_memory``): the
+  workers a launch would start on this host (``job.replicas`` x
+  ``job.stages``, on ``job.device``), estimated from the configuration
+  (``crucible.sizing``), against the memory this host has available and,
+  on GPUs, each GPU's free memory. A refusal is a ``sizing.TooBig``, a
+  ConfigError (exit status 2) naming the keys that set the size.
 
 Timeouts that contradict each other are refused by ``Config.validate``.
 """
@@ -114,6 +120,32 @@ def check_steps_left(done: list, cfg: Config) -> None:
         return      # (every one of them passed over: the resume goes back to an older one, with steps left)
     if chosen is not None:
         raise CheckFailed(store.nothing_left(chosen, cfg.train.steps))
+
+
+NO_CHECK_HINT = "crucible launch --no-check starts it anyway"
+
+
+def check_memory(cfg: Config) -> str:
+    """The workers `crucible launch` would start on this host, together,
+    against this host's available memory and (job.device cuda or cuda:N,
+    CUDA available) each of their GPUs' free memory; raises sizing.TooBig,
+    else returns a summary line. CUDA is asked only for a job on GPUs, and
+    only where torch sees one."""
+    from crucible import sizing
+
+    if sizing.skipped():
+        return f"memory: not compared (${sizing.SKIP_ENV} is set)"
+    spec, gpus, free = cfg.job.device, 0, None
+    if spec.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            gpus = torch.cuda.device_count()
+            slots = sizing.launch_slots(spec, gpus)
+            used = sorted({dev for _, dev, _ in slots(cfg)})
+            free = {dev: torch.cuda.mem_get_info(torch.device(dev))[0] for dev in used}
+    return sizing.check(cfg, sizing.launch_slots(spec, gpus), sizing.workers_here(cfg), process=True,
+                        device_free=free, hint=NO_CHECK_HINT)
 
 
 def check_data(cfg: Config):
@@ -233,7 +265,8 @@ def _check_sizes(cfg: Config, boundary: tuple[int, int, int], numels: list[int])
 
 def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: str = "",
         verify: bool = True) -> list[str]:
-    """Every check; raises CheckFailed with one line, else returns summary lines.
+    """Every check; raises CheckFailed (or, for memory, sizing.TooBig) with one
+    line, else returns summary lines.
     `device` "" is job.device as its first slot gets it. `verify`: a resume's
     checkpoints are read whole, as the coordinator will (``check_run_dir``);
     launch's pre-flight leaves that to the coordinator (it reads every byte of
@@ -248,8 +281,9 @@ def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: s
         device = str(devices.resolve(device or cfg.job.device, 0, 0, cfg.job.stages))
     except devices.DeviceError as e:
         raise CheckFailed(str(e)) from None
+    memory_line = check_memory(cfg)           # (before anything is built: sizing.TooBig, exit status 2)
     resume_line = check_run_dir(run_dir, resume, cfg, verify=verify)
     corpus, data_line = check_data(cfg)
     model_line = check_model(cfg, corpus, device)
-    return [*([resume_line] if resume_line else []), data_line, model_line,
+    return [memory_line, *([resume_line] if resume_line else []), data_line, model_line,
             f"checked in {time.perf_counter() - t0:.1f}s"]

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from crucible import devices, exits, procs, rpc
+from crucible import devices, exits, procs, rpc, sizing
 from crucible._pb import crucible_pb2 as pb
 from crucible.compress.activations import make_codec
 from crucible.config import Config
@@ -124,6 +124,8 @@ class Worker:
             return self.exit_code
         except Exception as e:
             self.report_error(e)
+            if isinstance(e, sizing.TooBig):
+                self.exit_code = exits.USAGE      # (crucible.cli: a configuration error's status)
             raise
         finally:
             self.shutdown()
@@ -188,6 +190,7 @@ class Worker:
             torch.cuda.set_device(self.device)
             if cfg.debug.deterministic:
                 devices.setup_deterministic(self.device)
+        self._check_memory()
         torch.manual_seed(cfg.train.seed * 1000 + self.replica * 100 + self.stage)
         self.model = build_stage(cfg, self.stage, S).to(self.device)
         send_tokens = tokens_needed(cfg)              # stage 0 ships the input ids ...
@@ -210,6 +213,26 @@ class Worker:
             corpus = Corpus(cfg)
             self.reader = corpus.reader(cfg, self.replica)
             self.evals = eval_batches(corpus.held_out(cfg.train.eval_split), cfg.train.seq_len, mb, cfg.train.eval_batches)
+
+    def _check_memory(self) -> None:
+        """Before the stage is built: whether it fits the memory this host has
+        available (and, on a GPU, the GPU's free memory); sizing.TooBig, one
+        line naming the keys, else nothing. The line leaves the amounts out
+        (this log has them), so that the same refusal twice reads the same
+        and the launcher's crash-loop rule stops the job. Not compared under
+        $CRUCIBLE_NO_MEMORY_CHECK (``crucible launch --no-check``)."""
+        if sizing.skipped():
+            return
+        cfg, dev = self.cfg, str(self.device)
+        free = {dev: torch.cuda.mem_get_info(self.device)[0]} if self.device.type == "cuda" else None
+        try:
+            line = sizing.check(cfg, lambda c: [(min(self.stage, c.job.stages - 1), dev, 1)],
+                                f"stage {self.stage} ({self.name})", process=False, device_free=free, stable=True,
+                                hint=f"{sizing.SKIP_ENV}=1 (crucible launch --no-check) starts it anyway")
+        except sizing.TooBig as e:
+            log.error("%s: %s (%s)", self.name, e, e.have)
+            raise
+        log.info("%s: %s", self.name, line)
 
     def _wire(self) -> None:
         """Connect the parts, once the worker is registered."""
