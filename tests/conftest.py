@@ -221,6 +221,30 @@ bench_smoke = pytest.mark.skipif(not os.environ.get("CRUCIBLE_BENCH_TESTS"),
                                  reason="benchmark smoke test: set CRUCIBLE_BENCH_TESTS=1 to run it")
 
 
+def run_bounded(argv: list[str], timeout: float, env: dict | None = None, stderr=subprocess.PIPE,
+                what: str = "") -> tuple[int, str, str, float]:
+    """`argv` in its own process group from ROOT, bounded: on a timeout the
+    group is SIGKILLed and the test fails; the group is SIGKILLed at the end
+    whatever happened. Returns (exit status, stdout, stderr, seconds);
+    `stderr=subprocess.STDOUT` puts both in stdout (stderr is then "")."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env if env is not None else child_env(), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, errors="replace",
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{what or argv} did not end in {timeout}s:\n{out}\n{err or ''}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out, err or "", time.monotonic() - t0
+
+
 def positive(x) -> bool:
     """A number (not a bool) above zero: what a benchmark's timings and counts must be."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0

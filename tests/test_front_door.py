@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY, Job, child_env, crucible_cmd, free_port, tree_digest
+from conftest import ROOT, TINY, Job, child_env, crucible_cmd, free_port, run_bounded, tree_digest
 from crucible.metrics import read_events
 
 BUILDERS = textwrap.dedent('''
@@ -77,21 +77,9 @@ def _env(extra_path: str) -> dict:
 def _launch(args: list[str], env: dict, timeout: float = 60.0) -> tuple[int, str, float]:
     """A real `crucible launch` in its own process group, bounded; returns
     (exit status, everything on the terminal, seconds)."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(crucible_cmd("launch", *args), cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"launch did not end in {timeout}s:\n{out.decode(errors='replace')}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out.decode(errors="replace"), time.monotonic() - t0
+    code, out, _, seconds = run_bounded(crucible_cmd("launch", *args), timeout, env, stderr=subprocess.STDOUT,
+                                        what="launch")
+    return code, out, seconds
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, child_env, crucible_cmd
+from conftest import ROOT, child_env, crucible_cmd, run_bounded
 from crucible import sizing
 from crucible.config import Config, ConfigError
 
@@ -246,22 +246,9 @@ def _run(argv: list[str], env: dict, timeout: float) -> tuple[int, str, str, flo
                "code = subprocess.run(sys.argv[1:]).returncode\n"
                "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, flush=True)\n"
                "sys.exit(code)\n")
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", wrapper, *argv], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{argv[3:5]} did not end in {timeout}s:\n{out}\n{err}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    code, out, err, seconds = run_bounded([sys.executable, "-c", wrapper, *argv], timeout, env, what=str(argv[3:5]))
     peak = int(out.strip().splitlines()[-1].split()[1])
-    return proc.returncode, out, err, time.monotonic() - t0, peak
+    return code, out, err, seconds, peak
 
 
 def test_check_refuses_a_giant_n_layer_in_one_line_without_allocating():
