@@ -46,20 +46,21 @@ def no_answer(addr: str, run_dir: str | None) -> str:
     from crucible import files, metrics
 
     if run_dir and not files.lock_held(os.path.join(run_dir, "coordinator.lock")):
-        ends, _ = metrics.follow(run_dir, ("job_done", "job_stopped", "coordinator_start"), 0)
+        ends, _ = metrics.follow(run_dir, ("job_done", "job_stopped", "coordinator_start", "ckpt_commit"), 0)
+        commits = [e.get("step") for e in ends if e["event"] == "ckpt_commit" and metrics.whole(e.get("step"))]
+        ends = [e for e in ends if e["event"] != "ckpt_commit"]
         last = ends[-1] if ends else {}
-        steps = last.get("steps")      # (one per replica: a list in job_done, {replica: step} in job_stopped)
-        steps = list(steps.values()) if isinstance(steps, dict) else steps
-        steps = set(steps) if isinstance(steps, list) and steps and all(map(metrics.whole, steps)) else set()
-        at = f" at step {steps.pop()}" if len(steps) == 1 else ""
-        resume = (f"`crucible ckpt list {run_dir}` shows the checkpoints that `crucible launch --run-dir "
-                  f"{run_dir} --resume` goes on from")
+        resume = (f"`crucible launch --run-dir {run_dir} --resume` with the job's options goes on from its newest "
+                  f"checkpoint{f', step {commits[-1]}' if commits else ''}; `crucible ckpt list {run_dir}` lists them")
         if last.get("event") == "job_done":
+            steps = last.get("steps")      # (one per replica)
+            steps = set(steps) if isinstance(steps, list) and steps and all(map(metrics.whole, steps)) else set()
+            at = f" at step {steps.pop()}" if len(steps) == 1 else ""
             how = f"the job finished{at}; its coordinator has exited (`crucible report {run_dir}` shows the run)"
         elif last.get("event") == "job_stopped":
             sig = last.get("signal")
             by = f" by {sig}" if isinstance(sig, str) else ""
-            how = f"the job was stopped{by}{at} before its last step ({resume})"
+            how = f"the job was stopped{by} before its last step ({resume})"
         else:
             how = f"no job is running there (nothing holds its coordinator.lock): it stopped before the end ({resume})"
         return f"crucible status: {run_dir}: {how}"

@@ -464,12 +464,17 @@ def test_status_of_a_finished_job_says_it_finished(tmp_path):
 
 
 @pytest.mark.parametrize("events, says", [
-    ([START, {"event": "job_stopped", "signal": "SIGTERM", "steps": {"0": 12}}],
-     "the job was stopped by SIGTERM at step 12 before its last step (`crucible ckpt list {run}`"),
+    ([START, {"event": "ckpt_commit", "step": 8}, {"event": "job_stopped", "signal": "SIGTERM", "steps": {"0": 12}},
+      {"event": "ckpt_commit", "step": 14, "final": True}],
+     "the job was stopped by SIGTERM before its last step (`crucible launch --run-dir {run} --resume` with the "
+     "job's options goes on from its newest checkpoint, step 14; `crucible ckpt list {run}` lists them)"),
     ([START], "no job is running there (nothing holds its coordinator.lock): it stopped before the end "
-              "(`crucible ckpt list {run}` shows the checkpoints that `crucible launch --run-dir {run} --resume`"),
+              "(`crucible launch --run-dir {run} --resume` with the job's options goes on from its newest checkpoint; "
+              "`crucible ckpt list {run}` lists them)"),
     # a resume after the job finished (more steps), killed: not "finished"
-    ([START, {"event": "job_done", "steps": [40]}, START], "no job is running there"),
+    ([START, {"event": "job_done", "steps": [40]}, START, {"event": "ckpt_commit", "step": 44}],
+     "no job is running there (nothing holds its coordinator.lock): it stopped before the end "
+     "(`crucible launch --run-dir {run} --resume` with the job's options goes on from its newest checkpoint, step 44;"),
     ([START, {"event": "job_done", "steps": [30, 40]}], "the job finished; its coordinator has exited"),
 ])
 def test_status_of_an_ended_job_says_how_it_ended(events, says, tmp_path):
