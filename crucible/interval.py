@@ -206,10 +206,15 @@ def from_run_dir(
 
     * ``C`` = median ``stall_s`` of ``{"event": "ckpt_commit"}`` lines;
       ``W`` = median ``persist_s`` of those lines when they carry it; the
-      current interval = median gap between consecutive commits' ``time``.
-    * ``M`` observed = wall span of the log (last ``time`` - first) / number
-      of ``{"event": "fault"}`` lines.  ``node_mtbf_s / nodes``, when given,
-      is used instead (the notes give the observed one).  With no fault in
+      current interval = median gap between consecutive commits' ``time``
+      within one launch, up to a periodic save (a ``final`` one, on a stop
+      signal, or the ``end`` of the job is no interval of the policy).
+    * ``M`` observed = the time the job ran / number of ``{"event":
+      "fault"}`` lines; the time it ran is the wall span of the log (last
+      ``time`` - first) less the gaps between launches (a resume in the same
+      run directory: a ``coordinator_start`` that does not continue a
+      predecessor's membership).  ``node_mtbf_s / nodes``, when given, is
+      used instead (the notes give the observed one).  With no fault in
       the log there is no observed ``M``: the report says so.
 
     Unparseable lines (e.g. a last line cut by a crash) are skipped and
@@ -224,22 +229,54 @@ def from_run_dir(
     out["restart_s"] = float(restart_s)
     if bad:
         out["notes"].append(f"skipped {bad} unparseable line(s) in metrics.jsonl")
-    times = [t for t in (_num(ev.get("time")) for ev in events) if t is not None]
     commits = [ev for ev in events if ev["event"] == "ckpt_commit"]
     stalls = [s for s in (_num(ev.get("stall_s")) for ev in commits) if s is not None and s >= 0]
     persists = [p for p in (_num(ev.get("persist_s")) for ev in commits) if p is not None and p >= 0]
-    commit_times = [t for t in (_num(ev.get("time")) for ev in commits) if t is not None]
     fault_times = [t for t in (_num(ev.get("time")) for ev in events if ev["event"] == "fault") if t is not None]
-    span = (max(times) - min(times)) if times else 0.0
+    span, gaps = 0.0, []
+    for launch in _launches(events):
+        times = [t for t in (_num(ev.get("time")) for ev in launch) if t is not None]
+        span += (max(times) - min(times)) if times else 0.0
+        last = None                     # (the time of the launch's previous commit)
+        for ev in launch:
+            t = _num(ev.get("time")) if ev["event"] == "ckpt_commit" else None
+            if t is None:
+                continue
+            if last is not None and not ev.get("final") and not ev.get("end"):
+                gaps.append(t - last)
+            last = t
     out["span_s"] = span
     out["faults"] = len(fault_times)
-    _observed_cost(out, stalls, persists, commit_times)
+    _observed_cost(out, stalls, persists, gaps)
     _observed_mtbf(out, fault_times, span, node_mtbf_s, nodes)
     _fill(out)
     return out
 
 
-def _observed_cost(out: dict, stalls: list[float], persists: list[float], commit_times: list[float]) -> None:
+# what a starting coordinator logs before its coordinator_start (its resume, the
+# leftovers it removes, its exporters): the new launch's, not the previous one's
+_START_UP = frozenset({"ckpt_resume", "ckpt_clean", "ckpt_damaged", "ckpt_incomplete", "ckpt_set_aside",
+                       "ckpt_notice", "outer_forgotten", "prometheus"})
+
+
+def _launches(events: list[dict]) -> list[list[dict]]:
+    """The log's events cut at each launch into the run directory: a
+    ``coordinator_start`` that does not continue its predecessor's membership
+    (``restored`` false: the first, a ``--resume``, a fresh start), with what
+    that coordinator logged just before it; a restarted coordinator
+    (``restored``) is the same launch going on."""
+    out: list[list[dict]] = [[]]
+    for ev in events:
+        if ev["event"] == "coordinator_start" and ev.get("restored") is not True and out[-1]:
+            prev, start_up = out[-1], []
+            while prev and prev[-1]["event"] in _START_UP and "src" not in prev[-1]:
+                start_up.insert(0, prev.pop())
+            out.append(start_up)
+        out[-1].append(ev)
+    return [launch for launch in out if launch]
+
+
+def _observed_cost(out: dict, stalls: list[float], persists: list[float], gaps: list[float]) -> None:
     if stalls:
         out["cost_s"] = statistics.median(stalls)
         out["cost_samples"] = len(stalls)
@@ -247,9 +284,8 @@ def _observed_cost(out: dict, stalls: list[float], persists: list[float], commit
         out["notes"].append("no ckpt_commit event with stall_s: checkpoint cost unknown")
     if persists:
         out["persist_s"] = statistics.median(persists)
-    if len(commit_times) >= 2:
-        ct = sorted(commit_times)
-        out["current_interval_s"] = statistics.median(b - a for a, b in zip(ct, ct[1:]))
+    if gaps:
+        out["current_interval_s"] = statistics.median(gaps)
 
 
 def _observed_mtbf(out: dict, fault_times: list[float], span: float, node_mtbf_s: float | None,

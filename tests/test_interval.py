@@ -144,3 +144,33 @@ def test_from_run_dir_missing(tmp_path):
     d = iv.from_run_dir(tmp_path)
     assert d["cost_s"] is None and d["mtbf_s"] == 100.0
     assert any("cost unknown" in n for n in d["notes"])
+
+
+def test_from_run_dir_leaves_out_the_time_between_launches(tmp_path):
+    """A job stopped by SIGTERM and resumed a day later: the day counted in M
+    (span / faults) and as a checkpoint interval (the gap from the final
+    save to the next commit), and the final and end saves, which no policy
+    names, counted as intervals."""
+    day = 86400.0
+    write_log(tmp_path, [
+        {"event": "coordinator_start", "time": 0.0, "restored": False},
+        {"event": "ckpt_commit", "time": 100.0, "stall_s": 0.1},
+        {"event": "ckpt_commit", "time": 130.0, "stall_s": 0.1},
+        {"event": "fault", "time": 150.0},
+        {"event": "coordinator_start", "time": 160.0, "restored": True},     # a coordinator restart: same launch
+        {"event": "ckpt_commit", "time": 190.0, "stall_s": 0.1},
+        {"event": "ckpt_commit", "time": 195.0, "stall_s": 0.1, "final": True},
+        {"event": "job_stopped", "time": 200.0},
+        {"event": "ckpt_resume", "time": day - 20},                           # the resume, a day later, logs
+        {"event": "ckpt_clean", "time": day - 10},                            # these before its start
+        {"event": "coordinator_start", "time": day, "restored": False},
+        {"event": "ckpt_commit", "time": day + 40, "stall_s": 0.1},
+        {"event": "fault", "time": day + 50},
+        {"event": "ckpt_commit", "time": day + 70, "stall_s": 0.1},
+        {"event": "ckpt_commit", "time": day + 80, "stall_s": 0.1, "end": True},
+        {"event": "job_done", "time": day + 100},
+    ])
+    d = iv.from_run_dir(tmp_path)
+    assert d["span_s"] == 320.0 and d["faults"] == 2 and d["mtbf_s"] == 160.0
+    assert d["current_interval_s"] == 30.0      # the median of 30, 60, 30
+    assert "observed: 2 fault(s) in 320 s" in iv.format_report(d)
