@@ -321,7 +321,7 @@ def test_the_summary_counts_this_launchs_faults_only(own_copy):
                             "--steps", "14", *SMALL, "checkpoint.minimum_interval_s=0"], child_env(), timeout=120)
     assert code == 0, out
     assert "crucible: finished." in out and "r0: 14 steps" in out, out
-    assert "worker faults" not in out, out
+    assert "worker fault" not in out, out
 
 
 # ---- usage errors: one line naming the flag or value, exit status 2, nothing started --------------------------
