@@ -256,10 +256,16 @@ def from_run_dir(
 
     * ``C`` = median ``stall_s`` of ``{"event": "ckpt_commit"}`` lines;
       ``W`` = median ``persist_s`` of those lines when they carry it; the
-      current interval = median gap between consecutive commits' ``time``.
-    * ``M`` observed = wall span of the log (last ``time`` - first) / number
-      of interruptions: ``{"event": "fault"}`` lines and coordinator
-      restarts (``coordinator_start`` with ``restored`` true).
+      current interval = median gap between consecutive commits' ``time``
+      within one launch, up to a periodic save (a ``final`` one, on a stop
+      signal, or the ``end`` of the job is no interval of the policy).
+    * ``M`` observed = the time the job ran / number of interruptions:
+      ``{"event": "fault"}`` lines and coordinator restarts
+      (``coordinator_start`` with ``restored`` true); the time it ran is the
+      wall span of the log (last ``time`` - first) less the gaps between
+      launches (``_launches``: a ``--resume`` in the same run directory; a
+      restarted coordinator, or the launcher's whole-job restart after a
+      fault, is the same launch going on: its downtime counts).
       ``node_mtbf_s / nodes``, when given, is used instead (the notes give
       the observed one).  With no interruption in the log there is no
       observed ``M``: the report says so.
@@ -281,17 +287,26 @@ def from_run_dir(
     out["run_dir"] = os.fspath(run_dir)
     if bad:
         out["notes"].append(f"skipped {bad} unparseable line(s) in metrics.jsonl")
-    times = [t for t in (_num(ev.get("time")) for ev in events) if t is not None]
     commits = [ev for ev in events if ev["event"] == "ckpt_commit"]
     stalls = [s for s in (_num(ev.get("stall_s")) for ev in commits) if s is not None and s >= 0]
     persists = [p for p in (_num(ev.get("persist_s")) for ev in commits) if p is not None and p >= 0]
-    commit_times = [t for t in (_num(ev.get("time")) for ev in commits) if t is not None]
     stops = _interruptions(events)
-    span = (max(times) - min(times)) if times else 0.0
+    span, gaps = 0.0, []
+    for launch in _launch_segments(events):
+        times = [t for t in (_num(ev.get("time")) for ev in launch) if t is not None]
+        span += (max(times) - min(times)) if times else 0.0
+        last = None                     # (the time of the launch's previous commit)
+        for ev in launch:
+            t = _num(ev.get("time")) if ev["event"] == "ckpt_commit" else None
+            if t is None:
+                continue
+            if last is not None and not ev.get("final") and not ev.get("end"):
+                gaps.append(t - last)
+            last = t
     out["span_s"] = span
     out["faults"] = len(stops)
     out["coordinator_restarts"] = sum(1 for x in stops if x["kind"] == "coordinator")
-    _observed_cost(out, stalls, persists, commit_times)
+    _observed_cost(out, stalls, persists, gaps)
     _observed_mtbf(out, [x["time"] for x in stops], span, node_mtbf_s, nodes)
     _observed_restart(out, events, stops, restart_s)
     _fill(out)
@@ -333,6 +348,27 @@ def _launches(events: list[dict]) -> list[float]:
             out.append(t)
         prev = t
     return out
+
+
+# what a starting coordinator logs before its coordinator_start (its resume, the
+# leftovers it removes, its exporters): the new launch's, not the previous one's
+_START_UP = frozenset({"ckpt_resume", "ckpt_clean", "ckpt_damaged", "ckpt_incomplete", "ckpt_set_aside",
+                       "ckpt_notice", "outer_forgotten", "prometheus"})
+
+
+def _launch_segments(events: list[dict]) -> list[list[dict]]:
+    """The log's events cut at each launch (``_launches``), each launch
+    with what its coordinator logged just before its ``coordinator_start``."""
+    starts = set(_launches(events))
+    out: list[list[dict]] = [[]]
+    for ev in events:
+        if ev["event"] == "coordinator_start" and _num(ev.get("time")) in starts and out[-1]:
+            prev, start_up = out[-1], []
+            while prev and prev[-1]["event"] in _START_UP and "src" not in prev[-1]:
+                start_up.insert(0, prev.pop())
+            out.append(start_up)
+        out[-1].append(ev)
+    return [launch for launch in out if launch]
 
 
 def _observed_restart(out: dict, events: list[dict], stops: list[dict], given: float | None) -> None:
@@ -434,7 +470,7 @@ def _after(ts: list[float], t: float) -> float | None:
     return ts[k] if k < len(ts) else None
 
 
-def _observed_cost(out: dict, stalls: list[float], persists: list[float], commit_times: list[float]) -> None:
+def _observed_cost(out: dict, stalls: list[float], persists: list[float], gaps: list[float]) -> None:
     if stalls:
         out["cost_s"] = statistics.median(stalls)
         out["cost_samples"] = len(stalls)
@@ -442,9 +478,8 @@ def _observed_cost(out: dict, stalls: list[float], persists: list[float], commit
         out["notes"].append("no ckpt_commit event with stall_s: checkpoint cost unknown")
     if persists:
         out["persist_s"] = statistics.median(persists)
-    if len(commit_times) >= 2:
-        ct = sorted(commit_times)
-        out["current_interval_s"] = statistics.median(b - a for a, b in zip(ct, ct[1:]))
+    if gaps:
+        out["current_interval_s"] = statistics.median(gaps)
 
 
 def _observed_mtbf(out: dict, fault_times: list[float], span: float, node_mtbf_s: float | None,

@@ -753,7 +753,7 @@ class Launcher:
             lines.append(line)
         out = f"crucible: {ending}.\n" + "\n".join(f"  {x}" for x in lines)
         if faults:
-            out += f"\n  {faults} worker faults"
+            out += f"\n  {faults} worker fault{'' if faults == 1 else 's'}"
         return out + f"\ncrucible: metrics in {path}"
 
 

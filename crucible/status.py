@@ -35,7 +35,37 @@ def resolve(run_dir: str | None, coordinator: str | None) -> tuple[str, str]:
         with open(path) as f:
             return f.read().strip(), rpc.read_token(run_dir)
     except OSError:
-        raise SystemExit(f"no coordinator address in {path}: is a job running there?") from None
+        raise SystemExit(f"crucible status: no coordinator address in {path}: is a job running there?") from None
+
+
+def no_answer(addr: str, run_dir: str | None) -> str:
+    """Why `status` has nothing to show: a run directory whose coordinator is
+    gone (nothing holds its ``coordinator.lock``) is a job that has ended, and
+    its metrics say how; otherwise the coordinator does not answer (with the
+    reason when TLS is it)."""
+    from crucible import files, metrics
+
+    if run_dir and not files.lock_held(os.path.join(run_dir, "coordinator.lock")):
+        ends, _ = metrics.follow(run_dir, ("job_done", "job_stopped", "coordinator_start", "ckpt_commit"), 0)
+        commits = [e.get("step") for e in ends if e["event"] == "ckpt_commit" and metrics.whole(e.get("step"))]
+        ends = [e for e in ends if e["event"] != "ckpt_commit"]
+        last = ends[-1] if ends else {}
+        resume = (f"`crucible launch --run-dir {run_dir} --resume` with the job's options goes on from its newest "
+                  f"checkpoint{f', step {commits[-1]}' if commits else ''}; `crucible ckpt list {run_dir}` lists them")
+        if last.get("event") == "job_done":
+            steps = last.get("steps")      # (one per replica)
+            steps = set(steps) if isinstance(steps, list) and steps and all(map(metrics.whole, steps)) else set()
+            at = f" at step {steps.pop()}" if len(steps) == 1 else ""
+            how = f"the job finished{at}; its coordinator has exited (`crucible report {run_dir}` shows the run)"
+        elif last.get("event") == "job_stopped":
+            sig = last.get("signal")
+            by = f" by {sig}" if isinstance(sig, str) else ""
+            how = f"the job was stopped{by} before its last step ({resume})"
+        else:
+            how = f"no job is running there (nothing holds its coordinator.lock): it stopped before the end ({resume})"
+        return f"crucible status: {run_dir}: {how}"
+    why = rpc.explain(addr)
+    return f"crucible status: coordinator at {addr} does not answer{': ' + why if why else ''}"
 
 
 def _fmt(v, spec=".3f", none="-"):
@@ -85,8 +115,7 @@ def main(args) -> int:
     while True:
         st = client.get(timeout=3.0 if args.watch else 10.0)
         if st is None:
-            why = rpc.explain(addr)
-            print(f"coordinator at {addr} does not answer{': ' + why if why else ''}", file=sys.stderr)
+            print(no_answer(addr, args.run_dir), file=sys.stderr, flush=True)
             if not args.watch:
                 return 1
         elif args.json:

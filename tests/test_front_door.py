@@ -9,6 +9,7 @@ one slot stops the job).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -308,7 +309,7 @@ def test_the_summary_counts_this_launchs_faults_only(own_copy):
                             "--steps", "14", *SMALL, "checkpoint.minimum_interval_s=0"], child_env(), timeout=120)
     assert code == 0, out
     assert "crucible: finished." in out and "r0: 14 steps" in out, out
-    assert "worker faults" not in out, out
+    assert "worker fault" not in out, out
 
 
 # ---- usage errors: one line naming the flag or value, exit status 2, nothing started --------------------------
@@ -422,6 +423,69 @@ def test_bracketed_ipv6_addresses_pass_the_check(tmp_path):
     done = subprocess.run(crucible_cmd("status", "--coordinator", "[::1]:1"), cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "coordinator at [::1]:1 does not answer" in done.stderr, done.stderr
+
+
+def _ended_run(tmp_path, *events: dict):
+    """A run directory as a job leaves it: coordinator.addr (nothing listens
+    there now), token, a coordinator.lock nobody holds, metrics.jsonl."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "coordinator.addr").write_text(f"127.0.0.1:{free_port()}\n")
+    (run / "token").write_text("x\n")
+    (run / "coordinator.lock").write_text("")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return run
+
+
+START = {"event": "coordinator_start", "incarnation": 1}
+
+
+def test_status_of_a_finished_job_says_it_finished(tmp_path):
+    """Was `coordinator at 127.0.0.1:PORT does not answer` (exit 1) for a job
+    that had finished: as if something were wrong with it."""
+    run = _ended_run(tmp_path, START, {"event": "job_done", "elapsed_s": 9.5, "steps": [40, 40]})
+    done = subprocess.run(crucible_cmd("status", "--run-dir", str(run)), cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == "", (done.stdout, done.stderr)
+    assert done.stderr == (f"crucible status: {run}: the job finished at step 40; its coordinator has exited "
+                           f"(`crucible report {run}` shows the run)\n"), done.stderr
+
+
+@pytest.mark.parametrize("events, says", [
+    ([START, {"event": "ckpt_commit", "step": 8}, {"event": "job_stopped", "signal": "SIGTERM", "steps": {"0": 12}},
+      {"event": "ckpt_commit", "step": 14, "final": True}],
+     "the job was stopped by SIGTERM before its last step (`crucible launch --run-dir {run} --resume` with the "
+     "job's options goes on from its newest checkpoint, step 14; `crucible ckpt list {run}` lists them)"),
+    ([START], "no job is running there (nothing holds its coordinator.lock): it stopped before the end "
+              "(`crucible launch --run-dir {run} --resume` with the job's options goes on from its newest checkpoint; "
+              "`crucible ckpt list {run}` lists them)"),
+    # a resume after the job finished (more steps), killed: not "finished"
+    ([START, {"event": "job_done", "steps": [40]}, START, {"event": "ckpt_commit", "step": 44}],
+     "no job is running there (nothing holds its coordinator.lock): it stopped before the end "
+     "(`crucible launch --run-dir {run} --resume` with the job's options goes on from its newest checkpoint, step 44;"),
+    ([START, {"event": "job_done", "steps": [30, 40]}], "the job finished; its coordinator has exited"),
+])
+def test_status_of_an_ended_job_says_how_it_ended(events, says, tmp_path):
+    from crucible.status import no_answer
+
+    run = _ended_run(tmp_path, *events)
+    line = no_answer("127.0.0.1:1", str(run))
+    assert line.startswith(f"crucible status: {run}: ") and says.format(run=run) in line, line
+
+
+def test_status_of_a_running_job_that_does_not_answer_says_so(tmp_path):
+    """coordinator.lock held (the job runs, its coordinator busy or cut off):
+    not "ended", whatever metrics.jsonl says."""
+    import fcntl
+
+    from crucible.status import no_answer
+
+    run = _ended_run(tmp_path, START, {"event": "job_done", "steps": [40]})
+    with open(run / "coordinator.lock", "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        # (flock is per open file: lock_held's own open of the file is refused)
+        line = no_answer("127.0.0.1:1", str(run))
+    assert line == "crucible status: coordinator at 127.0.0.1:1 does not answer", line
 
 
 def test_a_coordinator_that_does_not_answer_is_said_within_seconds(tmp_path):

@@ -152,6 +152,38 @@ def steps(replica, times):
     return [{"event": "step", "time": t, "replica": replica, "step": i} for i, t in enumerate(times)]
 
 
+def test_from_run_dir_leaves_out_the_time_between_launches(tmp_path):
+    """A job stopped by SIGTERM and resumed a day later: the day counted in M
+    (span / faults) and as a checkpoint interval (the gap from the final
+    save to the next commit), and the final and end saves, which no policy
+    names, counted as intervals."""
+    day = 86400.0
+    write_log(tmp_path, [
+        {"event": "coordinator_start", "time": 0.0, "restored": False},
+        {"event": "ckpt_commit", "time": 100.0, "stall_s": 0.1},
+        {"event": "ckpt_commit", "time": 130.0, "stall_s": 0.1},
+        {"event": "fault", "time": 150.0},
+        {"event": "coordinator_start", "time": 160.0, "restored": True},     # a coordinator restart: same launch
+        {"event": "ckpt_commit", "time": 190.0, "stall_s": 0.1},
+        {"event": "ckpt_commit", "time": 195.0, "stall_s": 0.1, "final": True},
+        {"event": "job_stopped", "time": 200.0},
+        {"event": "ckpt_resume", "time": day - 20},                           # the resume, a day later, logs
+        {"event": "ckpt_clean", "time": day - 10},                            # these before its start
+        {"event": "coordinator_start", "time": day, "restored": False},
+        {"event": "ckpt_commit", "time": day + 40, "stall_s": 0.1},
+        {"event": "fault", "time": day + 50},
+        {"event": "ckpt_commit", "time": day + 70, "stall_s": 0.1},
+        {"event": "ckpt_commit", "time": day + 80, "stall_s": 0.1, "end": True},
+        {"event": "job_done", "time": day + 100},
+    ])
+    d = iv.from_run_dir(tmp_path)
+    # (the coordinator restart at 160 is an interruption too: 2 faults and it)
+    assert d["span_s"] == 320.0 and d["faults"] == 3 and d["coordinator_restarts"] == 1
+    assert d["mtbf_s"] == pytest.approx(320.0 / 3)
+    assert d["current_interval_s"] == 30.0      # the median of 30, 60, 30
+    assert "observed: 3 fault(s) in 320 s" in iv.format_report(d)
+
+
 def fault(t, replica, stage=1):
     return {"event": "fault", "time": t, "kind": "worker_dead", "worker": f"w{replica}{stage}",
             "replica": replica, "stage": stage}

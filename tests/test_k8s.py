@@ -126,3 +126,20 @@ def test_bad_input_is_one_line(tmp_path):
     assert p.returncode != 0 and "--name" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     p, _ = render(tmp_path, "train.setps=3")
     assert p.returncode == 2 and "train.setps" in p.stderr and "train.steps" in p.stderr
+
+
+def test_a_render_into_an_earlier_renders_directory_leaves_none_of_its_manifests(tmp_path):
+    """A 1 x 2 render into the --out of a 2 x 3 one with --config left
+    worker-r0s2.yaml, worker-r1s*.yaml and configmap.yaml there, which
+    `kubectl apply -f DIR` applies with the new ones."""
+    cfg = tmp_path / "job.toml"
+    cfg.write_text("[train]\nsteps = 50\n")
+    p, out = render(tmp_path, "--replicas", "2", "--stages", "3", "--config", str(cfg))
+    assert p.returncode == 0, p.stderr
+    (tmp_path / "manifests" / "notes.yaml").write_text("kind: mine\n")     # not a render's: kept
+    p, out = render(tmp_path, "--replicas", "1", "--stages", "2")
+    assert p.returncode == 0, p.stderr
+    assert sorted(os.listdir(out)) == ["coordinator-service.yaml", "coordinator.yaml", "notes.yaml", "pvc.yaml",
+                                       "secret.yaml", "worker-r0s0.yaml", "worker-r0s1.yaml"]
+    assert ("removed 5 manifest(s) of an earlier render that this job does not have: configmap.yaml, "
+            "worker-r0s2.yaml, worker-r1s0.yaml, worker-r1s1.yaml and 1 more") in p.stderr, p.stderr

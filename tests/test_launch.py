@@ -66,7 +66,7 @@ def test_status_json_and_sigterm_leaves_no_orphan(start_job):
     # Its workers, SIGTERMed as the job ends, were no faults (each says it is leaving:
     # the coordinator, told first, takes that as part of the ending)
     assert job.events("fault") == [], job.output()
-    assert "worker faults" not in job.output()
+    assert "worker fault" not in job.output()
 
 
 def test_sigkill_of_the_launcher_takes_its_children(start_job):
@@ -340,7 +340,7 @@ def test_the_summary_passes_over_reported_events_it_cannot_read(tmp_path):
     la.run_dir, la.offset = str(tmp_path), 0
     out = la._summary("finished")
     assert out.splitlines()[:4] == ["crucible: finished.", "  r0: 10 steps, loss 2.500",
-                                    "  r1: 5 steps, loss -; goodput 0% of 10s (lost 1.0s)", "  1 worker faults"], out
+                                    "  r1: 5 steps, loss -; goodput 0% of 10s (lost 1.0s)", "  1 worker fault"], out
 
 
 def test_the_summary_ledger_sums_every_stage0_worker_of_a_replica(tmp_path):

@@ -158,6 +158,27 @@ def test_job_scripts_keep_the_token_off_command_lines(tmp_path):
         assert os.stat(run.script(s)).st_mode & stat.S_IXUSR
 
 
+def test_an_up_that_submits_nothing_leaves_no_run_to_show(tmp_path):
+    """sbatch refused the first job (no controller to reach): `slurm status`
+    then showed the run's every slot as WAITING "(to be submitted now)",
+    with no supervisor to submit them."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Unable to "
+                                    "contact slurm controller (connect failure)' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    env = dict(child_env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    run_dir = str(tmp_path / "run")
+    up = subprocess.run(crucible_cmd("slurm", "up", "--run-dir", run_dir, "--steps", "10", *TINY), cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert up.returncode == 1 and up.stderr == (
+        "crucible slurm up: sbatch --parsable failed (1): sbatch: error: Batch job submission failed: Unable to "
+        "contact slurm controller (connect failure) (no job was submitted)\n"), up.stderr
+    st = subprocess.run(crucible_cmd("slurm", "status", "--run-dir", run_dir), cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert st.returncode == 1 and "no Slurm run in" in st.stderr and "crucible slurm up" in st.stderr, st
+
+
 def test_cluster_modules_never_import_torch():
     code = ("import sys, crucible.cli, crucible.cluster.slurm, crucible.cluster.slurm_job, crucible.cluster.k8s, "
             "crucible.bench.slurm; crucible.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
@@ -279,7 +300,10 @@ def test_bad_partition_is_one_line_and_leaves_no_job(cluster, tmp_path):
     j = SlurmJob(str(tmp_path / "bad"))
     p = j.cli("up", "--run-dir", j.run_dir, "--partition=no-such-partition", "--steps", "10", *TINY)
     assert p.returncode != 0 and "Invalid partition" in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    assert [x for x in slurm.query_jobs(j.state().names()).values() if x.active] == []
+    # the coordinator's job, the first, was refused: nothing was submitted, and no state is left that
+    # `slurm status` would show as a run about to be submitted
+    assert p.stderr.rstrip().endswith("(no job was submitted)"), p.stderr
+    assert not os.path.exists(os.path.join(j.run_dir, "slurm", "state.json"))
 
 
 @live

@@ -233,6 +233,22 @@ def write(out_dir: str, files: dict[str, list[dict]]) -> list[str]:
     return paths
 
 
+# the files a render writes whose set depends on the job: a re-render into the same --out removes
+# those of an earlier one that this one does not write (`kubectl apply -f DIR` would apply them)
+_VARIABLE = re.compile(r"^(worker-r\d+s\d+|configmap)\.yaml$")
+
+
+def remove_stale(out_dir: str, files: dict[str, list[dict]]) -> list[str]:
+    """Remove the manifests of an earlier render in ``out_dir`` that ``files``
+    does not have (worker Jobs of slots this job lacks, a ConfigMap now that
+    no --config is given); their names, sorted by slot."""
+    stale = sorted((n for n in os.listdir(out_dir) if _VARIABLE.match(n) and n not in files),
+                   key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", n)])
+    for name in stale:
+        os.unlink(os.path.join(out_dir, name))
+    return stale
+
+
 def _refuse(line: str) -> NoReturn:
     """A bad flag: one line, exit status 2 (USAGE), before anything is written."""
     print(f"crucible k8s: {line}", file=sys.stderr)
@@ -271,12 +287,17 @@ def cmd_render(args) -> int:
     files = render(args, cfg, token, config_text)
     try:
         paths = write(args.out, files)
+        stale = remove_stale(args.out, files)
     except OSError as e:      # (a disk full; --out changed since the check above)
         print(f"crucible k8s: --out {args.out}: {e}", file=sys.stderr)
         return exits.ERROR
     print(f"crucible k8s: {len(paths)} files in {args.out} ({cfg.job.replicas} x {cfg.job.stages} worker Jobs, "
           f"coordinator Job + Service, Secret, PVC); apply with: kubectl apply -f {shlex.quote(args.out)}",
           file=sys.stderr)
+    if stale:
+        shown = ", ".join(stale[:4]) + (f" and {len(stale) - 4} more" if len(stale) > 4 else "")
+        print(f"crucible k8s: removed {len(stale)} manifest(s) of an earlier render that this job does not have: "
+              f"{shown}", file=sys.stderr)
     return 0
 
 

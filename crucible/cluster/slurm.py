@@ -669,6 +669,10 @@ def cmd_up(args) -> int:
         for slot in run.slots.values():
             submitted.append(submit(run, slot, start="resume" if run.resume else "fresh"))
     except SlurmError as e:
+        if not submitted:
+            # (no job of this run exists: no state that `slurm status` would show as jobs about to be submitted)
+            os.unlink(run.state_path)
+            raise SystemExit(f"crucible slurm up: {e} (no job was submitted)") from None
         scancel(submitted)
         raise SystemExit(f"crucible slurm up: {e} (cancelled the {len(submitted)} jobs submitted)") from None
     print(f"crucible slurm: run {run.run_id} in {run_dir}: coordinator job {submitted[0]}, "
