@@ -179,6 +179,25 @@ def test_an_up_that_submits_nothing_leaves_no_run_to_show(tmp_path):
     assert st.returncode == 1 and "no Slurm run in" in st.stderr and "crucible slurm up" in st.stderr, st
 
 
+def test_status_says_why_the_coordinator_shows_no_job(tmp_path):
+    """`slurm status` said "the coordinator does not answer" also where no
+    coordinator had started yet, and where the job was over."""
+    def st(addr, state, job_id=7):
+        slots = [{"slot": slurm.COORD, "job_id": job_id, "state": state}, {"slot": "r0s0", "job_id": 8,
+                                                                           "state": "RUNNING"}]
+        return {"run_dir": str(tmp_path), "slots": slots, "coordinator_addr": addr, "job": None}
+
+    assert slurm.no_job_status(st(None, "PENDING")) == "no coordinator has started yet (its Slurm job 7: PENDING)"
+    assert slurm.no_job_status(st(None, "WAITING", None)) == \
+        "no coordinator has started yet (its Slurm job not submitted yet)"
+    assert slurm.no_job_status(st("n1:5000", "RUNNING")) == \
+        "the coordinator at n1:5000 does not answer (its Slurm job 7: RUNNING)"
+    (tmp_path / "metrics.jsonl").write_text('{"event": "job_done", "time": 1.0, "steps": [10]}\n')
+    assert slurm.no_job_status(st("n1:5000", "COMPLETED")) == \
+        "the job is over (job_done); its coordinator has exited (its Slurm job 7: COMPLETED)"
+    # a coordinator job still running after a job_done of an earlier launch: it does not answer
+    assert "does not answer" in slurm.no_job_status(st("n1:5000", "RUNNING"))
+
 def test_cluster_modules_never_import_torch():
     code = ("import sys, crucible.cli, crucible.cluster.slurm, crucible.cluster.slurm_job, crucible.cluster.k8s, "
             "crucible.bench.slurm; crucible.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")

@@ -700,10 +700,11 @@ def collect_status(run: SlurmRun) -> dict:
     from crucible.status import StatusClient
 
     jobs = query_jobs(run.names())
-    job_status = None
+    job_status, addr = None, None
     try:
         with open(os.path.join(run.run_dir, "coordinator.addr")) as f:
-            job_status = StatusClient(f.read().strip(), rpc.read_token(run.run_dir)).get(timeout=2.0)
+            addr = f.read().strip()
+        job_status = StatusClient(addr, rpc.read_token(run.run_dir)).get(timeout=2.0)
     except OSError:
         pass
     wstate = {f"r{w['replica']}s{w['stage']}": w for w in (job_status or {}).get("workers", [])}
@@ -719,7 +720,24 @@ def collect_status(run: SlurmRun) -> dict:
                       "resubmit_in_s": round(max(0.0, slot.next_submit - now), 1) if slot.job_id is None else None,
                       "last_end": slot.last_state or None, "worker_state": w.get("state"), "step": w.get("step")})
     return {"run_dir": run.run_dir, "run_id": run.run_id, "supervisor_pid": supervisor_alive(run),
-            "stopping": os.path.exists(run.stop_path), "slots": slots, "job": job_status}
+            "stopping": os.path.exists(run.stop_path), "slots": slots, "coordinator_addr": addr, "job": job_status}
+
+
+def no_job_status(st: dict) -> str:
+    """The line `slurm status` prints where the coordinator shows no job: none
+    has started yet (no coordinator.addr), the job is over, or its
+    coordinator does not answer; with the coordinator's Slurm job state."""
+    coord = next((s for s in st["slots"] if s["slot"] == COORD), None)
+    state = f" (its Slurm job {coord['job_id']}: {coord['state']})" if coord and coord["job_id"] else \
+        " (its Slurm job not submitted yet)" if coord else ""
+    if not st.get("coordinator_addr"):
+        return f"no coordinator has started yet{state}"
+    from crucible import metrics
+
+    ends, _ = metrics.follow(st["run_dir"], ("job_done", "job_stopped"), 0)
+    if ends and (not coord or coord["state"] not in ("RUNNING", "PENDING", "CONFIGURING")):
+        return f"the job is over ({ends[-1]['event']}); its coordinator has exited{state}"
+    return f"the coordinator at {st['coordinator_addr']} does not answer{state}"
 
 
 def cmd_status(args) -> int:
@@ -742,7 +760,7 @@ def cmd_status(args) -> int:
             extra += f" (resubmit {when} after {s['last_end']})" if s["last_end"] else f" (to be submitted {when})"
         print(f"{s['slot']:>11} {s['job_id'] or '-':>8} {s['state']:>11} {s['node'] or '-':>10} "
               f"{s['submits']:>7} {s['failures']:>5}  {extra}")
-    print(format_table(st["job"]) if st["job"] else "the coordinator does not answer")
+    print(format_table(st["job"]) if st["job"] else no_job_status(st))
     return 0
 
 
