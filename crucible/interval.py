@@ -263,7 +263,7 @@ def from_run_dir(
       ``{"event": "fault"}`` lines and coordinator restarts
       (``coordinator_start`` with ``restored`` true); the time it ran is the
       wall span of the log (last ``time`` - first) less the gaps between
-      launches (``_launches``: a ``--resume`` in the same run directory; a
+      launches (``metrics.launches``: a ``--resume`` in the same run directory; a
       restarted coordinator, or the launcher's whole-job restart after a
       fault, is the same launch going on: its downtime counts).
       ``node_mtbf_s / nodes``, when given, is used instead (the notes give
@@ -292,7 +292,7 @@ def from_run_dir(
     persists = [p for p in (_num(ev.get("persist_s")) for ev in commits) if p is not None and p >= 0]
     stops = _interruptions(events)
     span, gaps = 0.0, []
-    for launch in _launch_segments(events):
+    for launch in metrics.launch_segments(events):
         times = [t for t in (_num(ev.get("time")) for ev in launch) if t is not None]
         span += (max(times) - min(times)) if times else 0.0
         last = None                     # (the time of the launch's previous commit)
@@ -333,44 +333,6 @@ def _interruptions(events: list[dict]) -> list[dict]:
     return out
 
 
-def _launches(events: list[dict]) -> list[float]:
-    """When each launch of the job began: a coordinator start that neither
-    continued its predecessor (``restored``) nor is the launcher's
-    whole-job restart (a ``job_restart`` since the previous start).  A
-    replica's steps before and after one are of different launches."""
-    starts = sorted((t, ev.get("restored") is True) for ev in events if ev["event"] == "coordinator_start"
-                    for t in [_num(ev.get("time"))] if t is not None)
-    restarts = sorted(t for ev in events if ev["event"] == "job_restart" for t in [_num(ev.get("time"))]
-                      if t is not None)
-    out, prev = [], float("-inf")
-    for t, restored in starts:
-        if not restored and not any(prev <= j <= t for j in restarts):
-            out.append(t)
-        prev = t
-    return out
-
-
-# what a starting coordinator logs before its coordinator_start (its resume, the
-# leftovers it removes, its exporters): the new launch's, not the previous one's
-_START_UP = frozenset({"ckpt_resume", "ckpt_clean", "ckpt_damaged", "ckpt_incomplete", "ckpt_set_aside",
-                       "ckpt_notice", "outer_forgotten", "prometheus"})
-
-
-def _launch_segments(events: list[dict]) -> list[list[dict]]:
-    """The log's events cut at each launch (``_launches``), each launch
-    with what its coordinator logged just before its ``coordinator_start``."""
-    starts = set(_launches(events))
-    out: list[list[dict]] = [[]]
-    for ev in events:
-        if ev["event"] == "coordinator_start" and _num(ev.get("time")) in starts and out[-1]:
-            prev, start_up = out[-1], []
-            while prev and prev[-1]["event"] in _START_UP and "src" not in prev[-1]:
-                start_up.insert(0, prev.pop())
-            out.append(start_up)
-        out[-1].append(ev)
-    return [launch for launch in out if launch]
-
-
 def _observed_restart(out: dict, events: list[dict], stops: list[dict], given: float | None) -> None:
     notes = out["notes"]
     steps: dict[int, list[float]] = {}
@@ -384,7 +346,7 @@ def _observed_restart(out: dict, events: list[dict], stops: list[dict], given: f
                for r, ts in steps.items()}
     whole_job = sorted(t for ev in events if ev["event"] in ("job_rollback", "job_restart")
                        for t in [_num(ev.get("time"))] if t is not None)
-    launches = _launches(events)
+    launches = metrics.launches(events)
     taken: set[tuple[int, float]] = set()      # (replica, the gap's last step before): an outage counted
     why_out: dict[str, int] = {}
     for x in stops:

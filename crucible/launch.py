@@ -135,11 +135,15 @@ class Launcher:
         if delay is not None and not math.isfinite(delay):
             raise exits.UsageError(f"--respawn-delay {delay:g}: must be a finite number of seconds "
                                    f"(negative = never)")
+        self.given = list(overrides)      # the user's key=value, as given (the resume hint repeats them)
+        self.given_flags: list[str] = []  # ... and --replicas/--stages/--steps/--device, as flags
         self.overrides = list(overrides)
-        for key, val in (("job.replicas", args.replicas), ("job.stages", args.stages), ("train.steps", args.steps),
-                         ("job.device", getattr(args, "device", None))):
+        for key, flag, val in (("job.replicas", "--replicas", args.replicas), ("job.stages", "--stages", args.stages),
+                               ("train.steps", "--steps", args.steps),
+                               ("job.device", "--device", getattr(args, "device", None))):
             if val is not None:
                 self.overrides.append(f"{key}={val}")
+                self.given_flags += [flag, str(val)]
         self.cfg = Config.load(args.config, self.overrides)   # fail early, naming the bad key
         extras.check_config(self.cfg)                          # ... or the missing optional package
         self.chaos = None
@@ -717,7 +721,9 @@ class Launcher:
             value = getattr(self.args, flag, None)
             if value:
                 argv += ["--" + flag.replace("_", "-"), value if flag == "tls_host" else os.path.abspath(value)]
-        argv += self.overrides      # as given (a relative data.path is the user's to keep right)
+        # The options as the user gave them (--steps 40, not train.steps=40; a relative
+        # data.path is the user's to keep right).
+        argv += self.given_flags + self.given
         return f"crucible: newest checkpoint: step {ckpts[-1].step}; go on from it with\n  {shlex.join(argv)}"
 
     def _summary(self, ending: str) -> str:

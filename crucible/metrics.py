@@ -11,6 +11,7 @@ coordinator (the launcher, the Slurm supervisor) append whole lines with one
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -25,6 +26,54 @@ def whole(x) -> bool:
 def number(x) -> bool:
     """A field of an event line is an int or a float (NaN too: a diverged loss)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def time_of(ev: dict) -> float | None:
+    """An event's ``time`` as a float, or None when it is no finite number."""
+    t = ev.get("time")
+    return float(t) if number(t) and math.isfinite(t) else None
+
+
+def launches(events: list[dict]) -> list[float]:
+    """When each launch of the job began (a ``crucible launch``, or a
+    ``--resume`` into the same run directory): a coordinator start that
+    neither continued its predecessor (``restored``) nor is the launcher's
+    whole-job restart (a ``job_restart`` since the previous start).  A
+    replica's steps before and after one are of different launches; the
+    time between one launch's last event and the next one's first is time
+    the job did not run (``crucible interval``'s M, ``crucible report``'s
+    elapsed time leave it out)."""
+    starts = sorted((t, ev.get("restored") is True) for ev in events if ev["event"] == "coordinator_start"
+                    for t in [time_of(ev)] if t is not None)
+    restarts = sorted(t for ev in events if ev["event"] == "job_restart" for t in [time_of(ev)] if t is not None)
+    out, prev = [], float("-inf")
+    for t, restored in starts:
+        if not restored and not any(prev <= j <= t for j in restarts):
+            out.append(t)
+        prev = t
+    return out
+
+
+# what a starting coordinator logs before its coordinator_start (its resume, the
+# leftovers it removes, its exporters): the new launch's, not the previous one's
+START_UP = frozenset({"ckpt_resume", "ckpt_clean", "ckpt_damaged", "ckpt_incomplete", "ckpt_set_aside",
+                      "ckpt_notice", "outer_forgotten", "prometheus"})
+
+
+def launch_segments(events: list[dict]) -> list[list[dict]]:
+    """The events (in the order given) cut at each launch (``launches``),
+    each launch with what its coordinator logged just before its
+    ``coordinator_start`` (``START_UP``); no empty launch."""
+    starts = set(launches(events))
+    out: list[list[dict]] = [[]]
+    for ev in events:
+        if ev["event"] == "coordinator_start" and time_of(ev) in starts and out[-1]:
+            prev, start_up = out[-1], []
+            while prev and prev[-1]["event"] in START_UP and "src" not in prev[-1]:
+                start_up.insert(0, prev.pop())
+            out.append(start_up)
+        out[-1].append(ev)
+    return [launch for launch in out if launch]
 
 
 class Unreadable(OSError):

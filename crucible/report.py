@@ -4,11 +4,11 @@ Reads only ``metrics.jsonl`` (so it works on a finished run, on one still
 running, whose last line may be half written, and on a copy of the file), and
 writes ``RUN_DIR/report.html`` and its figures under ``RUN_DIR/report/``:
 
-    loss.png         training and held-out loss per replica against wall time (top) and
+    loss.png         training and held-out loss per replica against time (top) and
                      against step (bottom); faults, replacements, route changes,
                      checkpoints and outer rounds marked (lines in the panels, and one
                      row each in the event strip under the time panel)
-    throughput.png   tokens/s per replica against wall time (median of 5 steps), faults marked
+    throughput.png   tokens/s per replica against time (median of 5 steps), faults marked
     goodput.png      each replica's time ledger (stage 0's: compute, communication,
                      checkpoint stall, lost work, paused, recovering) as a stacked bar
     checkpoints.png  per committed save: snapshot stall (the largest of the workers) and
@@ -16,9 +16,20 @@ writes ``RUN_DIR/report.html`` and its figures under ``RUN_DIR/report/``:
     outer.png        bytes per outer round: what each replica sent (summed over its stages)
                      against the dense fp32 size of the same update
 
+Time is the time the job ran, from the start of its first step: a run
+directory that holds several launches (a job stopped, then resumed with
+``crucible launch --resume``; ``metrics.launches`` says what a launch is) has
+the time between them left out, of the time axes (each resume a vertical line
+labelled "resumed" there, the axis label saying how much was left out) and of
+the summary's ``elapsed_s``: the first launch's span from the start of the
+first step to its last event, plus each later launch's, first event to last.
+With one launch (a restarted coordinator, a whole-job restart after a fault
+are the same launch going on, their downtime counted) that is the wall time
+since training started.
+
 matplotlib (Agg, no display) comes with ``pip install 'crucible[report]'``.
 No torch. ``build(run_dir)`` returns a summary (counts of what was marked,
-the figures written) that ``--json`` prints.
+the figures written, the time, the launches) that ``--json`` prints.
 """
 
 from __future__ import annotations
@@ -72,6 +83,14 @@ class Run:
             self.t0 = starts[0]["time"] if starts else (events[0]["time"] if events else time.time())
         self.config = (starts[-1].get("config") or {}) if starts else {}
         self.incarnations = len(starts)
+        # The time between launches (a stop, then a --resume): left out of the time axis.
+        segments = metrics.launch_segments(events)
+        self.launches = max(1, len(segments))
+        self.stopped: list[tuple[float, float]] = []      # (one launch's last event, the next one's first)
+        for a, b in zip(segments, segments[1:]):
+            end, start = a[-1]["time"], b[0]["time"]
+            if start > end:
+                self.stopped.append((end, start))
         self.steps: dict[int, list[dict]] = defaultdict(list)
         self.evals: dict[int, list[dict]] = defaultdict(list)
         self.ledgers: dict[int, dict[str, dict]] = defaultdict(dict)     # replica -> worker -> latest ledger
@@ -117,8 +136,24 @@ class Run:
             self.replica_ids = sorted(set(self.replica_ids) | set(range(R)))
         self.last_time = events[-1]["time"] if events else self.t0
 
+    def ran(self, t: float) -> float:
+        """Wall time t less the time between launches before it."""
+        return t - sum(min(max(t - a, 0.0), b - a) for a, b in self.stopped)
+
     def rel(self, t: float) -> float:
-        return t - self.t0
+        """Where wall time t is on the time axis: the time the job ran since training began."""
+        return self.ran(t) - self.ran(self.t0)
+
+    @property
+    def stopped_s(self) -> float:
+        """The time between launches, left out of the time axis."""
+        return sum(b - a for a, b in self.stopped)
+
+    def time_label(self) -> str:
+        if not self.stopped:
+            return "wall time since training started (s)"
+        return (f"time the job ran since training started (s; the {_duration(self.stopped_s)} between its "
+                f"{self.launches} launches left out)")
 
     def step_at(self, replica: int, t: float) -> float | None:
         """The replica's step at wall time t (interpolated between its step events)."""
@@ -139,6 +174,15 @@ class Run:
 
 def _num(x) -> bool:
     return metrics.number(x) and math.isfinite(x)
+
+
+def _duration(s: float) -> str:
+    """Seconds, or hours (days) when that many."""
+    if s >= 2 * 86400:
+        return f"{s / 86400:.1f} days"
+    if s >= 2 * 3600:
+        return f"{s / 3600:.1f} h"
+    return f"{s:.0f} s"
 
 
 def _color(r: int) -> str:
@@ -210,6 +254,17 @@ def _mark_lines(ax, run: Run, xs_of, kinds=("fault", "replacement")) -> None:
             first = False
 
 
+def _mark_resumes(ax, run: Run, label: bool = True) -> None:
+    """A vertical line where the job was resumed (the time it was stopped left out of the axis)."""
+    for i, (_, start) in enumerate(run.stopped):
+        x = run.rel(start)
+        ax.axvline(x, color="#444444", lw=1.2, ls="-.", alpha=0.9, zorder=1,
+                   label="resumed" if label and i == 0 else None)
+        if label:
+            ax.annotate("resumed", (x, 1.0), xycoords=ax.get_xaxis_transform(), xytext=(3, -3),
+                        textcoords="offset points", ha="left", va="top", fontsize=7.5, color="#444444")
+
+
 def _legend(ax, **kw) -> None:
     """A legend when something is labelled; else say there is nothing yet."""
     if ax.get_legend_handles_labels()[0]:
@@ -239,9 +294,10 @@ def fig_loss(run: Run, path: str) -> dict:
     ax_step = fig.add_subplot(gs[2])
     _loss_curves(run, ax_t, ax_step)
     _mark_lines(ax_t, run, lambda e: run.rel(e["time"]))
+    _mark_resumes(ax_t, run)
     _step_marks(run, ax_step)
     ax_t.set_ylabel("loss (nats/token)")
-    ax_t.set_title("Loss against wall time")
+    ax_t.set_title("Loss against time the job ran" if run.stopped else "Loss against wall time")
     ax_step.set_ylabel("loss (nats/token)")
     ax_step.set_xlabel("step")
     ax_step.set_title("Loss against step (faults and replacements at the replica's step when they happened)")
@@ -249,6 +305,7 @@ def fig_loss(run: Run, path: str) -> dict:
     _legend(ax_step, loc="upper right", ncol=2)
     plt.setp(ax_t.get_xticklabels(), visible=False)
     marks = _event_strip(run, ax_s)
+    _mark_resumes(ax_s, run, label=False)
     for a in (ax_t, ax_s):
         a.set_xlim(left=-0.01 * max(run.rel(run.last_time), 1.0), right=max(run.rel(run.last_time), 1.0) * 1.01)
     _save(fig, path)
@@ -314,7 +371,7 @@ def _event_strip(run: Run, ax_s) -> dict:
     ax_s.set_yticks(range(len(rows)))
     ax_s.set_yticklabels([f"{MARKS[k][3]} ({sum(1 for x in xs if x >= 0)})" for k, xs in reversed(rows)])
     ax_s.set_ylim(-0.6, len(rows) - 0.4)
-    ax_s.set_xlabel("wall time since training started (s)")
+    ax_s.set_xlabel(run.time_label())
     ax_s.grid(axis="y", alpha=0)
     marks = {kind: sum(1 for x in xs if x >= 0) for kind, xs in rows}
     marks.setdefault("kill", 0)
@@ -331,9 +388,10 @@ def fig_throughput(run: Run, path: str) -> None:
         tps = _median_filter([e.get("tokens", 0) / e["step_s"] for e in pts])
         ax.plot(*_gapped(pts, [run.rel(e["time"]) for e in pts], tps), color=_color(r), lw=1.1, label=f"r{r}")
     _mark_lines(ax, run, lambda e: run.rel(e["time"]))
+    _mark_resumes(ax, run)
     ax.set_ylim(bottom=0)
     ax.set_xlim(left=-0.01 * max(run.rel(run.last_time), 1.0), right=max(run.rel(run.last_time), 1.0) * 1.01)
-    ax.set_xlabel("wall time since training started (s)")
+    ax.set_xlabel(run.time_label())
     ax.set_ylabel("tokens/s (per replica)")
     ax.set_title("Throughput (median of 5 steps; a step's time is stage 0's, from its start to its commit)")
     _legend(ax, loc="lower right", ncol=4)
@@ -458,7 +516,8 @@ def _fmt(x, nd=3) -> str:
 
 
 CAPTIONS = {
-    "loss": "Training loss (thin) and held-out loss (dots) per replica. Top: against wall time, with worker "
+    "loss": "Training loss (thin) and held-out loss (dots) per replica. Top: against time (wall time; the time "
+            "the job ran, resumes marked, when the run directory holds several launches), with worker "
             "losses (red dashed) and replacements entering a route (green dotted); the strip below has one row "
             "per kind of event. Bottom: against step (checkpoints as squares on the axis, outer rounds as "
             "triangles at the top).",
@@ -508,6 +567,7 @@ def build(run_dir: str, out: str | None = None) -> dict:
     state = "finished" if run.done else "running (or stopped before the end)"
     summary = {"run_dir": os.path.abspath(run_dir), "report": os.path.abspath(out), "state": state,
                "events": len(events), "skipped_lines": bad, "elapsed_s": round(run.rel(run.last_time), 3),
+               "launches": run.launches, "between_launches_s": round(run.stopped_s, 3),
                "replicas": rows, "marks": marks, "checkpoints": len(run.ckpts), "aborted_checkpoints": len(run.aborts),
                "outer_rounds": len(run.rounds), "figures": [os.path.join(fig_dir, f) for f in figs.values()]}
     atomic_write(out, _page(run, run_dir, summary, figs, bad), fsync=False)
@@ -529,6 +589,11 @@ def _page(run: "Run", run_dir: str, summary: dict, figs: dict, bad: int) -> str:
         notes.append(f"{bad} line(s) of metrics.jsonl did not parse (a line still being written) and were skipped.")
     if run.incarnations > 1:
         notes.append(f"The coordinator started {run.incarnations} times (restarts or resumes).")
+    if run.stopped:
+        notes.append(f"The run directory holds {run.launches} launches (the job was stopped and resumed): the "
+                     f"{_duration(run.stopped_s)} between them are left out of the time axes (each resume a line "
+                     f"labelled 'resumed') and of the {summary['elapsed_s']:.0f} s above.")
+    took = f"the job ran (in {run.launches} launches)" if run.stopped else "of wall time"
     body = "\n".join(
         f"<h2>{name}</h2><img src='report/{fn}' alt='{name}'><p class='cap'>{html.escape(CAPTIONS[name])}</p>"
         for name, fn in figs.items())
@@ -539,7 +604,7 @@ img{{max-width:100%;border:1px solid #ddd}}table{{border-collapse:collapse}}td,t
 .cap{{color:#555;font-size:.9em}}</style></head><body>
 <h1>Run report</h1>
 <p><code>{html.escape(os.path.abspath(run_dir))}</code>: {html.escape(shape)}.<br>
-{html.escape(summary['state'])}; {summary['elapsed_s']:.0f} s of wall time; {marks['fault']} worker(s) lost,
+{html.escape(summary['state'])}; {summary['elapsed_s']:.0f} s {took}; {marks['fault']} worker(s) lost,
 {marks['replacement']} replacement(s), {marks['route']} route change(s), {len(run.ckpts)} checkpoint(s) committed
 ({len(run.aborts)} aborted), {len(run.rounds)} outer round(s). Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>
 <table><tr><th>replica</th><th>steps</th><th>last train loss</th><th>last held-out loss</th><th>goodput</th></tr>

@@ -363,6 +363,32 @@ def test_the_summary_ledger_sums_every_stage0_worker_of_a_replica(tmp_path):
     assert out.splitlines()[1] == "  r1: 400 steps, loss 2.500; goodput 20% of 40s (compute 8.0s, lost 4.0s, paused 1.0s)", out
 
 
+def test_the_resume_hint_repeats_the_options_as_the_user_gave_them(tmp_path):
+    """`crucible launch --steps 40 train.lr=1e-3` stopped: the command printed
+    to go on from its checkpoint said `train.steps=40` for the user's
+    `--steps 40` (it repeated the flags as the configuration keys they set)."""
+    import shlex
+
+    from crucible.cli import build_parser
+    from crucible.launch import Launcher
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000012"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"format": "crucible-checkpoint", "version": 1, "step": 12,
+                                                     "time": 0, "checksum": "sha256", "shards": []}))
+    args = build_parser().parse_args(["launch", "--run-dir", str(run), "--replicas", "1", "--stages", "2",
+                                      "--steps", "40", "--device", "cpu", "train.lr=1e-3", "model.n_layer=4"])
+    hint = Launcher(args, args.overrides)._resume_hint().splitlines()
+    assert hint[0] == "crucible: newest checkpoint: step 12; go on from it with", hint
+    assert shlex.split(hint[1]) == ["crucible", "launch", "--run-dir", str(run), "--resume", "--replicas", "1",
+                                    "--stages", "2", "--steps", "40", "--device", "cpu", "train.lr=1e-3",
+                                    "model.n_layer=4"], hint
+    # ... and it is a command the launcher takes, for the same job
+    again = build_parser().parse_args(shlex.split(hint[1])[1:])
+    assert Launcher(again, again.overrides).cfg.to_dict() == Launcher(args, args.overrides).cfg.to_dict()
+
+
 def test_failing_saves_are_said_once_and_a_finished_job_without_its_last_checkpoint_says_so(tmp_path, capsys):
     """Saves that fail (here: a full disk) are said on the terminal, once until
     one commits again; a late target is not. A job that finished while the save

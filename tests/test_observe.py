@@ -300,3 +300,46 @@ def test_missing_optional_package_is_one_clear_line(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "tensorboard" in lines[0] and "crucible[report]" in lines[0], out.stderr
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_report_leaves_out_the_time_between_launches(tmp_path):
+    """A job stopped by SIGTERM and resumed a day later (`crucible launch
+    --resume` into the same run directory): `crucible report` counted the
+    day in elapsed_s and on its time axes. It counts the time the job ran:
+    the first launch from the start of its first step, the second from its
+    first event (the resume it logs before its coordinator_start); a
+    coordinator restart inside a launch is the same launch going on."""
+    from crucible.report import Run, read_events
+
+    day = 86400.0
+
+    def steps(r, ts, first):
+        return [{"event": "step", "replica": r, "step": first + i, "loss": 3.0 - 0.01 * (first + i), "tokens": 256,
+                 "step_s": 1.0, "time": t} for i, t in enumerate(ts)]
+
+    log = ([{"event": "coordinator_start", "time": 0.0, "restored": False, "incarnation": 1,
+             "config": {"job": {"replicas": 1, "stages": 2}}}]
+           + steps(0, [10.0 + i for i in range(41)], 0)                           # training from 9 to 50
+           + [{"event": "ckpt_commit", "time": 51.0, "step": 41, "stall_s": 0.1, "final": True},
+              {"event": "job_stopped", "time": 52.0, "signal": "SIGTERM"},
+              {"event": "ckpt_resume", "time": day - 5, "step": 41},               # the resume, a day later
+              {"event": "coordinator_start", "time": day, "restored": False, "incarnation": 2,
+               "config": {"job": {"replicas": 1, "stages": 2}}}]
+           + steps(0, [day + 10 + i for i in range(10)], 41)
+           + [{"event": "coordinator_start", "time": day + 25, "restored": True, "incarnation": 3}]  # same launch
+           + steps(0, [day + 30 + i for i in range(10)], 51)
+           + [{"event": "job_done", "time": day + 45}])
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in log)
+    ran = (52.0 - 9.0) + (day + 45 - (day - 5))                                    # 43 s + 50 s
+    summary = _report(str(tmp_path))
+    assert summary["elapsed_s"] == pytest.approx(ran)
+    assert summary["launches"] == 2 and summary["between_launches_s"] == pytest.approx(day - 5 - 52.0)
+    assert summary["replicas"][0]["steps"] == 61 and summary["state"] == "finished"
+    _check_figures(summary)
+    page = open(summary["report"]).read()
+    assert f"{ran:.0f} s the job ran (in 2 launches)" in page and "left out of the time axes" in page
+    # On the time axis the resume follows the first launch's last event at once.
+    run = Run(read_events(str(tmp_path / "metrics.jsonl"))[0])
+    assert run.rel(9.0) == 0.0 and run.rel(52.0) == 43.0 and run.rel(day - 5) == 43.0
+    assert run.rel(day + 10) == pytest.approx(58.0) and run.rel(day + 45) == pytest.approx(ran)
