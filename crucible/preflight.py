@@ -40,6 +40,7 @@ import math
 import os
 import time
 
+from crucible import sizing
 from crucible.config import Config
 
 
@@ -122,7 +123,8 @@ def check_steps_left(done: list, cfg: Config) -> None:
         raise CheckFailed(store.nothing_left(chosen, cfg.train.steps))
 
 
-NO_CHECK_HINT = "crucible launch --no-check starts it anyway"
+NO_CHECK_HINT = ("crucible launch --no-check starts it anyway (crucible check of a job whose workers run on other "
+                 f"hosts: {sizing.SKIP_ENV}=1)")
 
 
 def check_memory(cfg: Config) -> str:
@@ -131,8 +133,6 @@ def check_memory(cfg: Config) -> str:
     CUDA available) each of their GPUs' free memory; raises sizing.TooBig,
     else returns a summary line. CUDA is asked only for a job on GPUs, and
     only where torch sees one."""
-    from crucible import sizing
-
     if sizing.skipped():
         return f"memory: not compared (${sizing.SKIP_ENV} is set)"
     spec, gpus, free = cfg.job.device, 0, None

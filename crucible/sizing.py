@@ -349,8 +349,36 @@ def _stat(path: str, key: str) -> int:
     return 0
 
 
+def host_total() -> tuple[int, str] | None:
+    """Memory this host has in all (bytes) and where that was read: the
+    kernel's MemTotal, or a cgroup's limit when that is lower. What a worker
+    compares its own stage with: what the others use now (and their
+    allocators keep) is not its concern, only whether it could fit at all
+    (the launch's pre-flight compares the whole job with what is available)."""
+    best: tuple[int, str] | None = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    best = (int(line.split()[1]) * 1024, "MemTotal")
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, _, where in _cgroup_limits():
+        if best is None or limit < best[0]:
+            best = (limit, where)
+    return best
+
+
 def _cgroup_room():
     """(limit - usage + inactive file pages, which) for each memory cgroup
+    limit of this process that is set."""
+    for limit, used, where in _cgroup_limits():
+        yield max(limit - used, 0), where
+
+
+def _cgroup_limits():
+    """(limit, usage less inactive file pages, which) for each memory cgroup
     limit of this process that is set (v2: memory.max of its cgroup and its
     parents; v1: memory.limit_in_bytes)."""
     try:
@@ -368,14 +396,13 @@ def _cgroup_room():
                 limit = _read_int(os.path.join(d, "memory.max"))
                 used = _read_int(os.path.join(d, "memory.current"))
                 if limit is not None and used is not None and limit < 2**60:
-                    yield (max(limit - used + _stat(os.path.join(d, "memory.stat"), "inactive_file"), 0),
-                           "cgroup memory.max")
+                    yield limit, used - _stat(os.path.join(d, "memory.stat"), "inactive_file"), "cgroup memory.max"
         elif "memory" in controllers.split(","):  # cgroup v1
             for d in ("/sys/fs/cgroup/memory" + path, "/sys/fs/cgroup/memory"):
                 limit = _read_int(os.path.join(d, "memory.limit_in_bytes"))
                 used = _read_int(os.path.join(d, "memory.usage_in_bytes"))
                 if limit is not None and used is not None and limit < 2**60:
-                    yield (max(limit - used + _stat(os.path.join(d, "memory.stat"), "total_inactive_file"), 0),
+                    yield (limit, used - _stat(os.path.join(d, "memory.stat"), "total_inactive_file"),
                            "cgroup memory.limit_in_bytes")
                     break
 
@@ -431,7 +458,8 @@ def skipped() -> bool:
 
 
 def check(cfg: Config, slots, who: str, process: bool, device_free: dict[str, int] | None = None,
-          host: tuple[int, str] | None | bool = True, hint: str = "", stable: bool = False) -> str:
+          host: tuple[int, str] | None | bool = True, hint: str = "", stable: bool = False,
+          capacity: bool = False) -> str:
     """Refuse (TooBig, one line naming the keys that set the size) when the
     workers that would run here need more memory than this host has
     available, or than a GPU has free. ``slots(cfg)``: (stage, device, how
@@ -445,7 +473,9 @@ def check(cfg: Config, slots, who: str, process: bool, device_free: dict[str, in
     `stable`: the line leaves out the memory available (which changes from
     one try to the next) so that the same refusal twice reads the same (the
     launcher's crash-loop rule compares the lines); TooBig's ``have`` holds
-    it. Returns a summary line. A model.builder model is not estimated."""
+    it. `capacity`: `host` and `device_free` are what the host and each GPU
+    have in all (``host_total``; a worker's own check), not what is free.
+    Returns a summary line. A model.builder model is not estimated."""
     if cfg.model.builder:
         return "memory: not estimated (model.builder: its size is known once built)"
 
@@ -460,13 +490,14 @@ def check(cfg: Config, slots, who: str, process: bool, device_free: dict[str, in
     what = (f"{largest.params:,} parameters" if one else
             f"the largest, stage {largest.stage}: ~{size(largest.total)} for {largest.params:,} parameters")
     checks = []
+    has, free_ = ("in all", "in all") if capacity else ("available", "free")
     if host is not None:
         checks.append((lambda c: sum(need.host * n for need, n in needs(c)), host[0],
-                       f"this host has {size(host[0])} available ({host[1]})",
-                       f"more than this host has available ({host[1]})", "on this host"))
+                       f"this host has {size(host[0])} {has} ({host[1]})",
+                       f"more than this host has {has} ({host[1]})", "on this host"))
     for dev, free in sorted((device_free or {}).items()):
         checks.append((lambda c, dev=dev: sum(need.on_device * n for need, n in needs(c) if need.device == dev),
-                       free, f"{dev} has {size(free)} free", f"more than {dev} has free", f"on {dev}"))
+                       free, f"{dev} has {size(free)} {free_}", f"more than {dev} has {free_}", f"on {dev}"))
     for measure, limit, have, more, where in checks:
         need = measure(cfg)
         if need > limit:
@@ -476,5 +507,5 @@ def check(cfg: Config, slots, who: str, process: bool, device_free: dict[str, in
             err.have = have
             raise err
     total = sum(need.total * n for need, n in mine)
-    room = f"; this host has {size(host[0])} available ({host[1]})" if host is not None else ""
+    room = f"; this host has {size(host[0])} {has} ({host[1]})" if host is not None else ""
     return f"memory: ~{size(total)} estimated for {who} ({what}){room}"

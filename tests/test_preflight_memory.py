@@ -192,6 +192,26 @@ def test_a_workers_refusal_reads_the_same_whatever_the_host_has():
     assert lines[0] == lines[1] and "more than this host has available (test)" in lines[0], lines
 
 
+def test_a_worker_compares_its_stage_with_what_the_host_has_in_all():
+    """A worker's own check (capacity=True, host_total) is against the
+    host's (and GPU's) whole memory: a replacement started beside its
+    siblings at their peak was refused against what was free at that moment,
+    and the crash-loop rule then stopped a job that had only lost a worker."""
+    total = sizing.host_total()
+    avail = sizing.host_available()
+    assert total is not None and total[0] > 0 and total[1] in ("MemTotal", "cgroup memory.max",
+                                                               "cgroup memory.limit_in_bytes")
+    assert avail is None or avail[0] <= total[0]
+    cfg = Config.load(None, ["model.n_layer=100000"])
+    with pytest.raises(sizing.TooBig) as e:
+        sizing.check(cfg, lambda c: [(0, "cuda:0", 1)], "stage 0 (r0s0)", process=False, host=(4096 * GiB, "test"),
+                     device_free={"cuda:0": 80 * GiB}, stable=True, capacity=True)
+    assert "more than cuda:0 has in all" in str(e.value) and e.value.have == "cuda:0 has 80.0 GiB in all", e.value
+    small = Config.load(None, [])
+    line = sizing.check(small, lambda c: [(0, "cpu", 1)], "stage 0 (r0s0)", process=False, host=(8 * GiB, "test"),
+                        capacity=True)
+    assert line.endswith("this host has 8.0 GiB in all (test)"), line
+
 def test_check_memory_asks_cuda_only_for_a_job_on_gpus(monkeypatch):
     """crucible check's memory check (preflight.check_memory): a CPU job never
     asks torch about CUDA; a job on job.device=cuda compares each GPU the
@@ -299,7 +319,7 @@ def test_a_worker_refuses_a_stage_too_big_for_this_host(tmp_path):
         last = [x for x in err.splitlines() if x.strip()][-1]
         assert code == 2, err
         assert last.startswith("crucible: model.n_layer=1000000: stage 0 (r0s0) needs ~"), err
-        assert "more than this host has available" in last and f"{sizing.SKIP_ENV}=1" in last, last
+        assert "more than this host has in all" in last and f"{sizing.SKIP_ENV}=1" in last, last
         assert "Traceback" not in err, err
         assert error_file.read_text().strip() == last[len("crucible: "):]
         assert peak < 2 * 1024 * 1024, f"peak RSS {peak} KiB"

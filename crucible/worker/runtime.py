@@ -215,19 +215,26 @@ class Worker:
             self.evals = eval_batches(corpus.held_out(cfg.train.eval_split), cfg.train.seq_len, mb, cfg.train.eval_batches)
 
     def _check_memory(self) -> None:
-        """Before the stage is built: whether it fits the memory this host has
-        available (and, on a GPU, the GPU's free memory); sizing.TooBig, one
-        line naming the keys, else nothing. The line leaves the amounts out
-        (this log has them), so that the same refusal twice reads the same
-        and the launcher's crash-loop rule stops the job. Not compared under
-        $CRUCIBLE_NO_MEMORY_CHECK (``crucible launch --no-check``)."""
+        """Before the stage is built: whether it could fit this host at all
+        (its memory in all, ``sizing.host_total``, and on a GPU the GPU's
+        total memory); sizing.TooBig, one line naming the keys, else
+        nothing. Not what is free now: a replacement started beside its
+        siblings at their peak (their allocators holding what they freed)
+        would be refused where its predecessor fit, and the crash-loop rule
+        would then stop a job that only lost a worker; the launch's
+        pre-flight compares the whole job with what is available. The line
+        leaves the amounts out (this log has them), so that the same refusal
+        twice reads the same and the launcher's crash-loop rule stops the
+        job. Not compared under $CRUCIBLE_NO_MEMORY_CHECK (``crucible
+        launch --no-check``)."""
         if sizing.skipped():
             return
         cfg, dev = self.cfg, str(self.device)
-        free = {dev: torch.cuda.mem_get_info(self.device)[0]} if self.device.type == "cuda" else None
+        total = {dev: torch.cuda.mem_get_info(self.device)[1]} if self.device.type == "cuda" else None
         try:
             line = sizing.check(cfg, lambda c: [(min(self.stage, c.job.stages - 1), dev, 1)],
-                                f"stage {self.stage} ({self.name})", process=False, device_free=free, stable=True,
+                                f"stage {self.stage} ({self.name})", process=False, device_free=total,
+                                host=sizing.host_total(), stable=True, capacity=True,
                                 hint=f"{sizing.SKIP_ENV}=1 (crucible launch --no-check) starts it anyway")
         except sizing.TooBig as e:
             log.error("%s: %s (%s)", self.name, e, e.have)
