@@ -38,34 +38,64 @@ def resolve(run_dir: str | None, coordinator: str | None) -> tuple[str, str]:
         raise SystemExit(f"crucible status: no coordinator address in {path}: is a job running there?") from None
 
 
-def no_answer(addr: str, run_dir: str | None) -> str:
-    """Why `status` has nothing to show: a run directory whose coordinator is
-    gone (nothing holds its ``coordinator.lock``) is a job that has ended, and
-    its metrics say how; otherwise the coordinator does not answer (with the
-    reason when TLS is it)."""
+class Ends:
+    """What metrics.jsonl says of how the job ended, read on from where the
+    last look stopped (for `status --watch`, which asks every second): the
+    last of coordinator_start / job_done / job_stopped, and the newest
+    committed checkpoint's step."""
+
+    KINDS = ("job_done", "job_stopped", "coordinator_start", "ckpt_commit")
+
+    def __init__(self):
+        self.offset = 0
+        self.last: dict = {}
+        self.commit = None
+
+    def update(self, run_dir: str) -> "Ends":
+        from crucible import metrics
+
+        if metrics.size(run_dir) < self.offset:          # (a new file: read it from the start)
+            self.__init__()
+        events, self.offset = metrics.follow(run_dir, self.KINDS, self.offset)
+        for e in events:
+            if e["event"] != "ckpt_commit":
+                self.last = e
+            elif metrics.whole(e.get("step")):
+                self.commit = e.get("step")
+        return self
+
+
+def no_answer(addr: str, run_dir: str | None, ends: Ends | None = None) -> str:
+    """Why `status` has nothing to show. The job has ended only where its
+    metrics say so (a job_done or job_stopped after the latest
+    coordinator_start) and nothing holds its ``coordinator.lock``; otherwise
+    the coordinator does not answer, with the reason when TLS is it, and
+    whether anything holds the lock (a coordinator being restarted holds none
+    for a while, and on a filesystem whose flock is node-local the lock is
+    free on every other node). ``ends``: what an earlier call read (--watch)."""
     from crucible import files, metrics
 
-    if run_dir and not files.lock_held(os.path.join(run_dir, "coordinator.lock")):
-        ends, _ = metrics.follow(run_dir, ("job_done", "job_stopped", "coordinator_start", "ckpt_commit"), 0)
-        commits = [e.get("step") for e in ends if e["event"] == "ckpt_commit" and metrics.whole(e.get("step"))]
-        ends = [e for e in ends if e["event"] != "ckpt_commit"]
-        last = ends[-1] if ends else {}
-        resume = (f"`crucible launch --run-dir {run_dir} --resume` with the job's options goes on from its newest "
-                  f"checkpoint{f', step {commits[-1]}' if commits else ''}; `crucible ckpt list {run_dir}` lists them")
-        if last.get("event") == "job_done":
-            steps = last.get("steps")      # (one per replica)
-            steps = set(steps) if isinstance(steps, list) and steps and all(map(metrics.whole, steps)) else set()
-            at = f" at step {steps.pop()}" if len(steps) == 1 else ""
-            how = f"the job finished{at}; its coordinator has exited (`crucible report {run_dir}` shows the run)"
-        elif last.get("event") == "job_stopped":
-            sig = last.get("signal")
-            by = f" by {sig}" if isinstance(sig, str) else ""
-            how = f"the job was stopped{by} before its last step ({resume})"
-        else:
-            how = f"no job is running there (nothing holds its coordinator.lock): it stopped before the end ({resume})"
-        return f"crucible status: {run_dir}: {how}"
     why = rpc.explain(addr)
-    return f"crucible status: coordinator at {addr} does not answer{': ' + why if why else ''}"
+    line = f"crucible status: coordinator at {addr} does not answer{': ' + why if why else ''}"
+    if not run_dir or files.lock_held(os.path.join(run_dir, "coordinator.lock")):
+        return line
+    ends = (ends or Ends()).update(run_dir)
+    last = ends.last
+    resume = (f"`crucible launch --run-dir {run_dir} --resume` with the job's options goes on from its newest "
+              f"checkpoint{f', step {ends.commit}' if ends.commit is not None else ''}; "
+              f"`crucible ckpt list {run_dir}` lists them")
+    if last.get("event") == "job_done":
+        steps = last.get("steps")      # (one per replica)
+        steps = set(steps) if isinstance(steps, list) and steps and all(map(metrics.whole, steps)) else set()
+        at = f" at step {steps.pop()}" if len(steps) == 1 else ""
+        return f"crucible status: {run_dir}: the job finished{at}; its coordinator has exited " \
+               f"(`crucible report {run_dir}` shows the run)"
+    if last.get("event") == "job_stopped":
+        sig = last.get("signal")
+        by = f" by {sig}" if isinstance(sig, str) else ""
+        return f"crucible status: {run_dir}: the job was stopped{by} before its last step ({resume})"
+    return (f"{line}; nothing holds its coordinator.lock: it may be restarting, or the job stopped before "
+            f"the end ({resume})")
 
 
 def _fmt(v, spec=".3f", none="-"):
@@ -112,10 +142,11 @@ def format_table(st: dict) -> str:
 def main(args) -> int:
     addr, token = resolve(args.run_dir, args.coordinator)
     client = StatusClient(addr, token)
+    ends = Ends()
     while True:
         st = client.get(timeout=3.0 if args.watch else 10.0)
         if st is None:
-            print(no_answer(addr, args.run_dir), file=sys.stderr, flush=True)
+            print(no_answer(addr, args.run_dir, ends), file=sys.stderr, flush=True)
             if not args.watch:
                 return 1
         elif args.json:

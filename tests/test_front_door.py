@@ -456,13 +456,6 @@ def test_status_of_a_finished_job_says_it_finished(tmp_path):
       {"event": "ckpt_commit", "step": 14, "final": True}],
      "the job was stopped by SIGTERM before its last step (`crucible launch --run-dir {run} --resume` with the "
      "job's options goes on from its newest checkpoint, step 14; `crucible ckpt list {run}` lists them)"),
-    ([START], "no job is running there (nothing holds its coordinator.lock): it stopped before the end "
-              "(`crucible launch --run-dir {run} --resume` with the job's options goes on from its newest checkpoint; "
-              "`crucible ckpt list {run}` lists them)"),
-    # a resume after the job finished (more steps), killed: not "finished"
-    ([START, {"event": "job_done", "steps": [40]}, START, {"event": "ckpt_commit", "step": 44}],
-     "no job is running there (nothing holds its coordinator.lock): it stopped before the end "
-     "(`crucible launch --run-dir {run} --resume` with the job's options goes on from its newest checkpoint, step 44;"),
     ([START, {"event": "job_done", "steps": [30, 40]}], "the job finished; its coordinator has exited"),
 ])
 def test_status_of_an_ended_job_says_how_it_ended(events, says, tmp_path):
@@ -471,6 +464,55 @@ def test_status_of_an_ended_job_says_how_it_ended(events, says, tmp_path):
     run = _ended_run(tmp_path, *events)
     line = no_answer("127.0.0.1:1", str(run))
     assert line.startswith(f"crucible status: {run}: ") and says.format(run=run) in line, line
+
+
+@pytest.mark.parametrize("events, says", [
+    # a coordinator that crashed and that `crucible launch` restarts: no lock held for a while, and no end in
+    # the log; nor on a filesystem whose flock is node-local (the lock free on this node): not "ended"
+    ([START], "; nothing holds its coordinator.lock: it may be restarting, or the job stopped before the end "
+              "(`crucible launch --run-dir {run} --resume` with the job's options goes on from its newest checkpoint; "
+              "`crucible ckpt list {run}` lists them)"),
+    # a resume after the job finished (more steps), killed or restarting: not "finished"
+    ([START, {"event": "job_done", "steps": [40]}, START, {"event": "ckpt_commit", "step": 44}],
+     "; nothing holds its coordinator.lock: it may be restarting, or the job stopped before the end "
+     "(`crucible launch --run-dir {run} --resume` with the job's options goes on from its newest checkpoint, step 44;"),
+    # resumed after a stop: the earlier job_stopped is not this coordinator's end
+    ([START, {"event": "job_stopped", "signal": "SIGINT"}, START], "; nothing holds its coordinator.lock"),
+    ([], "; nothing holds its coordinator.lock"),
+])
+def test_status_of_a_job_whose_log_shows_no_end_keeps_the_reason(events, says, tmp_path, monkeypatch):
+    """`crucible status` said "the job has ended" wherever nothing held
+    coordinator.lock, and dropped the reason the coordinator does not answer."""
+    from crucible import rpc
+    from crucible.status import no_answer
+
+    run = _ended_run(tmp_path, *events)
+    monkeypatch.setattr(rpc, "explain", lambda addr: "its certificate is not for 127.0.0.1")
+    line = no_answer("127.0.0.1:1", str(run))
+    assert line.startswith("crucible status: coordinator at 127.0.0.1:1 does not answer: its certificate is not "
+                           "for 127.0.0.1; ") and says.format(run=run) in line, line
+
+
+def test_status_watch_reads_the_log_on_from_where_it_stopped(tmp_path, monkeypatch):
+    """`status --watch` asks every second: the log is read on from the last
+    offset, not again from the start, and what comes later still counts."""
+    from crucible import metrics
+    from crucible.status import Ends, no_answer
+
+    run = _ended_run(tmp_path, START, {"event": "ckpt_commit", "step": 8})
+    ends = Ends()
+    assert "does not answer" in no_answer("127.0.0.1:1", str(run), ends)
+    assert ends.offset == metrics.size(str(run)) > 0 and ends.commit == 8
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"event": "job_stopped", "signal": "SIGTERM"}) + "\n")
+    seen = []
+    real = metrics.follow
+    monkeypatch.setattr(metrics, "follow", lambda path, kinds, offset: seen.append(offset) or real(path, kinds, offset))
+    line = no_answer("127.0.0.1:1", str(run), ends)
+    assert seen == [ends.offset - len(json.dumps({"event": "job_stopped", "signal": "SIGTERM"})) - 1], seen
+    assert line == (f"crucible status: {run}: the job was stopped by SIGTERM before its last step (`crucible launch "
+                    f"--run-dir {run} --resume` with the job's options goes on from its newest checkpoint, step 8; "
+                    f"`crucible ckpt list {run}` lists them)"), line
 
 
 def test_status_of_a_running_job_that_does_not_answer_says_so(tmp_path):

@@ -143,3 +143,28 @@ def test_a_render_into_an_earlier_renders_directory_leaves_none_of_its_manifests
                                        "secret.yaml", "worker-r0s0.yaml", "worker-r0s1.yaml"]
     assert ("removed 5 manifest(s) of an earlier render that this job does not have: configmap.yaml, "
             "worker-r0s2.yaml, worker-r1s0.yaml, worker-r1s1.yaml and 1 more") in p.stderr, p.stderr
+
+
+def test_a_render_leaves_manifests_it_did_not_write(tmp_path):
+    """remove_stale deleted any configmap.yaml or worker-r*s*.yaml in --out,
+    whoever wrote it: a user's own ConfigMap went with a re-render."""
+    out = tmp_path / "manifests"
+    out.mkdir()
+    mine = ("apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: my-settings\n  labels:\n    app: mine\n"
+            "data:\n  level: \"3\"\n")
+    (out / "configmap.yaml").write_text(mine)
+    (out / "worker-r9s9.yaml").write_text("kind: Job\nmetadata:\n  name: someone-elses\n")
+    p, _ = render(tmp_path, "--replicas", "1", "--stages", "2")
+    assert p.returncode == 0, p.stderr
+    assert (out / "configmap.yaml").read_text() == mine and (out / "worker-r9s9.yaml").exists()
+    assert "removed" not in p.stderr and "configmap" not in p.stderr, p.stderr
+    # an earlier render's, whatever its --name, still goes
+    p, _ = render(tmp_path, "--replicas", "2", "--stages", "2", name="other")
+    assert p.returncode == 0, p.stderr
+    p, _ = render(tmp_path, "--replicas", "1", "--stages", "2")
+    assert p.returncode == 0, p.stderr
+    assert sorted(n for n in os.listdir(out) if n.startswith("worker-")) == \
+        ["worker-r0s0.yaml", "worker-r0s1.yaml", "worker-r9s9.yaml"]
+    assert "removed 2 manifest(s) of an earlier render that this job does not have: worker-r1s0.yaml, " \
+           "worker-r1s1.yaml" in p.stderr, p.stderr
+    assert (out / "configmap.yaml").read_text() == mine

@@ -197,6 +197,22 @@ def test_status_says_why_the_coordinator_shows_no_job(tmp_path):
         "the job is over (job_done); its coordinator has exited (its Slurm job 7: COMPLETED)"
     # a coordinator job still running after a job_done of an earlier launch: it does not answer
     assert "does not answer" in slurm.no_job_status(st("n1:5000", "RUNNING"))
+    # `slurm up --resume` after a stopped run: the earlier run's job_stopped is not this run's end, whether
+    # the new coordinator has started since (a coordinator_start after it) or this run began after it
+    (tmp_path / "metrics.jsonl").write_text('{"event": "coordinator_start", "time": 1.0}\n'
+                                            '{"event": "job_stopped", "time": 2.0, "step": 5}\n')
+    assert slurm.no_job_status(st("n1:5000", "COMPLETED")).startswith("the job is over (job_stopped)")
+    start = (tmp_path / "metrics.jsonl").stat().st_size
+    assert slurm.no_job_status({**st("n1:5000", "PENDING"), "metrics_start": start}) == \
+        "the coordinator at n1:5000 does not answer (its Slurm job 7: PENDING)"
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"event": "coordinator_start", "time": 3.0, "restored": true}\n')
+    for s in (st("n1:5000", "PENDING"), st("n1:5000", "FAILED"), {**st("n1:5000", "FAILED"), "metrics_start": start}):
+        assert "does not answer" in slurm.no_job_status(s), s
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"event": "job_done", "time": 4.0, "steps": [10]}\n')
+    assert slurm.no_job_status({**st("n1:5000", "COMPLETED"), "metrics_start": start}).startswith(
+        "the job is over (job_done)")
 
 def test_cluster_modules_never_import_torch():
     code = ("import sys, crucible.cli, crucible.cluster.slurm, crucible.cluster.slurm_job, crucible.cluster.k8s, "

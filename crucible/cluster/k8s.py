@@ -234,15 +234,39 @@ def write(out_dir: str, files: dict[str, list[dict]]) -> list[str]:
 
 
 # the files a render writes whose set depends on the job: a re-render into the same --out removes
-# those of an earlier one that this one does not write (`kubectl apply -f DIR` would apply them)
+# those of an earlier one that this one does not write (`kubectl apply -f DIR` would apply them), and
+# only those a render wrote: a file of that name whose manifest carries crucible's labels (see _labels)
 _VARIABLE = re.compile(r"^(worker-r\d+s\d+|configmap)\.yaml$")
+
+
+def _label_line(key: str, value: str) -> re.Pattern:
+    return re.compile(rf'^\s*{re.escape(key)}:\s*(?:"{value}"|\'{value}\'|{value})\s*$', re.M)
+
+
+_OURS = _label_line("app.kubernetes.io/name", "crucible")
+_COMPONENT = {"configmap.yaml": _label_line("app.kubernetes.io/component", "config"),
+              "worker": _label_line("app.kubernetes.io/component", "worker")}
+
+
+def _rendered(path: str, name: str) -> bool:
+    """The file at ``path`` is a manifest a render wrote (crucible's labels,
+    the component its name says); a user's own file of that name is not."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read(1 << 16)
+    except OSError:
+        return False
+    component = _COMPONENT["configmap.yaml" if name == "configmap.yaml" else "worker"]
+    return bool(_OURS.search(text) and component.search(text))
 
 
 def remove_stale(out_dir: str, files: dict[str, list[dict]]) -> list[str]:
     """Remove the manifests of an earlier render in ``out_dir`` that ``files``
     does not have (worker Jobs of slots this job lacks, a ConfigMap now that
-    no --config is given); their names, sorted by slot."""
-    stale = sorted((n for n in os.listdir(out_dir) if _VARIABLE.match(n) and n not in files),
+    no --config is given); their names, sorted by slot. A file of such a name
+    that no render wrote (a user's own configmap.yaml) is left, unmentioned."""
+    stale = sorted((n for n in os.listdir(out_dir) if _VARIABLE.match(n) and n not in files
+                    and _rendered(os.path.join(out_dir, n), n)),
                    key=lambda n: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", n)])
     for name in stale:
         os.unlink(os.path.join(out_dir, name))

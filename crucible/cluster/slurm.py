@@ -286,6 +286,7 @@ class SlurmRun:
     poll: float = 0.5
     preemption_timeout: float = 60.0
     metrics_offset: int = 0
+    metrics_start: int = 0      # bytes in metrics.jsonl at `slurm up`: what came before is an earlier run's
     created: float = 0.0
     slots: dict[str, Slot] = field(default_factory=dict)
 
@@ -641,7 +642,7 @@ def _new_run(args, run_dir: str, cfg, config: str, overrides: list[str]) -> "Slu
                     worker_sbatch=worker_sb, device=device, port=args.port, resubmit_delay=args.resubmit_delay,
                     max_delay=args.max_delay, healthy_after=args.healthy_after, stuck_after=args.stuck_after,
                     poll=args.poll, preemption_timeout=cfg.checkpoint.preemption_timeout_s,
-                    metrics_offset=offset, created=time.time(),
+                    metrics_offset=offset, metrics_start=offset, created=time.time(),
                     slots={s: Slot(s) for s in slot_names(cfg.job.replicas, cfg.job.stages)})
 
 
@@ -720,7 +721,8 @@ def collect_status(run: SlurmRun) -> dict:
                       "resubmit_in_s": round(max(0.0, slot.next_submit - now), 1) if slot.job_id is None else None,
                       "last_end": slot.last_state or None, "worker_state": w.get("state"), "step": w.get("step")})
     return {"run_dir": run.run_dir, "run_id": run.run_id, "supervisor_pid": supervisor_alive(run),
-            "stopping": os.path.exists(run.stop_path), "slots": slots, "coordinator_addr": addr, "job": job_status}
+            "stopping": os.path.exists(run.stop_path), "slots": slots, "coordinator_addr": addr, "job": job_status,
+            "metrics_start": run.metrics_start}
 
 
 def no_job_status(st: dict) -> str:
@@ -734,7 +736,13 @@ def no_job_status(st: dict) -> str:
         return f"no coordinator has started yet{state}"
     from crucible import metrics
 
-    ends, _ = metrics.follow(st["run_dir"], ("job_done", "job_stopped"), 0)
+    # only an end of this run's latest coordinator: not one written before `slurm up --resume`, nor one
+    # before the latest coordinator_start (a coordinator started since, maybe being resubmitted now)
+    events, _ = metrics.follow(st["run_dir"], ("coordinator_start", "job_done", "job_stopped"),
+                               st.get("metrics_start", 0))
+    ends = []
+    for ev in events:
+        ends = [] if ev["event"] == "coordinator_start" else ends + [ev]
     if ends and (not coord or coord["state"] not in ("RUNNING", "PENDING", "CONFIGURING")):
         return f"the job is over ({ends[-1]['event']}); its coordinator has exited{state}"
     return f"the coordinator at {st['coordinator_addr']} does not answer{state}"
