@@ -313,19 +313,23 @@ def host_available() -> tuple[int, str] | None:
     """Memory this host can still give (bytes) and where that was read: the
     kernel's MemAvailable, or a cgroup's limit less its use (less its
     reclaimable page cache) when that is lower. None where neither is known."""
-    best: tuple[int, str] | None = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    best = (int(line.split()[1]) * 1024, "MemAvailable")
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
+    best = _meminfo("MemAvailable")
     for avail, where in _cgroup_room():
         if best is None or avail < best[0]:
             best = (avail, where)
     return best
+
+
+def _meminfo(key: str) -> tuple[int, str] | None:
+    """(bytes, key) of a /proc/meminfo line (kB there), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024, key
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _read_int(path: str) -> int | None:
@@ -355,15 +359,7 @@ def host_total() -> tuple[int, str] | None:
     compares its own stage with: what the others use now (and their
     allocators keep) is not its concern, only whether it could fit at all
     (the launch's pre-flight compares the whole job with what is available)."""
-    best: tuple[int, str] | None = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    best = (int(line.split()[1]) * 1024, "MemTotal")
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
+    best = _meminfo("MemTotal")
     for limit, _, where in _cgroup_limits():
         if best is None or limit < best[0]:
             best = (limit, where)
