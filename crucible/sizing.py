@@ -54,14 +54,18 @@ with P its parameters::
     snapshot region  (4 + 8 + outer state) P   with checkpoint.enable_checkpointing: the
                            model, the optimizer and the outer state copied into host
                            memory (host memory on a GPU too)
-    process          384 MiB a worker process, and on a GPU a 512 MiB CUDA context on
-                           its device; counted for the workers a launch will start, not
-                           for a worker already running. (Measured on the CPU, 2 x 1
-                           workers of 25.8M parameters: each peaked at 1,688 MiB RSS,
-                           about 440 MiB above the terms above: ~150 MiB of Python,
-                           torch and gRPC, ~85 MiB of shared libraries, and freed
-                           temporaries that glibc keeps, up to 256 MiB:
-                           ``procs.keep_large_buffers``.)
+    process          256 MiB a worker process (Python, torch, gRPC), plus the freed
+                           frame buffers glibc keeps (``procs.keep_large_buffers``):
+                           4 float32 boundary frames (mb x T x 4 d bytes), at most
+                           256 MiB; on a GPU also a 512 MiB CUDA context on its device;
+                           counted for the workers a launch will start, not for a
+                           worker already running. (Measured on the CPU: 2 x 1
+                           workers of 25.8M parameters each peaked at 1,688 MiB RSS,
+                           about 440 MiB above the terms above, ~85 MiB of it shared
+                           libraries; the README's 2 x 4 job of tiny stages took 2.26
+                           GiB of MemAvailable with its coordinator and launcher, its
+                           workers 309-403 MiB RSS each: 384 MiB flat a worker made
+                           3.3 GiB of it.)
 
 On a CPU everything is host memory. On a GPU the snapshot region and the
 process are host memory; the rest is on the stage's GPU. A ``model.builder``
@@ -81,7 +85,9 @@ GiB = 1 << 30
 MiB = 1 << 20
 MAX_PARAMS = 10**13           # more than any machine trains; refused outright (Config.validate)
 MAX_BYTES = 2**63             # a byte count past int64: refused outright too
-PROCESS_BYTES = 384 * MiB     # a worker process beyond its stage's terms (module doc: measured)
+PROCESS_BYTES = 256 * MiB     # a worker process beyond its stage's terms (module doc: measured)
+KEPT_FRAMES = 4               # ... and the boundary frames' buffers glibc keeps for it,
+KEPT_MAX = 256 * MiB          # at most this (procs.keep_large_buffers' limit)
 CUDA_CONTEXT_BYTES = 512 * MiB
 
 # The keys that set the size, in the order they are named when they tie.
@@ -220,7 +226,7 @@ def stage_need(cfg: Config, stage: int, device: str = "cpu", process: bool = Fal
         "snapshot region": (4 * P + 8 * P + outer) if cfg.checkpoint.enable_checkpointing else 0,
     }
     if process:
-        terms["process"] = PROCESS_BYTES
+        terms["process"] = PROCESS_BYTES + min(KEPT_MAX, KEPT_FRAMES * mb * T * 4 * d)
         if device.startswith("cuda"):
             terms["CUDA context"] = CUDA_CONTEXT_BYTES
     return StageNeed(stage, P, device, terms)
