@@ -135,17 +135,15 @@ def check_memory(cfg: Config) -> str:
     only where torch sees one."""
     if sizing.skipped():
         return f"memory: not compared (${sizing.SKIP_ENV} is set)"
-    spec, gpus, free = cfg.job.device, 0, None
-    if spec.startswith("cuda"):
+    gpus = 0
+    if cfg.job.device.startswith("cuda"):
         import torch
 
-        if torch.cuda.is_available():
-            gpus = torch.cuda.device_count()
-            slots = sizing.launch_slots(spec, gpus)
-            used = sorted({dev for _, dev, _ in slots(cfg)})
-            free = {dev: torch.cuda.mem_get_info(torch.device(dev))[0] for dev in used}
-    return sizing.check(cfg, sizing.launch_slots(spec, gpus), sizing.workers_here(cfg), process=True,
-                        device_free=free, hint=NO_CHECK_HINT)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    slots = sizing.launch_slots(cfg.job.device, gpus)
+    free = ({dev: torch.cuda.mem_get_info(torch.device(dev))[0] for dev in sorted({d for _, d, _ in slots(cfg)})}
+            if gpus else None)
+    return sizing.check(cfg, slots, sizing.workers_here(cfg), process=True, device_free=free, hint=NO_CHECK_HINT)
 
 
 def check_data(cfg: Config):

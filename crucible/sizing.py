@@ -106,11 +106,10 @@ class TooBig(ConfigError):
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[range]:
-    """Blocks of each stage: as even as possible, earlier stages take the extras."""
-    base, extra = divmod(n_layer, n_stages)
+    """Blocks of each stage: as even as possible, earlier stages take the extras (``stage_blocks``)."""
     out, start = [], 0
     for s in range(n_stages):
-        n = base + (1 if s < extra else 0)
+        n = stage_blocks(n_layer, n_stages, s)
         out.append(range(start, start + n))
         start += n
     return out

@@ -46,10 +46,16 @@ class Ends:
 
     KINDS = ("job_done", "job_stopped", "coordinator_start", "ckpt_commit")
 
-    def __init__(self):
-        self.offset = 0
+    def __init__(self, start: int = 0):
+        self.start = start            # (bytes of the log before: an earlier run's, not read)
+        self.offset = start
         self.last: dict = {}
         self.commit = None
+
+    @property
+    def ended(self) -> bool:
+        """A job_done or job_stopped came after the latest coordinator_start."""
+        return self.last.get("event") in ("job_done", "job_stopped")
 
     def update(self, run_dir: str) -> "Ends":
         from crucible import metrics
@@ -75,10 +81,12 @@ def no_answer(addr: str, run_dir: str | None, ends: Ends | None = None) -> str:
     free on every other node). ``ends``: what an earlier call read (--watch)."""
     from crucible import files, metrics
 
-    why = rpc.explain(addr)
-    line = f"crucible status: coordinator at {addr} does not answer{': ' + why if why else ''}"
+    def line() -> str:
+        why = rpc.explain(addr)           # (a TLS handshake: only where the line says it)
+        return f"crucible status: coordinator at {addr} does not answer{': ' + why if why else ''}"
+
     if not run_dir or files.lock_held(os.path.join(run_dir, "coordinator.lock")):
-        return line
+        return line()
     ends = (ends or Ends()).update(run_dir)
     last = ends.last
     resume = (f"`crucible launch --run-dir {run_dir} --resume` with the job's options goes on from its newest "
@@ -94,7 +102,7 @@ def no_answer(addr: str, run_dir: str | None, ends: Ends | None = None) -> str:
         sig = last.get("signal")
         by = f" by {sig}" if isinstance(sig, str) else ""
         return f"crucible status: {run_dir}: the job was stopped{by} before its last step ({resume})"
-    return (f"{line}; nothing holds its coordinator.lock: it may be restarting, or the job stopped before "
+    return (f"{line()}; nothing holds its coordinator.lock: it may be restarting, or the job stopped before "
             f"the end ({resume})")
 
 

@@ -244,8 +244,8 @@ def _label_line(key: str, value: str) -> re.Pattern:
 
 
 _OURS = _label_line("app.kubernetes.io/name", "crucible")
-_COMPONENT = {"configmap.yaml": _label_line("app.kubernetes.io/component", "config"),
-              "worker": _label_line("app.kubernetes.io/component", "worker")}
+_CONFIG = _label_line("app.kubernetes.io/component", "config")
+_WORKER = _label_line("app.kubernetes.io/component", "worker")
 
 
 def _rendered(path: str, name: str) -> bool:
@@ -256,7 +256,7 @@ def _rendered(path: str, name: str) -> bool:
             text = f.read(1 << 16)
     except OSError:
         return False
-    component = _COMPONENT["configmap.yaml" if name == "configmap.yaml" else "worker"]
+    component = _CONFIG if name == "configmap.yaml" else _WORKER
     return bool(_OURS.search(text) and component.search(text))
 
 

@@ -734,17 +734,13 @@ def no_job_status(st: dict) -> str:
         " (its Slurm job not submitted yet)" if coord else ""
     if not st.get("coordinator_addr"):
         return f"no coordinator has started yet{state}"
-    from crucible import metrics
+    from crucible.status import Ends
 
     # only an end of this run's latest coordinator: not one written before `slurm up --resume`, nor one
     # before the latest coordinator_start (a coordinator started since, maybe being resubmitted now)
-    events, _ = metrics.follow(st["run_dir"], ("coordinator_start", "job_done", "job_stopped"),
-                               st.get("metrics_start", 0))
-    ends = []
-    for ev in events:
-        ends = [] if ev["event"] == "coordinator_start" else ends + [ev]
-    if ends and (not coord or coord["state"] not in ("RUNNING", "PENDING", "CONFIGURING")):
-        return f"the job is over ({ends[-1]['event']}); its coordinator has exited{state}"
+    ends = Ends(st.get("metrics_start", 0)).update(st["run_dir"])
+    if ends.ended and (not coord or coord["state"] not in ("RUNNING", "PENDING", "CONFIGURING")):
+        return f"the job is over ({ends.last['event']}); its coordinator has exited{state}"
     return f"the coordinator at {st['coordinator_addr']} does not answer{state}"
 
 
