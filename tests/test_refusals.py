@@ -198,9 +198,13 @@ def test_a_device_that_is_none_is_a_usage_error_for_check_as_for_launch(tmp_path
 @pytest.mark.parametrize("host, why", [("nonsense.invalid", "does not resolve"),
                                        ("192.0.2.1", "cannot be bound on this machine")])
 def test_a_net_bind_that_cannot_be_bound_is_a_config_error(host, why, tmp_path):
-    """Passed validation and check; launch then failed with gRPC's `Failed to bind`."""
+    """Passed validation and check; launch then failed with gRPC's `Failed to bind`.
+    (RES_OPTIONS bounds glibc's lookup of the .invalid name to one 1 s try per
+    server, so a machine whose DNS server does not answer fails it in seconds,
+    not after the resolver's default retries.)"""
+    env = dict(child_env(), RES_OPTIONS="timeout:1 attempts:1")
     for cmd in ("check", "launch"):
-        line = _refused(cmd, "--run-dir", str(tmp_path / "run"), *JOB, f"net.bind={host}")
+        line = _refused(cmd, "--run-dir", str(tmp_path / "run"), *JOB, f"net.bind={host}", env=env)
         assert line.startswith(f"crucible: bad value for 'net.bind': {why}") and line.endswith(f"(got {host!r})"), \
             line
     assert not (tmp_path / "run").exists()
