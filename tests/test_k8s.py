@@ -168,3 +168,30 @@ def test_a_render_leaves_manifests_it_did_not_write(tmp_path):
     assert "removed 2 manifest(s) of an earlier render that this job does not have: worker-r1s0.yaml, " \
            "worker-r1s1.yaml" in p.stderr, p.stderr
     assert (out / "configmap.yaml").read_text() == mine
+
+
+def test_a_render_refuses_to_overwrite_a_file_it_did_not_write(tmp_path):
+    """`render --config` overwrote a user's own configmap.yaml in --out (and
+    any render a user's secret.yaml, pvc.yaml...). Now one line naming the
+    files, exit 2, and --out as it was; a render's own files are rewritten."""
+    cfg = tmp_path / "job.toml"
+    cfg.write_text("[train]\nsteps = 50\n")
+    out = tmp_path / "manifests"
+    out.mkdir()
+    mine = "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: my-settings\ndata:\n  level: \"3\"\n"
+    (out / "configmap.yaml").write_text(mine)
+    (out / "pvc.yaml").write_text("kind: PersistentVolumeClaim\nmetadata:\n  name: my-data\n")
+    before = sorted(os.listdir(out))
+    p, _ = render(tmp_path, "--replicas", "1", "--stages", "2", "--config", str(cfg))
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (f"crucible k8s: --out {out}: configmap.yaml, pvc.yaml not written by crucible k8s "
+                                f"render (no crucible labels); a render would overwrite them: move them or choose "
+                                f"another --out"), p.stderr
+    assert sorted(os.listdir(out)) == before and (out / "configmap.yaml").read_text() == mine
+    (out / "pvc.yaml").unlink()
+    (out / "configmap.yaml").unlink()
+    p, _ = render(tmp_path, "--replicas", "1", "--stages", "2", "--config", str(cfg))
+    assert p.returncode == 0, p.stderr
+    p, _ = render(tmp_path, "--replicas", "1", "--stages", "2", "--config", str(cfg))     # its own: rewritten
+    assert p.returncode == 0, p.stderr
+    assert load(str(out))["configmap.yaml"][0]["data"]["config.toml"] == "[train]\nsteps = 50\n"

@@ -244,8 +244,9 @@ def _label_line(key: str, value: str) -> re.Pattern:
 
 
 _OURS = _label_line("app.kubernetes.io/name", "crucible")
-_CONFIG = _label_line("app.kubernetes.io/component", "config")
-_WORKER = _label_line("app.kubernetes.io/component", "worker")
+# the component label of what each file render writes holds (see render)
+_COMPONENT = {"secret.yaml": "token", "pvc.yaml": "run-dir", "configmap.yaml": "config",
+              "coordinator-service.yaml": "coordinator", "coordinator.yaml": "coordinator"}
 
 
 def _rendered(path: str, name: str) -> bool:
@@ -256,8 +257,14 @@ def _rendered(path: str, name: str) -> bool:
             text = f.read(1 << 16)
     except OSError:
         return False
-    component = _CONFIG if name == "configmap.yaml" else _WORKER
+    component = _label_line("app.kubernetes.io/component", _COMPONENT.get(name, "worker"))
     return bool(_OURS.search(text) and component.search(text))
+
+
+def foreign(out_dir: str, files: dict[str, list[dict]]) -> list[str]:
+    """The files of ``files`` already in ``out_dir`` that no render wrote (a
+    user's own configmap.yaml): a render would overwrite them, so it refuses."""
+    return sorted(n for n in files if os.path.lexists(p := os.path.join(out_dir, n)) and not _rendered(p, n))
 
 
 def remove_stale(out_dir: str, files: dict[str, list[dict]]) -> list[str]:
@@ -309,6 +316,11 @@ def cmd_render(args) -> int:
     args.overrides = overrides
     token = os.environ.get(rpc.TOKEN_ENV) or rpc.new_token()
     files = render(args, cfg, token, config_text)
+    theirs = foreign(args.out, files)
+    if theirs:
+        _refuse(f"--out {args.out}: {', '.join(theirs)} not written by crucible k8s render (no crucible labels); "
+                f"a render would overwrite {'them' if len(theirs) > 1 else 'it'}: move "
+                f"{'them' if len(theirs) > 1 else 'it'} or choose another --out")
     try:
         paths = write(args.out, files)
         stale = remove_stale(args.out, files)
