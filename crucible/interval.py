@@ -293,8 +293,8 @@ def from_run_dir(
     stops = _interruptions(events)
     span, gaps = 0.0, []
     for launch in metrics.launch_segments(events):
-        times = [t for t in (_num(ev.get("time")) for ev in launch) if t is not None]
-        span += (max(times) - min(times)) if times else 0.0
+        ran = metrics.launch_span(launch)
+        span += (ran[1] - ran[0]) if ran else 0.0
         last = None                     # (the time of the launch's previous commit)
         for ev in launch:
             t = _num(ev.get("time")) if ev["event"] == "ckpt_commit" else None

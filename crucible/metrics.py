@@ -76,6 +76,23 @@ def launch_segments(events: list[dict]) -> list[list[dict]]:
     return [launch for launch in out if launch]
 
 
+def scheduler_event(ev: dict) -> bool:
+    """An event of a cluster scheduler's front end (``crucible slurm``'s
+    submissions, a Slurm job's start and end, its ``slurm down``): it says
+    when the scheduler or the user acted, not that the job ran."""
+    return str(ev.get("event", "")).startswith("slurm_")
+
+
+def launch_span(launch: list[dict]) -> tuple[float, float] | None:
+    """When a launch (one of ``launch_segments``) ran: the times of its first
+    and last event, the scheduler's left out (a ``slurm up --resume`` submits
+    before its coordinator starts, in the previous launch's segment, and its
+    queue wait is no time the job ran; ``slurm down`` may come hours after the
+    job ended); None where it has no such event."""
+    times = [t for ev in launch if not scheduler_event(ev) for t in [time_of(ev)] if t is not None]
+    return (min(times), max(times)) if times else None
+
+
 class Unreadable(OSError):
     """The run's ``metrics.jsonl`` is there but is no file of events to read
     (a directory, a file this user may not read); its message is one line

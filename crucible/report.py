@@ -84,11 +84,10 @@ class Run:
         self.config = (starts[-1].get("config") or {}) if starts else {}
         self.incarnations = len(starts)
         # The time between launches (a stop, then a --resume): left out of the time axis.
-        segments = metrics.launch_segments(events)
-        self.launches = max(1, len(segments))
+        spans = [s for s in map(metrics.launch_span, metrics.launch_segments(events)) if s is not None]
+        self.launches = max(1, len(spans))
         self.stopped: list[tuple[float, float]] = []      # (one launch's last event, the next one's first)
-        for a, b in zip(segments, segments[1:]):
-            end, start = a[-1]["time"], b[0]["time"]
+        for (_, end), (start, _) in zip(spans, spans[1:]):
             if start > end:
                 self.stopped.append((end, start))
         self.steps: dict[int, list[dict]] = defaultdict(list)

@@ -302,13 +302,18 @@ def test_missing_optional_package_is_one_clear_line(tmp_path):
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
-def test_report_leaves_out_the_time_between_launches(tmp_path):
+@pytest.mark.parametrize("slurm", [False, True])
+def test_report_leaves_out_the_time_between_launches(tmp_path, slurm):
     """A job stopped by SIGTERM and resumed a day later (`crucible launch
     --resume` into the same run directory): `crucible report` counted the
     day in elapsed_s and on its time axes. It counts the time the job ran:
     the first launch from the start of its first step, the second from its
     first event (the resume it logs before its coordinator_start); a
-    coordinator restart inside a launch is the same launch going on."""
+    coordinator restart inside a launch is the same launch going on.
+    Under Slurm (``slurm``), neither the `slurm down` an hour after the stop
+    nor the resume's submissions and 690 s in the queue (logged before its
+    coordinator starts, in the first launch's events) count."""
+    from crucible import interval
     from crucible.report import Run, read_events
 
     day = 86400.0
@@ -329,9 +334,16 @@ def test_report_leaves_out_the_time_between_launches(tmp_path):
            + [{"event": "coordinator_start", "time": day + 25, "restored": True, "incarnation": 3}]  # same launch
            + steps(0, [day + 30 + i for i in range(10)], 51)
            + [{"event": "job_done", "time": day + 45}])
+    if slurm:
+        i = next(i for i, e in enumerate(log) if e["event"] == "ckpt_resume")
+        log[i:i] = ([{"event": "slurm_down", "time": 3600.0, "cancelled": 3}]
+                    + [{"event": "slurm_submit", "time": day - 700 + k, "slot": slot, "job_id": 100 + k}
+                       for k, slot in enumerate(("coordinator", "r0s0", "r0s1"))]
+                    + [{"event": "slurm_job_start", "time": day - 10, "slot": "coordinator", "job_id": 100}])
     with open(tmp_path / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in log)
     ran = (52.0 - 9.0) + (day + 45 - (day - 5))                                    # 43 s + 50 s
+    assert interval.from_run_dir(str(tmp_path))["span_s"] == pytest.approx((52.0 - 0.0) + 50.0)
     summary = _report(str(tmp_path))
     assert summary["elapsed_s"] == pytest.approx(ran)
     assert summary["launches"] == 2 and summary["between_launches_s"] == pytest.approx(day - 5 - 52.0)
