@@ -185,8 +185,9 @@ class CheckpointManager:
 
     def __init__(self, cfg: Config, run_dir: str, *, membership: Callable[[], Membership],
                  lock: threading.Condition, metrics, stopping: threading.Event, finished: threading.Event,
-                 incarnation: int = 1):
+                 incarnation: int = 1, clock: Callable[[], float] = time.time):
         self.job_cfg, self.cfg = cfg, cfg.checkpoint
+        self.clock = clock              # the membership's (heartbeats') clock
         self.membership, self.cv, self.metrics = membership, lock, metrics
         self.stopping, self.finished, self.incarnation = stopping, finished, incarnation
         self.root = os.path.join(run_dir, "checkpoints")
@@ -429,7 +430,7 @@ class CheckpointManager:
 
     def stop_workers(self) -> None:
         """Tell every worker to stop (heartbeat command) and give them time to hear it."""
-        t0 = time.time()
+        t0 = self.clock()
         self.stopping.set()
         t_end = time.monotonic() + 2 * self.job_cfg.fault.heartbeat_interval_s + 1.0
         while time.monotonic() < t_end:

@@ -97,6 +97,21 @@ PROBE_ATTEMPTS = 2     # a probe that fails other than refused is tried again be
 MONITOR_TICK_S = 0.1
 
 
+class SteadyClock:
+    """The clock silence is judged by: seconds since the epoch as the wall
+    clock read at this coordinator's start, advanced by the monotonic clock
+    since. A step of the host's wall clock (NTP, a VM resumed, ``date -s``)
+    moves neither: forward, it would make every worker look silent at once;
+    backward, hide a silent one until the wall clock caught up. (Events keep
+    the wall clock's ``time``: they are for people and other hosts.)"""
+
+    def __init__(self):
+        self.wall0, self.mono0 = time.time(), time.monotonic()
+
+    def __call__(self) -> float:
+        return self.wall0 + (time.monotonic() - self.mono0)
+
+
 def _status(code: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
 
@@ -117,7 +132,8 @@ class Coordinator:
         self.metrics = MetricsLog(metrics_path)
         self.last_errors: dict[tuple[int, int], dict] = {}   # slot -> its last worker_error
         self.devices: dict[tuple[int, int], dict] = {}       # slot -> its worker's device (and GPU memory)
-        self.started = time.time()
+        self.clock = SteadyClock()         # (liveness; see SteadyClock)
+        self.started = self.clock()
         self.stopping = threading.Event()
         self.leaving = False    # stopping under a scheduler: the workers go on with the next coordinator
         self.signalled = False  # SIGTERM/SIGINT: the job is ending (a worker's own SIGTERM then is no fault)
@@ -131,7 +147,8 @@ class Coordinator:
         self._evidence_probe_at: dict[str, float] = {}     # isolated: when each silent worker was last probed
         self.outer = OuterRelay(self)
         self.ckpt = CheckpointManager(cfg, self.run_dir, membership=lambda: self.m, lock=self.cv, metrics=self.metrics,
-                                      stopping=self.stopping, finished=self.finished, incarnation=self.incarnation)
+                                      stopping=self.stopping, finished=self.finished, incarnation=self.incarnation,
+                                      clock=self.clock)
         if restore:
             self._restore()
         else:
@@ -162,7 +179,7 @@ class Coordinator:
         if saved is None:
             return
         try:
-            self.m.restore(saved, time.time())
+            self.m.restore(saved, self.clock())
         except (KeyError, TypeError, ValueError) as e:
             log.warning("not continuing from %s: %s", self.state_file.path, e)
             self.m = Membership(self.cfg.job.replicas, self.cfg.job.stages, self.cfg.fault.on_stage_failure,
@@ -256,7 +273,7 @@ class Coordinator:
         self.state_file.put(self.m.to_dict())
 
     def _declare_dead(self, w: WorkerInfo, why: str, probe_s: float | None = None) -> None:
-        self.m.declare_dead(w, time.time())
+        self.m.declare_dead(w, self.clock())
         self.suspicions.forget(w.replica, w.stage)
         if self.cfg.fault.on_stage_failure == "restart" and self.job_started:
             self.restart_requested = True
@@ -298,7 +315,7 @@ class Coordinator:
         with self.cv:
             try:
                 w, replacement = self.m.register(req.replica, req.stage, req.address, req.pid, req.host,
-                                                 req.rejoin, int(req.numel), time.time(),
+                                                 req.rejoin, int(req.numel), self.clock(),
                                                  silent_after=self.cfg.fault.heartbeat_timeout_s)
             except Refused as e:
                 raise rpc.RpcFault(_status(e.code), e.message) from None
@@ -323,7 +340,7 @@ class Coordinator:
             w = self.member(req.worker_id)
             self._own(w, req.secret, "Heartbeat")
             before = w.step
-            what = self.m.heartbeat(w, req.step, req.state, time.time())
+            what = self.m.heartbeat(w, req.step, req.state, self.clock())
             if w.step > before:
                 self.outer.stepped()
             if what == "left":
@@ -506,7 +523,7 @@ class Coordinator:
         while not self.stopping.wait(MONITOR_TICK_S):
             mono = time.monotonic()
             lag, last = mono - last - MONITOR_TICK_S, mono
-            now = time.time()
+            now = self.clock()
             with self.cv:
                 if lag > 2 * MONITOR_TICK_S:
                     # We were stalled ourselves: heartbeats may be waiting unread.
@@ -577,7 +594,7 @@ class Coordinator:
                 if w is None or w.state not in (("alive", "joining") if evidence else ("alive",)):
                     return
                 address, wid = w.address, w.worker_id
-            t0 = time.time()
+            t0 = self.clock()
             for attempt in range(PROBE_ATTEMPTS):
                 try:
                     with rpc.make_channel(address) as ch:
@@ -585,7 +602,7 @@ class Coordinator:
                                                 timeout=self.cfg.fault.probe_timeout_s)
                     if reporter is not None:
                         with self.cv:
-                            evict = self.suspicions.contradicted(replica, reporter, stage, time.time())
+                            evict = self.suspicions.contradicted(replica, reporter, stage, self.clock())
                             if evict is not None:
                                 self._evict_for_link(replica, reporter, stage, evict)
                     return  # alive: it was a hiccup (or a link between two live workers)
@@ -604,7 +621,7 @@ class Coordinator:
                 return      # the job is ending, or restarting: its workers leave because they were told to
             with self.cv:
                 if self.m.slots.get((replica, stage)) == wid and w.state in ("alive", "joining"):
-                    self._declare_dead(w, why, probe_s=time.time() - t0)
+                    self._declare_dead(w, why, probe_s=self.clock() - t0)
         finally:
             with self.cv:
                 self._probing.discard((replica, stage))
@@ -624,7 +641,7 @@ class Coordinator:
 
     def status(self) -> dict:
         with self.cv:
-            now = time.time()
+            now, steady = time.time(), self.clock()
             reps = []
             for rep in self.m.replicas:
                 tps = None
@@ -643,7 +660,7 @@ class Coordinator:
                 workers.append({"replica": r, "stage": s, "state": w.state if w else "vacant",
                                 "pid": w.pid if w else None, "address": w.address if w else None,
                                 "worker_id": wid, "step": w.step if w else None,
-                                "last_seen_s": round(now - w.last_seen, 3) if w else None,
+                                "last_seen_s": round(steady - w.last_seen, 3) if w else None,
                                 "last_error": self.last_errors.get((r, s)),
                                 **(self.devices.get((r, s), {}) if w else {})})
             return {
