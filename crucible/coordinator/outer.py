@@ -130,7 +130,7 @@ def check_payload(mode: str, payload: bytes, numel: int) -> None:
 class Round:
     stage: int
     number: int
-    opened: float = field(default_factory=time.time)
+    opened: float = field(default_factory=time.monotonic)   # (durations only)
     payloads: dict[int, bytes] = field(default_factory=dict)
     abstained: set[int] = field(default_factory=set)
     expected_at_open: set[int] = field(default_factory=set)
@@ -291,7 +291,7 @@ class OuterRelay:
         expected = (rnd.expected_at_open & m.expected_in_round(rnd.stage, rnd.number, self.c.cfg.outer.H)) \
             - rnd.abstained
         if not expected <= set(rnd.payloads):
-            if not rnd.warned and time.time() - rnd.opened > self.c.cfg.outer.deadline_s:
+            if not rnd.warned and time.monotonic() - rnd.opened > self.c.cfg.outer.deadline_s:
                 rnd.warned = True
                 missing = sorted(expected - set(rnd.payloads))
                 log.warning("outer round %d of stage %d still waits for replicas %s", rnd.number, rnd.stage, missing)
@@ -315,12 +315,12 @@ class OuterRelay:
         rnd.writing = True
         if rnd.abandoned:
             event = {"event": "outer_abandoned", "stage": rnd.stage, "round": rnd.number,
-                     "contributions": sorted(rnd.payloads), "seconds": time.time() - rnd.opened}
+                     "contributions": sorted(rnd.payloads), "seconds": time.monotonic() - rnd.opened}
         else:
             event = {"event": "outer_round", "stage": rnd.stage, "round": rnd.number,
                      "contributors": rnd.contributors, "dropped": rnd.dropped,
                      "bytes": sum(len(rnd.payloads[r]) for r in rnd.contributors),
-                     "seconds": time.time() - rnd.opened}
+                     "seconds": time.monotonic() - rnd.opened}
         if not rnd.logged:
             rnd.logged = c.metrics.write(event)
         ticket = rnd.logged
