@@ -1,17 +1,34 @@
 """Process helpers shared by every Crucible process: dying with a parent,
-and what the kernel says about a process (Linux ``/proc``; elsewhere these
-do nothing or answer None)."""
+what the kernel says about a process (Linux ``/proc``; elsewhere these do
+nothing or answer None), and a clock that the wall clock's steps do not move."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1
 PARENT_ENV = "CRUCIBLE_PDEATHSIG"     # set by `crucible launch`: its pid
 RESPAWN_DELAY_S = 1.0                 # `crucible launch --respawn-delay` when not given
 PID_STARTS_FILE = "pids.start.json"   # next to a run's pids.json: {name: [pid, start_ticks]}
+
+
+class SteadyClock:
+    """Seconds since the epoch as the wall clock read when this clock was
+    made, advanced by the monotonic clock since: what a long-lived process
+    judges silence and schedules retries by. A step of the host's wall clock
+    (NTP, a VM resumed, ``date -s``) moves neither: forward, it would make
+    every worker look silent at once; backward, hide a silent one (or delay a
+    resubmission) until the wall clock caught up. Events keep the wall
+    clock's ``time``: they are for people and other hosts."""
+
+    def __init__(self):
+        self.wall0, self.mono0 = time.time(), time.monotonic()
+
+    def __call__(self) -> float:
+        return self.wall0 + (time.monotonic() - self.mono0)
 
 
 def die_with_parent(parent: int | None = None) -> None:

@@ -89,3 +89,16 @@ def test_a_wall_clock_step_evicts_nobody_and_hides_no_silence(start_job, tmp_pat
         os.kill(victim, signal.SIGCONT)
     assert time.monotonic() - t0 < 3 + 2.0, time.monotonic() - t0   # the timeout, a beat, the monitor's tick
     assert [e.get("pid") for e in job.events("fault")] == [victim]
+
+
+def test_the_steady_clock_does_not_follow_a_step_of_the_wall_clock(monkeypatch):
+    from crucible import procs
+
+    clock = procs.SteadyClock()
+    a = clock()
+    real = time.time
+    for step in (3600.0, -7200.0):
+        monkeypatch.setattr(time, "time", lambda: real() + step)
+        b = clock()
+        assert 0 <= b - a < 1.0, (step, b - a)
+        a = b

@@ -72,7 +72,7 @@ slot, job_id, node), ``slurm_stuck``, ``slurm_down``.
 
 from __future__ import annotations
 
-from crucible import exits
+from crucible import exits, procs
 from crucible.files import atomic_write
 from crucible.metrics import append_event, read_events
 from crucible.slots import slot_of
@@ -403,6 +403,7 @@ class Supervisor:
         self.last_status = 0.0
         self._status_client = None
         self._status_addr = ""
+        self.clock = procs.SteadyClock()    # (resubmission delays, the stuck check: no wall-clock step moves them)
 
     def stopping(self) -> bool:
         return os.path.exists(self.run.stop_path)
@@ -467,7 +468,7 @@ class Supervisor:
 
     def tick(self, now: float | None = None) -> None:
         run = self.run
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         self._scan_metrics()
         jobs = query_jobs(run.names())
         changed = False

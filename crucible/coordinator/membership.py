@@ -1,11 +1,12 @@
 """Who holds which slot, and each replica's route: the coordinator's state machine.
 
-Pure state: no locks, no I/O, no gRPC, no clocks of its own (``now`` is passed
-in: the server's ``SteadyClock``, which a step of the wall clock does not move), so the protocol is tested in milliseconds (tests/test_membership.py). The
-server holds its lock around every call and persists ``to_dict()`` after
-every change, so that a restarted coordinator continues with the same members,
-routes and epochs (``from_dict``) instead of making every worker register
-again.
+Pure state: no locks, no I/O, no gRPC, no clocks of its own (``now`` is
+passed in: the server's ``procs.SteadyClock``, which a step of the wall clock
+does not move), so the protocol is tested in milliseconds
+(tests/test_membership.py). The server holds its lock around every call and
+persists ``to_dict()`` after every change, so that a restarted coordinator
+continues with the same members, routes and epochs (``from_dict``) instead of
+making every worker register again.
 
 Slots and workers
 -----------------
@@ -136,7 +137,7 @@ class Membership:
         self.job_started = False
         self.created = time.time()   # the job's start (kept across coordinator restarts: status's elapsed)
         self.restored = False        # continued from a previous incarnation's state
-        self.restored_at = 0.0       # ... at this time (the coordinator's SteadyClock, as the heartbeats' `now`)
+        self.restored_at = 0.0       # ... at this time (procs.SteadyClock, as the heartbeats' `now`)
         self.isolated = False        # a majority of the live workers is silent: we are the one cut off
 
     @property

@@ -70,7 +70,7 @@ import time
 
 import grpc
 
-from crucible import PROTOCOL_VERSION, identity, metrics, rpc
+from crucible import PROTOCOL_VERSION, identity, metrics, procs, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
@@ -97,20 +97,6 @@ PROBE_ATTEMPTS = 2     # a probe that fails other than refused is tried again be
 MONITOR_TICK_S = 0.1
 
 
-class SteadyClock:
-    """The clock silence is judged by: seconds since the epoch as the wall
-    clock read at this coordinator's start, advanced by the monotonic clock
-    since. A step of the host's wall clock (NTP, a VM resumed, ``date -s``)
-    moves neither: forward, it would make every worker look silent at once;
-    backward, hide a silent one until the wall clock caught up. (Events keep
-    the wall clock's ``time``: they are for people and other hosts.)"""
-
-    def __init__(self):
-        self.wall0, self.mono0 = time.time(), time.monotonic()
-
-    def __call__(self) -> float:
-        return self.wall0 + (time.monotonic() - self.mono0)
-
 
 def _status(code: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
@@ -132,7 +118,7 @@ class Coordinator:
         self.metrics = MetricsLog(metrics_path)
         self.last_errors: dict[tuple[int, int], dict] = {}   # slot -> its last worker_error
         self.devices: dict[tuple[int, int], dict] = {}       # slot -> its worker's device (and GPU memory)
-        self.clock = SteadyClock()         # (liveness; see SteadyClock)
+        self.clock = procs.SteadyClock()   # (liveness: a step of the wall clock moves nobody's silence)
         self.started = self.clock()
         self.stopping = threading.Event()
         self.leaving = False    # stopping under a scheduler: the workers go on with the next coordinator
