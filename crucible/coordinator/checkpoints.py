@@ -752,7 +752,7 @@ class CheckpointManager:
                             "stall_s": max(stalls), "stall_median_s": statistics.median(stalls),
                             "persist_s": max(persists), "persist_median_s": statistics.median(persists),
                             "bytes": sum(rp["bytes"] for rp in reports), "shards": len(reports), "vacant": vacant,
-                            "duration_s": now - p.started, "commit_s": commit_s,
+                            "duration_s": time.monotonic() - p.started_mono, "commit_s": commit_s,
                             "replica_steps": {str(r): s for r, s in self.m.replica_steps().items()}})
         if p.final:
             self.final.committed(p.step)
