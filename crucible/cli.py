@@ -361,9 +361,11 @@ def _worker(args) -> int:
 
     die_with_parent()
     if os.environ.get(PARENT_ENV):
-        # Under `launch`, Ctrl-C reaches the whole process group: let the
-        # coordinator take its final checkpoint and stop us.
+        # Under `launch`, Ctrl-C, and a hangup of its terminal, reach the whole
+        # process group: let the coordinator take its final checkpoint and stop
+        # us (our persister and pulse inherit the ignoring).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     token = rpc.read_token()
     if not token:
         print("crucible worker: set CRUCIBLE_TOKEN to the job's token", file=sys.stderr)

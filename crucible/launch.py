@@ -30,6 +30,7 @@ failed (the cause is printed), 128 + N when stopped by signal N (130 Ctrl-C,
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -155,6 +156,7 @@ class Launcher:
             except ValueError as e:
                 raise exits.UsageError(f"--chaos: {e}") from None
         self.stopping = 0                 # the signal that asked us to stop
+        self.output_in_log = False        # the terminal went away: stdout and stderr are logs/launcher.log
         self.failure = ""                 # why the job failed (the launcher stops it)
         self.finished = False             # every replica trained train.steps steps
         self.came_up = False              # a coordinator came up (else there is no summary or resume hint)
@@ -326,7 +328,11 @@ class Launcher:
         if not self.token:
             self.token = os.environ.get(rpc.TOKEN_ENV) or rpc.new_token()
         rpc.write_token(self.run_dir, self.token)
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        sys.stdout, sys.stderr = TerminalOrLog(sys.stdout, self._output_to_log), \
+            TerminalOrLog(sys.stderr, self._output_to_log)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue          # started under nohup: a hangup is to pass us by (and our children inherit that)
             signal.signal(sig, self._on_signal)
         R, S = self.cfg.job.replicas, self.cfg.job.stages
         print(f"crucible: run directory {self.run_dir}", flush=True)
@@ -408,7 +414,30 @@ class Launcher:
             print(f"crucible: --resume: no checkpoint in {self.run_dir}: starting from step 0", flush=True)
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGHUP and not self.stopping:
+            self._on_hangup()
         self.stopping = signum
+
+    def _output_to_log(self) -> None:
+        """The terminal hung up (SIGHUP: an ssh session dropped, the window
+        closed; or its writes fail, where a hangup was ignored or the launch
+        disowned): what we still say (the job's progress, the final
+        checkpoint, the summary, the resume hint) goes to logs/launcher.log."""
+        if self.output_in_log:
+            return
+        self.output_in_log = True
+        path = os.path.join(self.run_dir, "logs", "launcher.log")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            fd = os.open(os.devnull, os.O_WRONLY)
+        for out in (1, 2):
+            os.dup2(fd, out)
+        os.close(fd)
+
+    def _on_hangup(self) -> None:
+        self._output_to_log()
+        print("crucible: the terminal hung up (SIGHUP): stopping the job as on Ctrl-C", flush=True)
 
     def _handle_deaths(self, respawn: bool) -> None:
         """Book every process that died since the last look: print its cause, stop
@@ -765,6 +794,35 @@ class Launcher:
 
 def _fmt(x) -> str:
     return f"{x:.3f}" if metrics.number(x) else "-"
+
+
+class TerminalOrLog:
+    """The launcher's stdout or stderr. A write that the terminal refuses
+    with EIO (it hung up, and the launch ignored SIGHUP or was disowned: it
+    is meant to go on) moves the launcher's output to its log (``to_log``)
+    and is written there, instead of ending the launch, and with it the job,
+    on a traceback at its next progress line."""
+
+    def __init__(self, stream, to_log):
+        self._stream, self._to_log = stream, to_log
+
+    def _retry(self, what, *args):
+        try:
+            return what(*args)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            self._to_log()                # (file descriptors 1 and 2 now the log: the same stream writes there)
+            return what(*args)
+
+    def write(self, text):
+        return self._retry(self._stream.write, text)
+
+    def flush(self):
+        return self._retry(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def preempt(coord_proc, worker_procs, ckpt_cfg, out=None) -> None:

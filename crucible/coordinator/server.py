@@ -690,11 +690,12 @@ def _check_fields(ev: dict, i: int) -> None:
 
 def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False, fresh: bool = False,
           on_sigterm: str = "stop") -> int:
-    """Run a coordinator until the job finishes or SIGTERM/SIGINT. With
+    """Run a coordinator until the job finishes or SIGTERM/SIGINT/SIGHUP (its
+    terminal hung up; not where SIGHUP is ignored, as under nohup). With
     ``on_sigterm = "leave"`` (under a scheduler that starts a new coordinator,
     `crucible slurm`, Kubernetes), SIGTERM ends this one at once with exit
-    status 143 and the workers go on with the next; SIGINT
-    still means final checkpoint + stop."""
+    status 143 and the workers go on with the next; SIGINT and SIGHUP
+    still mean final checkpoint + stop."""
     import signal
 
     from crucible import procs
@@ -707,7 +708,9 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
     coord.start(bind)
     stop = threading.Event()
     got: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
         signal.signal(sig, lambda s, _f: (got.append(s), setattr(coord, "signalled", True), stop.set()))
     while not stop.is_set() and not coord.finished.is_set():
         stop.wait(0.2)
@@ -718,7 +721,7 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
         log.warning("SIGTERM: leaving the workers running for the next coordinator")
         coord.stop(leave=True)
         return 128 + signal.SIGTERM    # not done: a scheduler starts the next one
-    else:  # SIGTERM/SIGINT (a preemption notice): a final checkpoint, then every worker stops
+    else:  # SIGTERM/SIGINT/SIGHUP (a preemption notice, a hangup): a final checkpoint, then every worker stops
         with coord.cv:
             steps = coord.m.replica_steps()
         # (what tells `crucible launch` that its job was stopped, not finished: the workers exit 0 either way)
