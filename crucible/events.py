@@ -20,8 +20,9 @@ KINDS: dict[str, str] = {
     "stage_step": "every other stage, one per committed step: replica, stage, step, and the same time split",
     "step_aborted": "stage 0: an attempt of a step abandoned (route change): replica, step, reason, lost_s",
     "eval": "stage 0: held-out loss: replica, step, loss, seconds",
-    "goodput": "stage 0, every 10 s: replica, step, compute_s communication_s checkpoint_stall_s lost_s "
-               "paused_s recovering_s wall_s goodput",
+    "goodput": "stage 0, every 10 s and when its replica is done: its worker's time ledger (crucible.ledger): "
+               "replica, step, compute_s communication_s checkpoint_stall_s lost_s paused_s recovering_s eval_s "
+               "restart_s (adding up to wall_s, since the worker started: a replacement's process start) goodput",
     "replica_done": "stage 0: its replica trained every step: replica, step",
     "outer": "a stage's outer round applied: replica, stage, round, step, mode, contributors, left_out, "
              "undecodable, bytes_sent, bytes_received, dense_bytes, encode_s, apply_s, seconds",
@@ -55,7 +56,8 @@ KINDS: dict[str, str] = {
     "worker_registered": "worker, replica, stage, address, pid, replacement, rejoin, numel",
     "worker_joined": "a replacement is ready and in its route again: worker, replica, stage",
     "worker_done": "a worker says its replica is done: worker, replica, stage",
-    "fault": "a worker declared dead: kind (worker_dead), worker, replica, stage, pid, reason, probe_s",
+    "fault": "a worker declared dead: kind (worker_dead), worker, replica, stage, pid, reason, probe_s, "
+             "last_seen (Unix time of its last heartbeat)",
     "route_change": "epoch, reason, routes (replica -> stages), states (replica -> state)",
     "job_done": "every replica is done: elapsed_s, steps",
     "job_stopped": "the coordinator got SIGTERM or SIGINT (a preemption notice) before the last step: it takes "

@@ -759,12 +759,13 @@ class Launcher:
         """How the job ended, then final loss per replica, its time ledger, and the faults seen.
         An event without what is read from it (a worker's report the coordinator
         takes as it is: no replica, a loss that is not a number) is passed over."""
-        from crucible.report import LEDGER, sum_ledgers
+        from crucible.ledger import KEYS, Ledgers
 
-        steps, losses, ledger, faults = {}, {}, {}, 0
+        steps, losses, ledger, faults = {}, {}, Ledgers(), 0
         path = metrics.path_of(self.run_dir)
         for ev in metrics.read_events(path, offset=self.offset):    # this launch's (not earlier ones' in the run)
             kind, r = ev.get("event"), ev.get("replica")
+            ledger.feed(ev)
             if kind == "fault":
                 faults += 1
             elif not metrics.whole(r):
@@ -774,16 +775,15 @@ class Launcher:
                 losses[r] = ev.get("loss")
             elif kind == "eval":
                 losses[f"eval{r}"] = ev.get("loss")
-            elif kind == "goodput":     # the last ledger of each stage-0 worker the replica had
-                ledger.setdefault(r, {})[str(ev.get("worker", ""))] = ev
+        ledgers = ledger.totals()   # (each stage-0 worker the replica had, and the time between them)
         lines = []
         for r in sorted(steps):
             line = f"r{r}: {steps[r]} steps, loss {_fmt(losses[r])}"
             if metrics.number(losses.get(f"eval{r}")):
                 line += f", held-out {losses[f'eval{r}']:.3f}"
-            g = sum_ledgers(ledger.get(r, {}).values())
-            if g["wall_s"]:
-                parts = ", ".join(f"{k.removesuffix('_s')} {g[k]:.1f}s" for k, _, _ in LEDGER if g[k])
+            g = ledgers.get(r)
+            if g and g["wall_s"]:
+                parts = ", ".join(f"{k.removesuffix('_s')} {g[k]:.1f}s" for k in KEYS if g[k])
                 line += f"; goodput {100 * g['compute_s'] / g['wall_s']:.0f}% of {g['wall_s']:.0f}s ({parts})"
             lines.append(line)
         out = f"crucible: {ending}.\n" + "\n".join(f"  {x}" for x in lines)

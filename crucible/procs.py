@@ -132,13 +132,21 @@ def cmdline(pid: int) -> str | None:
 def started_at(pid: int | None = None) -> float | None:
     """When `pid` (default: this process) started, as a Unix time (the
     kernel's start time in clock ticks after boot, plus the boot time); None
-    without /proc."""
+    without /proc. The boot time is now less /proc/uptime (to 10 ms), not
+    /proc/stat's btime, which is cut to the second (a start up to 1 s early:
+    a replacement's start-up, and its replica's restart time, too long),
+    unless the two disagree by more than that (an uptime of a container's
+    own)."""
     ticks = start_ticks(pid or os.getpid())
     if ticks is None:
         return None
     try:
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        with open("/proc/uptime") as f:
+            precise = time.time() - float(f.read().split()[0])
+        if boot - 0.05 <= precise <= boot + 1.05:
+            boot = precise
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None

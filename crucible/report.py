@@ -10,7 +10,8 @@ writes ``RUN_DIR/report.html`` and its figures under ``RUN_DIR/report/``:
                      row each in the event strip under the time panel)
     throughput.png   tokens/s per replica against time (median of 5 steps), faults marked
     goodput.png      each replica's time ledger (stage 0's: compute, communication,
-                     checkpoint stall, lost work, paused, recovering) as a stacked bar
+                     checkpoint stall, lost work, paused, recovering, evaluation, restart;
+                     crucible.ledger) as a stacked bar, the parts adding up to its wall time
     checkpoints.png  per committed save: snapshot stall (the largest of the workers) and
                      background persist time; aborted saves counted in the title
     outer.png        bytes per outer round: what each replica sent (summed over its stages)
@@ -34,7 +35,7 @@ the figures written, the time, the launches) that ``--json`` prints.
 
 from __future__ import annotations
 
-from crucible import metrics
+from crucible import ledger, metrics
 from crucible.files import atomic_write
 
 import html
@@ -56,7 +57,8 @@ MARKS = {   # kind: (label, color, strip marker, strip label)
 }
 LEDGER = [("compute_s", "compute", "#2ca02c"), ("communication_s", "communication", "#1f77b4"),
           ("checkpoint_stall_s", "checkpoint stall", "#1f3b99"), ("lost_s", "lost work", "#d62728"),
-          ("paused_s", "paused", "#ff7f0e"), ("recovering_s", "recovering", "#bcbd22")]
+          ("paused_s", "paused", "#ff7f0e"), ("recovering_s", "recovering", "#bcbd22"),
+          ("eval_s", "evaluation", "#17becf"), ("restart_s", "restart", "#7f7f7f")]
 
 
 def read_events(path: str) -> tuple[list[dict], int]:
@@ -92,7 +94,7 @@ class Run:
                 self.stopped.append((end, start))
         self.steps: dict[int, list[dict]] = defaultdict(list)
         self.evals: dict[int, list[dict]] = defaultdict(list)
-        self.ledgers: dict[int, dict[str, dict]] = defaultdict(dict)     # replica -> worker -> latest ledger
+        self.ledgers: set[int] = set()                    # replicas with a time ledger (goodput events)
         self.faults, self.replacements, self.routes, self.ckpts, self.aborts = [], [], [], [], []
         self.kills = []                                   # the launcher's --chaos kills
         self.rounds: dict[int, dict] = {}                 # round -> {"time", "bytes"} (coordinator's outer_round)
@@ -105,7 +107,7 @@ class Run:
             elif k == "eval" and isinstance(r, int) and _num(e.get("loss")):
                 self.evals[r].append(e)
             elif k == "goodput" and isinstance(r, int):
-                self.ledgers[r][str(e.get("worker", ""))] = e
+                self.ledgers.add(r)
             elif k == "fault":
                 self.faults.append(e)
             elif k == "chaos":
@@ -397,22 +399,10 @@ def fig_throughput(run: Run, path: str) -> None:
     _save(fig, path)
 
 
-def sum_ledgers(evs) -> dict:
-    """A replica's ledger: the last ``goodput`` event of every stage-0 worker it
-    had (a replacement's starts at 0), summed; a part that is not a finite
-    number is passed over. Also the launcher's end-of-job summary."""
-    tot = {k: 0.0 for k, _, _ in LEDGER}
-    tot["wall_s"] = 0.0
-    for ev in evs:
-        for k in tot:
-            if _num(ev.get(k)):
-                tot[k] += ev[k]
-    return tot
-
-
 def ledger_totals(run: Run) -> dict[int, dict]:
-    """Each replica's ledger (``sum_ledgers``)."""
-    return {r: sum_ledgers(run.ledgers.get(r, {}).values()) for r in run.replica_ids}
+    """Each replica's ledger over the run's launches (``crucible.ledger``):
+    every stage-0 worker it had and the time between them."""
+    return ledger.replica_ledgers(run.events, replicas=run.replica_ids)
 
 
 def fig_goodput(run: Run, path: str) -> None:
@@ -439,7 +429,7 @@ def fig_goodput(run: Run, path: str) -> None:
     ax.set_xlim(0, xmax * 1.22)
     ax.grid(axis="y", alpha=0)
     ax.set_title("Goodput ledger per replica (where stage 0's wall time went)")
-    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=6, fontsize=8)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=len(LEDGER), fontsize=8)
     _save(fig, path)
 
 
@@ -521,7 +511,8 @@ CAPTIONS = {
             "per kind of event. Bottom: against step (checkpoints as squares on the axis, outer rounds as "
             "triangles at the top).",
     "throughput": "Tokens per second of each replica (stage 0's step time), faults marked.",
-    "goodput": "Stage 0's time ledger of each replica, summed over the stage-0 workers it had.",
+    "goodput": "Stage 0's time ledger of each replica, over the stage-0 workers it had: a killed worker's "
+               "time after its last report and the time until its replacement trained (restart) included.",
     "checkpoints": "Per committed save: the snapshot stall (the only time training waits) and the background "
                    "write; 'end' is the save at the job's last step, 'final' one on a stop signal.",
     "outer": "Bytes each replica sent per outer round (SparseLoCo payloads, all its stages) against the dense "
@@ -548,7 +539,8 @@ def _replica_rows(run: "Run") -> list[dict]:
         wall = tot.get("wall_s", 0.0)
         rows.append({"replica": r, "steps": (pts[-1]["step"] + 1) if pts else 0,
                      "loss": pts[-1]["loss"] if pts else None, "eval_loss": ev[-1]["loss"] if ev else None,
-                     "goodput": tot.get("compute_s", 0.0) / wall if wall > 0 else None})
+                     "goodput": tot.get("compute_s", 0.0) / wall if wall > 0 else None,
+                     "ledger": {k: round(v, 4) for k, v in tot.items() if k.endswith("_s")}})
     return rows
 
 

@@ -11,6 +11,7 @@ from crucible.worker.dataplane import Event
 from crucible.worker.driver import Driver
 from crucible.worker.reactor import Reactor
 from crucible.worker.stage import Progress
+from crucible.worker.stats import Ledger
 
 
 def _cfg(steps: int):
@@ -52,7 +53,7 @@ def test_stage_0_with_nothing_to_train_waits_for_its_replica_to_start():
     links, reports = _Links(["waiting"]), []
     progress = Progress()
     progress.set(12)
-    ledger = SimpleNamespace(maybe_report=lambda *a, **k: None)
+    ledger = Ledger(lambda ev: None, 0)
     driver = Driver(None, links, progress, _cfg(6), None, [], ledger,
                     lambda ev: (links.calls.append(ev["event"]), reports.append(ev)), None, None, None, "r0s0")
     driver.run()

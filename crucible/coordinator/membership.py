@@ -118,7 +118,6 @@ class ReplicaInfo:
     started: bool = False
     loss: float | None = None
     eval_loss: float | None = None
-    goodput: dict = field(default_factory=dict)   # the replica's latest time ledger
     tokens: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
 
 

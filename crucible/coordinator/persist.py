@@ -7,7 +7,8 @@ file I/O, and a slow disk delays the file, never a heartbeat.
 * ``MetricsLog``: append-only ``metrics.jsonl``, one JSON object a line, each
   with ``event`` and ``time``; order preserved. Its ``exporters``
   (TensorBoard, Prometheus: ``crucible.coordinator.exporters``) see every
-  event, on the writer thread.
+  event, on the writer thread; its ``ledgers`` (``crucible.ledger.Ledgers``)
+  are fed every event as it is queued: each replica's time ledger, for status.
 * ``LatestFile``: a small JSON document rewritten atomically (write, fsync,
   rename); only the newest version matters, so versions queued behind a slow
   write are skipped.
@@ -23,6 +24,7 @@ import threading
 import time
 
 from crucible.files import atomic_write
+from crucible.ledger import Ledgers
 
 log = logging.getLogger("crucible.coordinator")
 
@@ -38,6 +40,7 @@ class MetricsLog:
         self._closed = False
         self.dropped = 0
         self.exporters: list = []
+        self.ledgers = Ledgers()
         self._queued = 0        # events queued so far
         self._written = 0       # of those, written to the file
         self._thread = threading.Thread(target=self._run, name="metrics-writer", daemon=True)
@@ -47,6 +50,7 @@ class MetricsLog:
         """Queue one event; returns its ticket for ``wait_written``."""
         event.setdefault("time", time.time())
         line = json.dumps(event, separators=(",", ":"), default=str)
+        self.ledgers.feed(event)
         with self._cv:
             if len(self._q) >= MAX_QUEUED_EVENTS:
                 self.dropped += 1

@@ -171,6 +171,10 @@ class Coordinator:
             self.m = Membership(self.cfg.job.replicas, self.cfg.job.stages, self.cfg.fault.on_stage_failure,
                                 self.incarnation)
             return
+        # The replicas' ledgers so far in this launch (status's goodput), from the log: before this
+        # coordinator writes to it.
+        segments = metrics.launch_segments(metrics.read_events(self.metrics.path))
+        self.metrics.ledgers.feed_all(segments[-1] if segments else [])
         live = sum(1 for w in self.m.workers.values() if w.state in ("alive", "joining", "done"))
         log.info("continuing from the previous coordinator's state: %d live workers, epoch %#x", live,
                  max(self.m.route_epoch.values()))
@@ -265,7 +269,7 @@ class Coordinator:
             self.restart_requested = True
         self.metrics.write({"event": "fault", "kind": "worker_dead", "worker": w.worker_id,
                             "replica": w.replica, "stage": w.stage, "pid": w.pid, "reason": why,
-                            "probe_s": probe_s})
+                            "probe_s": probe_s, "last_seen": round(w.last_seen, 3) if w.last_seen else None})
         log.warning("worker %s (%s) declared dead: %s", slot_name(w.replica, w.stage), w.worker_id, why)
         self._changed(f"{slot_name(w.replica, w.stage)} dead: {why}")
 
@@ -456,8 +460,6 @@ class Coordinator:
             rep.tokens.append((t, int(ev.get("tokens", 0))))
         elif kind == "eval" and w.stage == 0:
             rep.eval_loss = ev.get("loss")
-        elif kind == "goodput" and w.stage == 0:
-            rep.goodput = {k: v for k, v in ev.items() if k.endswith("_s") or k == "goodput"}
         elif kind == "worker_error":
             self._record_error((w.replica, w.stage), ev, w.worker_id)
         elif kind == "device":
@@ -626,6 +628,7 @@ class Coordinator:
         self._declare_dead(w, why)
 
     def status(self) -> dict:
+        ledgers = self.metrics.ledgers.totals(now=time.time(), replicas=range(self.m.R))
         with self.cv:
             now, steady = time.time(), self.clock()
             reps = []
@@ -638,7 +641,7 @@ class Coordinator:
                 reps.append({"id": rep.id, "state": rep.state, "step": rep.step, "loss": rep.loss,
                              "epoch": self.m.route_epoch[rep.id],
                              "eval_loss": rep.eval_loss, "tokens_per_s": tps, "route": list(self.m.routes[rep.id]),
-                             "goodput": rep.goodput,
+                             "goodput": ledgers.get(rep.id),
                              "links": self.links.boundaries(rep.id, list(self.m.routes[rep.id]))})
             workers = []
             for (r, s), wid in sorted(self.m.slots.items()):

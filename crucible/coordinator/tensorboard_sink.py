@@ -34,11 +34,13 @@ import logging
 import os
 import threading
 
+from crucible.ledger import PARTS
+
 log = logging.getLogger("crucible.tensorboard")
 
 FLUSH_S = 2.0
 MAX_QUEUE = 100_000
-GOODPUT_PARTS = ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering")
+GOODPUT_PARTS = PARTS     # (a worker's own ledger, each goodput event)
 
 
 class TensorBoardSink:

@@ -45,42 +45,44 @@ class Driver:
             # others are still starting (the coordinator would end the job
             # before they could register).
             self.links.wait_started()
+        # The ledger's time so far (start-up, registration, a replacement's weights)
+        # is paused, or a replacement's restart; from here on every lap is one part.
+        self.ledger.lap(self.ledger.waiting)
         while self.progress.step < self.cfg.train.steps:
-            waited = self.links.wait_training()
-            if waited > 0.05:
-                self.ledger.add("paused", waited)
+            if self.links.wait_training() > 0.05:      # (a shorter wait is the next step's communication)
+                self.ledger.lap(self.ledger.waiting)
             epoch = self.links.route_epoch()
-            t0 = time.perf_counter()
             try:
                 self.links.connect()
                 st = self.run_step(self.progress.step, epoch)
             except RouteChanged as e:
-                lost = time.perf_counter() - t0
-                self.ledger.add("lost", lost)
+                lost = self.ledger.lap("lost")
                 recovering = True
                 self.step.abort()
                 self.report({"event": "step_aborted", "replica": self.links.replica, "step": self.progress.step,
                              "reason": str(e), "lost_s": lost})
                 log.warning("%s: step %d aborted (%s); retrying", self.name, self.progress.step, e)
                 continue
-            self.ledger.add("compute", st.compute)
             # The wait inside the first step after an abort is recovery (new
             # streams, neighbours catching up), not ordinary communication.
-            self.ledger.add("recovering" if recovering else "communication",
-                            max(0.0, time.perf_counter() - t0 - st.compute))
+            self.ledger.committed(st.compute, recovering)
             recovering = False
-            self._maybe_evaluate()
+            if self._maybe_evaluate():
+                self.ledger.lap("eval")
             self.ledger.maybe_report(self.progress.step)
         self.ledger.maybe_report(self.progress.step, force=True)
         self.report({"event": "replica_done", "replica": self.links.replica, "step": self.progress.step})
 
-    def _maybe_evaluate(self) -> None:
+    def _maybe_evaluate(self) -> bool:
+        """Evaluate when it is time to; whether it tried."""
         every, s = self.cfg.train.eval_every, self.progress.step
-        if every and (s % every == 0 or s == self.cfg.train.steps):
-            try:
-                self.evaluate()
-            except RouteChanged as e:
-                log.warning("%s: evaluation at step %d skipped (%s)", self.name, s, e)
+        if not (every and (s % every == 0 or s == self.cfg.train.steps)):
+            return False
+        try:
+            self.evaluate()
+        except RouteChanged as e:
+            log.warning("%s: evaluation at step %d skipped (%s)", self.name, s, e)
+        return True
 
     def run_step(self, step: int, epoch: int) -> StepStats:
         """One inner step on the current route; raises RouteChanged to abort it."""

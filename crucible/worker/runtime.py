@@ -107,6 +107,8 @@ class Worker:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             reply = self._join()
+            if reply.replacement:   # (its replica's time since this process started is restart time)
+                self.ledger.restarting(self.phases["process_start"])
             self.ckpt.restore(reply.resume_dir, int(reply.replica_step))
             self._check_stop()
             self.links.on_routes(reply.routes)

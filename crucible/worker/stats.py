@@ -9,24 +9,55 @@ from typing import Callable
 
 import torch
 
+from crucible.ledger import PARTS
 from crucible.worker.dataplane import Event
 
 
 class Ledger:
-    """Where a replica's wall time goes (stage 0 keeps it): committed compute,
-    communication, lost work (aborted attempts), paused (no route), recovering,
-    checkpoint stall. Reported as ``goodput`` events, every ``every_s``."""
+    """Where a replica's wall time goes (stage 0 keeps it): every second since
+    it started goes to one part (``crucible.ledger.PARTS``, whose docstring
+    says what each means), so the parts add up to ``wall_s``. ``lap(part)``
+    gives the time since the previous lap to a part (less the checkpoint
+    stalls in it, which are ``checkpoint_stall``, and the compute given).
+    Reported as ``goodput`` events, every ``every_s``."""
 
-    KINDS = ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering")
+    KINDS = PARTS
 
     def __init__(self, report: Callable[[dict], None], replica: int, every_s: float = 10.0):
         self.report, self.replica, self.every_s = report, replica, every_s
-        self.t0 = time.perf_counter()
+        self.t0 = self.mark = time.perf_counter()
         self.secs = dict.fromkeys(self.KINDS, 0.0)
+        self.stalled = 0.0          # checkpoint stalls since the last lap
         self.last_report = self.t0
+        self.waiting = "paused"     # what a wait for the route is (a replacement's first: restart)
+
+    def restarting(self, since: float) -> None:
+        """A replacement: its ledger starts at its process's start (Unix time
+        ``since``), and the time until its first committed step is ``restart``."""
+        now = time.perf_counter()
+        self.t0 = self.mark = min(self.t0, now - max(0.0, time.time() - since))
+        self.waiting = "restart"
 
     def add(self, kind: str, seconds: float) -> None:
         self.secs[kind] += seconds
+        if kind == "checkpoint_stall":
+            self.stalled += seconds
+
+    def lap(self, kind: str, compute: float = 0.0) -> float:
+        """The time since the previous lap (or the start) to ``kind``, its
+        checkpoint stalls (already added) and ``compute`` apart; returns the lap's time."""
+        now = time.perf_counter()
+        took, self.mark = now - self.mark, now
+        self.secs["compute"] += compute
+        self.secs[kind] += max(0.0, took - compute - self.stalled)
+        self.stalled = 0.0
+        return took
+
+    def committed(self, compute: float, recovering: bool) -> None:
+        """A step committed: since the last lap, ``compute`` and the rest
+        communication (recovering right after an aborted attempt)."""
+        self.lap("recovering" if recovering else "communication", compute)
+        self.waiting = "paused"
 
     def summary(self) -> dict:
         wall = time.perf_counter() - self.t0
@@ -40,7 +71,6 @@ class Ledger:
         if force or now - self.last_report >= self.every_s:
             self.last_report = now
             self.report({"event": "goodput", "replica": self.replica, "step": step, **self.summary()})
-
 
 @dataclass
 class StepStats:

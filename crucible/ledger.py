@@ -1,0 +1,293 @@
+"""A replica's time ledger: where its stage 0's wall time went, over every
+stage-0 worker it had, the time between them included.
+
+The parts (``PARTS``; each is a ``<part>_s`` field of a ``goodput`` event, of
+``Ledgers.totals`` and of ``status --json``'s ``goodput``) add up to the wall
+time (``wall_s``):
+
+=================  ==========================================================
+compute            committed steps' own compute (forward, backward, commit)
+communication      the rest of a committed step: waiting for the other
+                   stages' frames, sending, receiving
+checkpoint_stall   training waiting for a checkpoint's snapshot
+lost               work that was not committed: a step attempt aborted (a
+                   route change), and a killed stage-0 worker's work after its
+                   last committed step, up to its last heartbeat
+paused             no route to train on (a stage of the replica missing, the
+                   job not started yet)
+recovering         the first step after an aborted one (new streams,
+                   neighbours catching up)
+eval               held-out evaluation
+restart            no stage-0 worker able to train after one was lost: from
+                   the dead worker's last heartbeat, its detection, the
+                   replacement's start-up (from its process's start),
+                   registration, weights and wait for its route, to the start
+                   of its first step
+=================  ==========================================================
+
+``goodput`` is compute / wall time.
+
+A stage-0 worker keeps its own ledger (``crucible.worker.stats.Ledger``), which
+gives every second since it started to one part, and reports it as ``goodput``
+events every 10 s and when its replica is done; a replacement's starts at its
+process's start, as ``restart`` until its first step. ``Ledgers`` adds up a
+replica from the events (the coordinator for ``status``, ``crucible report``,
+the launcher's end summary), per launch, its stage-0 workers in time order:
+
+* each worker's last ``goodput`` (its ledger started ``wall_s`` before it),
+  then its *tail*, the time after it that no ``goodput`` covers (a worker
+  killed before its next one): its ``step`` events' ``compute_s`` as
+  compute, ``step_aborted``'s ``lost_s`` as lost, ``eval``'s ``seconds`` as
+  eval, its ``snapshot``s' ``stall_s`` as checkpoint stall, the rest of the
+  time up to its last event as communication (before its first step: restart
+  for a replacement, else paused);
+* the gap from a worker's last event to the next worker's ledger start:
+  when the first was declared dead (``fault``), up to its last heartbeat
+  (the fault's ``last_seen``) lost, the rest restart; otherwise (a
+  whole-job restart) restart;
+* a dead last worker without a successor yet: restart up to the end of the
+  launch's events (``status``: up to now).
+
+A replica's wall time is then, per launch, from its first stage-0 worker's
+ledger start (the time between launches left out) to its last worker's last
+event. For one outage, the dead worker's lost tail plus the restart is
+``crucible interval``'s R for it (from the last committed step before to the
+first one after, less one step) give or take the first step after, whose own
+time is in recovering and compute. Left as reported: a worker's ledger whose
+``goodput`` has no ``time`` (no place in the timeline: its parts are added as
+they are), and the parts of an older Crucible's ledgers, which did not add up
+to their ``wall_s`` (evaluations and start-up were in none).
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+PARTS = ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering", "eval", "restart")
+KEYS = tuple(p + "_s" for p in PARTS)
+
+
+def _num(x) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return None
+    return float(x)
+
+
+class _Worker:
+    """One stage-0 worker, as its events tell."""
+
+    def __init__(self, wid: str, replica: int, launch: int):
+        self.id, self.replica, self.launch = wid, replica, launch
+        self.registered: float | None = None
+        self.replacement = False
+        self.ledger: dict | None = None      # its last goodput
+        self.ledger_t: float | None = None
+        self.untimed: dict | None = None     # its last goodput without a time (added as it is)
+        self.tail = dict.fromkeys(PARTS, 0.0)
+        self.first_step: float | None = None  # the start of its first step (in its tail, no goodput yet)
+        self.last: float | None = None        # its last event's time
+        self.dead = False
+        self.last_seen: float | None = None
+
+    def seen(self, t: float | None) -> None:
+        if t is not None and (self.last is None or t > self.last):
+            self.last = t
+
+    def start(self) -> float | None:
+        if self.ledger is not None and self.ledger_t is not None:
+            wall = _num(self.ledger.get("wall_s"))
+            return self.ledger_t - wall if wall is not None else self.ledger_t
+        if self.registered is not None:
+            return self.registered
+        return self.first_step if self.first_step is not None else self.last
+
+    def parts(self) -> tuple[dict, float | None, float | None]:
+        """(its parts, its ledger's start, its end): the last goodput and the tail after it."""
+        out = dict.fromkeys(PARTS, 0.0)
+        if self.ledger is None and self.untimed is not None:
+            for p in PARTS:
+                v = _num(self.untimed.get(p + "_s"))
+                if v is not None:
+                    out[p] += v
+            return out, None, None
+        start = self.start()
+        if self.ledger is not None:
+            for p in PARTS:
+                v = _num(self.ledger.get(p + "_s"))
+                if v is not None:
+                    out[p] += v
+        if start is None:
+            return out, None, None
+        since = self.ledger_t if self.ledger_t is not None else start
+        end = max(since, self.last if self.last is not None else since)
+        for p in PARTS:
+            out[p] += self.tail[p]
+        rest = end - since - sum(self.tail.values())
+        if rest > 0:
+            if self.ledger is None:     # before its first step: starting up
+                before = (self.first_step if self.first_step is not None else end) - since
+                before = min(rest, max(0.0, before))
+                out["restart" if self.replacement else "paused"] += before
+                rest -= before
+            out["communication"] += rest
+        return out, start, end
+
+
+class Ledgers:
+    """Every replica's ledger from the events, fed in the order they were
+    written (``feed``); ``totals`` adds them up. Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.workers: dict[tuple[int, str], _Worker] = {}     # (replica, worker id) -> it
+        self.order: list[_Worker] = []
+        self.launch = 0
+        self.launch_end: dict[int, float] = {}      # launch -> its last event's time
+        self._restart_since_start = False
+        self._starts = 0
+
+    def feed_all(self, events) -> "Ledgers":
+        for ev in events:
+            self.feed(ev)
+        return self
+
+    def _worker(self, ev: dict, replica: int) -> _Worker:
+        wid = str(ev.get("worker", ""))
+        w = self.workers.get((replica, wid))
+        if w is None:
+            w = self.workers[(replica, wid)] = _Worker(wid, replica, self.launch)
+            self.order.append(w)
+        return w
+
+    def feed(self, ev: dict) -> None:
+        kind, r = ev.get("event"), ev.get("replica")
+        t = _num(ev.get("time"))
+        with self._lock:
+            if kind == "coordinator_start":
+                # a new launch (as metrics.launches): not a restored coordinator, nor a whole-job restart's
+                if self._starts and ev.get("restored") is not True and not self._restart_since_start:
+                    self.launch += 1
+                self._starts += 1
+                self._restart_since_start = False
+            elif kind == "job_restart":
+                self._restart_since_start = True
+            if t is not None:
+                self.launch_end[self.launch] = max(t, self.launch_end.get(self.launch, t))
+            if not isinstance(r, int) or isinstance(r, bool):
+                return
+            stage0 = kind in ("goodput", "eval", "step_aborted") or (
+                kind in ("step", "snapshot", "worker_registered", "fault") and ev.get("stage") == 0)
+            if not stage0:
+                return
+            w = self._worker(ev, r)
+            if kind == "worker_registered":
+                w.registered, w.replacement = t, ev.get("replacement") is True
+                return
+            if kind == "fault":
+                w.dead = True
+                w.last_seen = _num(ev.get("last_seen"))
+                return
+            if kind == "goodput":
+                if t is None:
+                    w.untimed = ev
+                    return
+                w.ledger, w.ledger_t = ev, t
+                w.tail = dict.fromkeys(PARTS, 0.0)
+                w.first_step = None
+                w.seen(t)
+                return
+            if t is None:
+                return
+            if kind == "step":
+                c, s = _num(ev.get("compute_s")), _num(ev.get("step_s"))
+                w.tail["compute"] += c or 0.0
+                if w.ledger is None and w.first_step is None:
+                    w.first_step = t - (s or 0.0)
+            elif kind == "step_aborted":
+                w.tail["lost"] += _num(ev.get("lost_s")) or 0.0
+            elif kind == "eval":
+                w.tail["eval"] += _num(ev.get("seconds")) or 0.0
+            elif kind == "snapshot":
+                w.tail["checkpoint_stall"] += _num(ev.get("stall_s")) or 0.0
+            w.seen(t)
+
+    def totals(self, now: float | None = None, replicas=()) -> dict[int, dict]:
+        """Each replica's ledger: ``<part>_s`` for every part, ``wall_s``,
+        ``goodput`` (compute / wall, None without wall time) and ``workers``
+        (its stage-0 workers). ``now``: the current launch's end, for a
+        replica whose stage-0 worker is dead and not replaced yet (``status``
+        of a running job); else the end of the launch's events. ``replicas``:
+        ones to list even without events."""
+        with self._lock:
+            by: dict[int, dict[int, list]] = {}
+            for w in self.order:
+                by.setdefault(w.replica, {}).setdefault(w.launch, []).append(w)
+            out = {}
+            for r in sorted(set(by) | set(replicas)):
+                tot = dict.fromkeys(PARTS, 0.0)
+                wall, n = 0.0, 0
+                for launch, ws in sorted(by.get(r, {}).items()):
+                    end_of_launch = self.launch_end.get(launch)
+                    if now is not None and launch == self.launch:
+                        end_of_launch = max(now, end_of_launch or now)
+                    wall += self._launch(ws, tot, end_of_launch)
+                    n += len(ws)
+                row = {p + "_s": tot[p] for p in PARTS}
+                row["wall_s"] = wall
+                row["goodput"] = tot["compute"] / row["wall_s"] if row["wall_s"] > 0 else None
+                row["workers"] = n
+                out[r] = row
+            return out
+
+    @staticmethod
+    def _launch(ws: list[_Worker], tot: dict, end_of_launch: float | None) -> float:
+        """Add one launch's workers of one replica to ``tot``; returns its wall time."""
+        timed, untimed = [], 0.0
+        for w in ws:
+            parts, start, end = w.parts()
+            if start is None:       # no time to place it by: added as it is
+                for p in PARTS:
+                    tot[p] += parts[p]
+                untimed += _num((w.untimed or {}).get("wall_s")) or 0.0
+                continue
+            timed.append((start, end, w, parts))
+        timed.sort(key=lambda x: x[0])
+        first, cursor, prev = None, None, None
+        for start, end, w, parts in timed:
+            if cursor is None:
+                first = start
+            elif start > cursor:
+                _gap(tot, prev, cursor, start)
+            elif start < cursor:
+                # overlapping workers (the old one still reporting after it was replaced):
+                # the overlap is taken out of the new one's start-up
+                over = cursor - start
+                for p in ("restart", "paused"):
+                    take = min(over, parts[p])
+                    parts[p] -= take
+                    over -= take
+            for p in PARTS:
+                tot[p] += parts[p]
+            cursor = end if cursor is None else max(cursor, end)
+            prev = w
+        if prev is not None and prev.dead and end_of_launch is not None and end_of_launch > cursor:
+            _gap(tot, prev, cursor, end_of_launch)
+            cursor = end_of_launch
+        return untimed + ((cursor - first) if cursor is not None else 0.0)
+
+
+def _gap(tot: dict, prev: _Worker | None, a: float, b: float) -> None:
+    """[a, b]: after ``prev``'s last event, no stage-0 worker's ledger."""
+    lost = 0.0
+    if prev is not None and prev.dead and prev.last_seen is not None:
+        lost = min(b - a, max(0.0, prev.last_seen - a))
+    tot["lost"] += lost
+    tot["restart"] += (b - a) - lost
+
+
+def replica_ledgers(events, now: float | None = None, replicas=()) -> dict[int, dict]:
+    """``Ledgers().feed_all(events).totals(now, replicas)``."""
+    return Ledgers().feed_all(events).totals(now, replicas)
