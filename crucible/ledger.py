@@ -66,6 +66,9 @@ from __future__ import annotations
 import math
 import threading
 
+# the events ``Ledgers.feed`` reads (the rest pass it by)
+EVENTS = ("coordinator_start", "job_restart", "goodput", "eval", "step_aborted", "step", "snapshot",
+          "worker_registered", "fault")
 PARTS = ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering", "eval", "restart")
 KEYS = tuple(p + "_s" for p in PARTS)
 
@@ -152,6 +155,15 @@ class Ledgers:
     def feed_all(self, events) -> "Ledgers":
         for ev in events:
             self.feed(ev)
+        return self
+
+    def forget_earlier_launches(self) -> "Ledgers":
+        """Only the latest launch's workers kept (a restarted coordinator's
+        status, after it fed the whole log)."""
+        with self._lock:
+            self.order = [w for w in self.order if w.launch == self.launch]
+            self.workers = {k: w for k, w in self.workers.items() if w.launch == self.launch}
+            self.launch_end = {n: t for n, t in self.launch_end.items() if n == self.launch}
         return self
 
     def _worker(self, ev: dict, replica: int) -> _Worker:

@@ -106,34 +106,67 @@ def path_of(run_dir_or_path: str) -> str:
     return os.path.join(p, FILE) if os.path.isdir(p) and os.path.basename(os.path.normpath(p)) != FILE else p
 
 
+def _open(path: str):
+    """The log open for reading, or None where there is none; one that is
+    there but cannot be read (a directory, no permission) raises ``Unreadable``."""
+    try:
+        return open(path, "rb")
+    except (FileNotFoundError, NotADirectoryError):     # (no log: a folder on the way is a file, too)
+        return None
+    except IsADirectoryError:
+        raise Unreadable(f"{path}: is a directory, not the run's event log (a file)") from None
+    except OSError as e:
+        raise Unreadable(f"{path}: cannot be read: {e.strerror or e}") from None
+
+
+def _parsed(f, kinds: tuple[str, ...] | None = None):
+    """Each non-blank line of ``f`` as an event, or None where it does not
+    parse as one; with ``kinds``, only the lines that name one of them (the
+    rest are not parsed)."""
+    names = tuple(f'"{k}"'.encode() for k in kinds) if kinds is not None else None
+    for raw in f:
+        if not raw.strip() or (names is not None and not any(n in raw for n in names)):
+            continue
+        try:
+            ev = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            yield None
+            continue
+        yield ev if isinstance(ev, dict) and isinstance(ev.get("event"), str) else None
+
+
 def read(run_dir_or_path: str, kind: str | None = None, offset: int = 0) -> tuple[list[dict], int]:
     """(the events, in file order, of one kind or all; how many lines did not
     parse). A missing file is no events; one that is there but cannot be
     read (a directory, no permission) raises ``Unreadable``. ``offset``:
     only what was written after the file had that many bytes."""
     events, bad = [], 0
-    path = path_of(run_dir_or_path)
-    try:
-        f = open(path, "rb")
-    except (FileNotFoundError, NotADirectoryError):     # (no log: a folder on the way is a file, too)
+    f = _open(path_of(run_dir_or_path))
+    if f is None:
         return [], 0
-    except IsADirectoryError:
-        raise Unreadable(f"{path}: is a directory, not the run's event log (a file)") from None
-    except OSError as e:
-        raise Unreadable(f"{path}: cannot be read: {e.strerror or e}") from None
     with f:
         f.seek(offset)
-        for raw in f:
-            if not raw.strip():
-                continue
-            try:
-                ev = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+        for ev in _parsed(f):
+            if ev is None:
                 bad += 1
-                continue
-            if isinstance(ev, dict) and isinstance(ev.get("event"), str) and (kind is None or ev["event"] == kind):
+            elif kind is None or ev["event"] == kind:
                 events.append(ev)
     return events, bad
+
+
+def each(run_dir_or_path: str, kinds: tuple[str, ...], offset: int = 0):
+    """The events of ``kinds``, one at a time in file order (from byte
+    ``offset``): for reading a long run's whole log without holding it (a
+    restarted coordinator's ledgers); lines that do not parse are passed
+    over. A missing file is no events; an unreadable one raises ``Unreadable``."""
+    f = _open(path_of(run_dir_or_path))
+    if f is None:
+        return
+    with f:
+        f.seek(offset)
+        for ev in _parsed(f, kinds):
+            if ev is not None and ev["event"] in kinds:
+                yield ev
 
 
 def follow(run_dir_or_path: str, kinds: tuple[str, ...], offset: int) -> tuple[list[dict], int]:

@@ -254,3 +254,30 @@ def test_a_sigkilled_stage0_workers_replica_ledger_adds_up_to_its_wall_time(tmp_
     m = re.search(r"goodput \d+% of (\d+)s \((.*)\)", line)
     assert m and "restart " in m.group(2), line
     assert abs(int(m.group(1)) - rows[1]["wall_s"]) <= 1, (line, rows[1])
+
+
+def test_a_restarted_coordinator_rebuilds_this_launchs_ledgers_from_the_log_read_one_event_at_a_time(tmp_path):
+    """The coordinator's restore reads the whole log for status's goodput:
+    streamed (``metrics.each``, only the kinds the ledgers read) and reduced
+    to the latest launch, it gives what feeding that launch's events does,
+    whatever came before (an earlier launch, unparseable lines)."""
+    from crucible import metrics
+
+    first = _killed_and_replaced()
+    day = 86400.0
+    second = [dict(ev, time=ev["time"] + day, **({"last_seen": ev["last_seen"] + day} if "last_seen" in ev else {}),
+                   **({"worker": ev["worker"] + "'"} if "worker" in ev else {}))     # (every worker id is new)
+              for ev in _killed_and_replaced()]
+    second.insert(1, {"event": "coordinator_start", "time": day + 120.0, "restored": True})   # same launch
+    log = tmp_path / "metrics.jsonl"
+    with open(log, "w") as f:
+        for ev in first:
+            f.write(json.dumps(ev, separators=(",", ":")) + "\n")
+        f.write("{half a line\n")
+        for ev in sorted(second, key=lambda e: e["time"]):
+            f.write(json.dumps(ev, separators=(",", ":")) + "\n")
+    rebuilt = Ledgers().feed_all(metrics.each(str(log), ledger.EVENTS)).forget_earlier_launches()
+    want = Ledgers().feed_all(metrics.launch_segments(metrics.read_events(str(log)))[-1])
+    now = day + 200.0
+    assert rebuilt.totals(now=now, replicas=[0, 1]) == want.totals(now=now, replicas=[0, 1])
+    assert rebuilt.totals()[1]["workers"] == 2 and rebuilt.totals()[1]["restart_s"] > 0

@@ -70,7 +70,7 @@ import time
 
 import grpc
 
-from crucible import PROTOCOL_VERSION, identity, metrics, procs, rpc
+from crucible import PROTOCOL_VERSION, identity, ledger, metrics, procs, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
@@ -172,9 +172,8 @@ class Coordinator:
                                 self.incarnation)
             return
         # The replicas' ledgers so far in this launch (status's goodput), from the log: before this
-        # coordinator writes to it.
-        segments = metrics.launch_segments(metrics.read_events(self.metrics.path))
-        self.metrics.ledgers.feed_all(segments[-1] if segments else [])
+        # coordinator writes to it, one event at a time (a long run's log is GBs: none of it held).
+        self.metrics.ledgers.feed_all(metrics.each(self.metrics.path, ledger.EVENTS)).forget_earlier_launches()
         live = sum(1 for w in self.m.workers.values() if w.state in ("alive", "joining", "done"))
         log.info("continuing from the previous coordinator's state: %d live workers, epoch %#x", live,
                  max(self.m.route_epoch.values()))
