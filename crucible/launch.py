@@ -337,11 +337,15 @@ class Launcher:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.close()
-            raise exits.UsageError(f"--run-dir {where}: another `crucible launch` is starting a job there (it "
-                                   f"holds launch.lock); let it start, or choose another --run-dir") from None
+            raise exits.UsageError(f"--run-dir {where}: another `crucible launch` runs there (it holds "
+                                   f"launch.lock: its coordinator is starting or restarting); let it end, or "
+                                   f"choose another --run-dir") from None
         self.launch_lock = f
-        metrics.append_event(self.run_dir, {"event": "launch_start", "pid": os.getpid(),
-                                            "resume": bool(self.args.resume)})
+        try:
+            metrics.append_event(self.run_dir, {"event": "launch_start", "pid": os.getpid(),
+                                                "resume": bool(self.args.resume)})
+        except OSError as e:        # (metrics.jsonl a folder, not writable: the coordinator could not log either)
+            raise exits.UsageError(f"--run-dir {where}: {e.filename or metrics.FILE}: {e.strerror or e}") from None
 
     def run(self) -> int:
         if os.path.isdir(self.run_dir):    # (a new one holds no earlier job for status to misread yet)

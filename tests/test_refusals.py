@@ -79,8 +79,9 @@ def test_a_launch_while_another_launch_starts_there_is_refused_and_changes_nothi
         before = tree_digest(run)
         for extra in ([], ["--resume"], ["--no-check"]):
             line = _refused("launch", "--run-dir", str(run), *extra, *JOB)
-            assert line == f"crucible: --run-dir {run}: another `crucible launch` is starting a job there (it " \
-                           f"holds launch.lock); let it start, or choose another --run-dir", line
+            assert line == f"crucible: --run-dir {run}: another `crucible launch` runs there (it holds " \
+                           f"launch.lock: its coordinator is starting or restarting); let it end, or choose " \
+                           f"another --run-dir", line
             assert tree_digest(run) == before
 
 
