@@ -104,6 +104,8 @@ KINDS: dict[str, str] = {
     "ckpt_final_skipped": "no final checkpoint possible: reason",
     "ckpt_final_timeout": "the final checkpoint did not commit in time: timeout_s",
     # ---- the launcher and the cluster supervisors ----
+    "launch_start": "a `crucible launch` began, before its pre-flight (it holds launch.lock while it lives): pid, "
+                    "resume; its coordinator_start follows unless the launch ended first",
     "chaos": "the launcher's fault injection: signal, target, pid, mono",
     "job_restart": "the launcher restarts everything from the latest checkpoint: reason",
     "job_restarted": "... and everything is up again: seconds",

@@ -7,7 +7,9 @@ it activations. So each registration gets a secret of its own:
 
 * ``Register`` issues a fresh random ``secret`` (``RegisterReply.secret``); the
   coordinator keeps it with the worker's record (in ``coordinator.state.json``,
-  mode 0600, so a restarted coordinator knows it too).
+  mode 0600, so a restarted coordinator knows it too). A rejoin (the same
+  process taking its slot again) presents it and keeps it
+  (``coordinator/membership.py``, "Identity").
 * A worker opening the stream to its successor signs its HELLO:
   ``auth = HMAC-SHA256(secret, "crucible-hello|epoch|replica|src|dst")``, where
   ``epoch`` is its replica's route epoch. Every change of a replica's members

@@ -13,7 +13,11 @@ Before it starts or writes anything it runs the pre-flight checks
 the memory of every worker it would start first (``crucible.sizing``); a
 job too big for this host ends there, exit status 2. ``--no-check`` skips
 them, and tells its workers not to compare their own stage's memory either
-(``sizing.SKIP_ENV``).
+(``sizing.SKIP_ENV``). Only ``launch.lock`` comes first: the launcher holds it
+for as long as it lives, and logs ``launch_start``, so that ``crucible
+status`` says a launch is starting instead of how the previous job in the run
+directory ended (a resume's pre-flight and coordinator start-up take seconds);
+a second launch into the same run directory meanwhile is refused.
 
 No crash loops. A process that dies of an exception leaves its one-line cause
 in ``logs/<name>.error`` (``crucible.exits``); the launcher prints it with the
@@ -171,6 +175,7 @@ class Launcher:
         self.workers: dict[str, Proc] = {}
         self.mps = None                   # crucible.mps.Mps, with job.mps=on
         self.mps_warned = False           # (its daemon's death, said once)
+        self.launch_lock = None           # launch.lock, held while this launcher lives (_hold_launch_lock)
 
     # ---- processes ------------------------------------------------------
 
@@ -315,7 +320,38 @@ class Launcher:
             return exits.ERROR if done.returncode > 0 else exits.interrupted(-done.returncode)
         return exits.OK
 
+    def _hold_launch_lock(self) -> None:
+        """Take launch.lock (kept until this process exits; children do not
+        inherit it) and log launch_start: until this launch's coordinator logs
+        coordinator_start, `crucible status` says that a launch is starting
+        (crucible.status.no_answer). Another launcher holding it: refused, as a
+        running job is."""
+        import fcntl
+
+        if self.launch_lock is not None:
+            return
+        where = self.args.run_dir or self.run_dir
+        try:
+            f = open(os.path.join(self.run_dir, "launch.lock"), "a+")
+        except OSError as e:
+            raise exits.UsageError(f"--run-dir {where}: {e.strerror or e} ({e.filename})") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise exits.UsageError(f"--run-dir {where}: another `crucible launch` runs there (it holds "
+                                   f"launch.lock: its coordinator is starting or restarting); let it end, or "
+                                   f"choose another --run-dir") from None
+        self.launch_lock = f
+        try:
+            metrics.append_event(self.run_dir, {"event": "launch_start", "pid": os.getpid(),
+                                                "resume": bool(self.args.resume)})
+        except OSError as e:        # (metrics.jsonl a folder, not writable: the coordinator could not log either)
+            raise exits.UsageError(f"--run-dir {where}: {e.filename or metrics.FILE}: {e.strerror or e}") from None
+
     def run(self) -> int:
+        if os.path.isdir(self.run_dir):    # (a new one holds no earlier job for status to misread yet)
+            self._hold_launch_lock()
         code = self.preflight()
         if code != exits.OK:
             return code
@@ -324,6 +360,7 @@ class Launcher:
         except OSError as e:       # (dir_problem tried; the OS may still say no: changed since)
             print(f"crucible: --run-dir {self.run_dir}: {e.strerror or e} ({e.filename})", file=sys.stderr)
             return exits.USAGE
+        self._hold_launch_lock()
         self.token = rpc.read_token(self.run_dir) if self.args.resume else ""
         if not self.token:
             self.token = os.environ.get(rpc.TOKEN_ENV) or rpc.new_token()

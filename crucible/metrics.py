@@ -76,20 +76,24 @@ def launch_segments(events: list[dict]) -> list[list[dict]]:
     return [launch for launch in out if launch]
 
 
-def scheduler_event(ev: dict) -> bool:
-    """An event of a cluster scheduler's front end (``crucible slurm``'s
-    submissions, a Slurm job's start and end, its ``slurm down``): it says
-    when the scheduler or the user acted, not that the job ran."""
-    return str(ev.get("event", "")).startswith("slurm_")
+def front_end_event(ev: dict) -> bool:
+    """An event of a front end rather than of the job: a ``crucible launch``
+    beginning (``launch_start``, before its pre-flight; one a check refused
+    stays in the log), ``crucible slurm``'s submissions, a Slurm job's start
+    and end, its ``slurm down``. It says when the user or the scheduler acted,
+    not that the job ran."""
+    kind = str(ev.get("event", ""))
+    return kind == "launch_start" or kind.startswith("slurm_")
 
 
 def launch_span(launch: list[dict]) -> tuple[float, float] | None:
     """When a launch (one of ``launch_segments``) ran: the times of its first
-    and last event, the scheduler's left out (a ``slurm up --resume`` submits
-    before its coordinator starts, in the previous launch's segment, and its
-    queue wait is no time the job ran; ``slurm down`` may come hours after the
-    job ended); None where it has no such event."""
-    times = [t for ev in launch if not scheduler_event(ev) for t in [time_of(ev)] if t is not None]
+    and last event, a front end's left out (``front_end_event``: a resume's
+    ``launch_start``, or a ``slurm up --resume``'s submissions and queue wait,
+    come before its coordinator starts, in the previous launch's segment;
+    ``slurm down`` may come hours after the job ended); None where it has no
+    such event."""
+    times = [t for ev in launch if not front_end_event(ev) for t in [time_of(ev)] if t is not None]
     return (min(times), max(times)) if times else None
 
 

@@ -35,22 +35,26 @@ def resolve(run_dir: str | None, coordinator: str | None) -> tuple[str, str]:
         with open(path) as f:
             return f.read().strip(), rpc.read_token(run_dir)
     except OSError:
-        raise SystemExit(f"crucible status: no coordinator address in {path}: is a job running there?") from None
+        # (the launcher removes it as it starts a coordinator, which writes it once it serves)
+        raise SystemExit(starting(run_dir) or f"crucible status: no coordinator address in {path}: "
+                                              f"is a job running there?") from None
 
 
 class Ends:
     """What metrics.jsonl says of how the job ended, read on from where the
     last look stopped (for `status --watch`, which asks every second): the
-    last of coordinator_start / job_done / job_stopped, and the newest
-    committed checkpoint's step."""
+    last of coordinator_start / job_done / job_stopped, the newest committed
+    checkpoint's step, and a launcher's launch_start or job_restart logged
+    after that last one (it is starting a coordinator: ``launch``)."""
 
-    KINDS = ("job_done", "job_stopped", "coordinator_start", "ckpt_commit")
+    KINDS = ("job_done", "job_stopped", "coordinator_start", "ckpt_commit", "launch_start", "job_restart")
 
     def __init__(self, start: int = 0):
         self.start = start            # (bytes of the log before: an earlier run's, not read)
         self.offset = start
         self.last: dict = {}
         self.commit = None
+        self.launch: dict = {}
 
     @property
     def ended(self) -> bool:
@@ -64,15 +68,41 @@ class Ends:
             self.__init__()
         events, self.offset = metrics.follow(run_dir, self.KINDS, self.offset)
         for e in events:
-            if e["event"] != "ckpt_commit":
-                self.last = e
+            if e["event"] in ("launch_start", "job_restart"):
+                self.launch = e
+            elif e["event"] != "ckpt_commit":
+                self.last, self.launch = e, {}
             elif metrics.whole(e.get("step")):
                 self.commit = e.get("step")
         return self
 
 
+def starting(run_dir: str | None, ends: Ends | None = None) -> str | None:
+    """The line for a run directory whose launcher is starting a coordinator
+    (a new launch in its pre-flight, a coordinator not serving yet; or every
+    process restarted from a checkpoint): a launch_start or job_restart after
+    the log's latest coordinator_start, job_done or job_stopped, and a
+    launcher alive to hold launch.lock. None otherwise: a launch that ended
+    before its coordinator started leaves the previous job's end standing."""
+    from crucible import files, metrics
+
+    if not run_dir:
+        return None
+    launch = (ends or Ends()).update(run_dir).launch
+    if not launch or not files.lock_held(os.path.join(run_dir, "launch.lock")):
+        return None
+    if launch["event"] == "job_restart":
+        return f"crucible status: {run_dir}: restarting: no coordinator yet (the launcher restarts every process " \
+               f"from the latest checkpoint)"
+    pid = launch.get("pid")
+    by = f"`crucible launch`{f' (pid {pid})' if metrics.whole(pid) else ''}"
+    what = "a resume" if launch.get("resume") is True else "a job"
+    return f"crucible status: {run_dir}: starting: no coordinator yet ({by} is starting {what} there)"
+
+
 def no_answer(addr: str, run_dir: str | None, ends: Ends | None = None) -> str:
-    """Why `status` has nothing to show. The job has ended only where its
+    """Why `status` has nothing to show. A launcher starting a coordinator
+    says so (``starting``). The job has ended only where its
     metrics say so (a job_done or job_stopped after the latest
     coordinator_start) and nothing holds its ``coordinator.lock``; otherwise
     the coordinator does not answer, with the reason when TLS is it, and
@@ -87,7 +117,10 @@ def no_answer(addr: str, run_dir: str | None, ends: Ends | None = None) -> str:
 
     if not run_dir or files.lock_held(os.path.join(run_dir, "coordinator.lock")):
         return line()
-    ends = (ends or Ends()).update(run_dir)
+    ends = ends or Ends()
+    launching = starting(run_dir, ends)
+    if launching:
+        return launching
     last = ends.last
     resume = (f"`crucible launch --run-dir {run_dir} --resume` with the job's options goes on from its newest "
               f"checkpoint{f', step {ends.commit}' if ends.commit is not None else ''}; "

@@ -160,3 +160,48 @@ def test_coordinator_killed_and_restarted(job):
         assert d["restart_s"] > 0 and d["restart_max_s"] > 0, d["interruptions"]
     assert "restart time R:" in interval.format_report(d) and "1 of them coordinator restart(s)" in \
         interval.format_report(d)
+
+
+def test_a_worker_the_restored_state_knows_by_an_older_id_rejoins_with_its_secret(job):
+    """The state file is written off the lock: a coordinator killed after a
+    worker's registration can leave an older registration of that worker on
+    disk. Its successor does not know the worker's id (NOT_FOUND): the worker
+    rejoins, proving the registration on disk with its secret (its pid and
+    host alone, shown by status, no longer take a slot), and takes its slot
+    back: no replacement, the same process. Here the older registration is
+    the one on disk renamed, with the launcher stopped while it is edited."""
+    st = wait_healthy(job)
+    inc, victim = st["incarnation"], worker(st, 0, 1)
+    with open(os.path.join(job.run_dir, "pids.json")) as f:
+        pids = json.load(f)
+    path = os.path.join(job.run_dir, "coordinator.state.json")
+    older = victim["worker_id"].rsplit("-", 1)[0] + "-older000"
+    t0 = time.time()
+    os.kill(pids["launcher"], signal.SIGSTOP)       # (it would start the next coordinator at once)
+    try:
+        os.kill(pids["coordinator"], signal.SIGKILL)
+        t_end = time.monotonic() + 10
+        while time.monotonic() < t_end:             # gone, or a zombie its stopped launcher has not reaped
+            try:
+                with open(f"/proc/{pids['coordinator']}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.05)
+        with open(path) as f:
+            state = json.load(f)
+        rec = state["workers"].pop(victim["worker_id"])
+        state["workers"][older] = {**rec, "worker_id": older}
+        state["slots"]["r0s1"] = older
+        with open(path, "w") as f:
+            json.dump(state, f)
+    finally:
+        os.kill(pids["launcher"], signal.SIGCONT)
+    st = job.wait_for(lambda s: s if s["incarnation"] == inc + 1 and healthy(s)
+                      and worker(s, 0, 1)["worker_id"] not in (victim["worker_id"], older) else None, 60,
+                      "the worker of r0s1 back in its slot under a new registration")
+    assert worker(st, 0, 1)["pid"] == victim["pid"]
+    regs = [e for e in job.events("worker_registered") if e["time"] >= t0 and (e["replica"], e["stage"]) == (0, 1)]
+    assert [(e["rejoin"], e["replacement"]) for e in regs] == [(True, False)], regs
+    assert not [e for e in job.events("fault") if e["time"] >= t0]

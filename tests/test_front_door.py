@@ -530,6 +530,101 @@ def test_status_of_a_running_job_that_does_not_answer_says_so(tmp_path):
     assert line == "crucible status: coordinator at 127.0.0.1:1 does not answer", line
 
 
+LAUNCH = {"event": "launch_start", "pid": 4321, "resume": True}
+
+
+def test_status_while_a_launch_starts_after_a_finished_job_says_starting(tmp_path):
+    """Right after a finished job, a new `crucible launch --resume` in its
+    pre-flight, or its coordinator not serving yet (no coordinator.lock, no
+    coordinator_start): status said the job had finished. The launcher holds
+    launch.lock and logs launch_start first."""
+    import fcntl
+
+    from crucible.status import Ends, no_answer, resolve
+
+    run = _ended_run(tmp_path, START, {"event": "job_done", "steps": [40]}, LAUNCH)
+    starting = f"crucible status: {run}: starting: no coordinator yet (`crucible launch` (pid 4321) is starting " \
+               f"a resume there)"
+    finished = f"crucible status: {run}: the job finished at step 40; its coordinator has exited"
+    with open(run / "launch.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert no_answer("127.0.0.1:1", str(run)) == starting
+        ends = Ends()               # (--watch: read on; the launch's coordinator comes up, then the job ends)
+        assert no_answer("127.0.0.1:1", str(run), ends) == starting
+        (run / "coordinator.addr").unlink()    # (the launcher removes it as it starts the coordinator)
+        with pytest.raises(SystemExit) as e:
+            resolve(str(run), None)
+        assert str(e.value) == starting
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(START) + "\n" + json.dumps({"event": "job_done", "steps": [44]}) + "\n")
+        assert no_answer("127.0.0.1:1", str(run), ends).startswith(f"crucible status: {run}: the job finished "
+                                                                    f"at step 44;")
+        # every process restarted from a checkpoint (on_stage_failure = restart): the coordinator's own stop
+        # comes first, then the launcher's job_restart
+        (tmp_path / "b").mkdir()
+        again = _ended_run(tmp_path / "b", START, {"event": "job_stopped", "signal": "SIGTERM"},
+                           {"event": "job_restart", "reason": "r0s1 failed"})
+        with open(again / "launch.lock", "a+") as held2:
+            fcntl.flock(held2, fcntl.LOCK_EX)
+            assert no_answer("127.0.0.1:1", str(again)) == (
+                f"crucible status: {again}: restarting: no coordinator yet (the launcher restarts every process "
+                f"from the latest checkpoint)")
+    # A launch that ended before its coordinator started (refused by its checks, killed): no launcher holds
+    # launch.lock, and the previous job's end stands. So it does for the launcher of that job itself, still
+    # up after its job_done.
+    (run / "coordinator.addr").write_text("127.0.0.1:1\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in (
+        START, {"event": "job_done", "steps": [40]}, LAUNCH)))
+    assert no_answer("127.0.0.1:1", str(run)).startswith(finished)
+    (tmp_path / "c").mkdir()
+    ended = _ended_run(tmp_path / "c", LAUNCH, START, {"event": "job_done", "steps": [40]})
+    with open(ended / "launch.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert no_answer("127.0.0.1:1", str(ended)).startswith(f"crucible status: {ended}: the job finished at "
+                                                               f"step 40;")
+
+
+def test_status_says_starting_through_a_real_resumes_start_up(own_copy):
+    """A real `crucible launch --resume` after the job finished: from its
+    launch_start until its coordinator serves, `status` says it is starting
+    (or, once the coordinator holds its lock, that it does not answer yet),
+    never that the job finished."""
+    from crucible.metrics import read_events
+    from crucible.status import StatusClient, no_answer, resolve
+
+    def line() -> str:
+        try:
+            addr, token = resolve(own_copy, None)
+        except SystemExit as e:
+            return str(e)
+        client = StatusClient(addr, token)
+        try:
+            return "answers" if client.get(timeout=2.0) is not None else no_answer(addr, own_copy)
+        finally:
+            client.channel.close()
+
+    assert "the job finished" in line()
+    before = len(read_events(own_copy))
+    job = Job(own_copy, ["--resume", "--replicas", "1", "--stages", "2", "--steps", "14"],
+              SMALL + ["checkpoint.minimum_interval_s=0"])
+    try:
+        t_end = time.monotonic() + 60
+        while not [e for e in read_events(own_copy)[before:] if e["event"] == "launch_start"]:
+            assert time.monotonic() < t_end and job.proc.poll() is None, job.output()
+            time.sleep(0.02)
+        seen = []
+        while not seen or seen[-1] != "answers":
+            assert time.monotonic() < t_end and job.proc.poll() is None, (seen, job.output())
+            seen.append(line())
+        starting = f"crucible status: {own_copy}: starting: no coordinator yet (`crucible launch` (pid {job.proc.pid}) " \
+                   f"is starting a resume there)"
+        assert seen[0] == starting, seen
+        assert all(x in (starting, "answers") or " does not answer" in x for x in seen), seen
+        assert job.wait(120) == 0, job.output()
+    finally:
+        job.kill()
+
+
 def test_a_coordinator_that_does_not_answer_is_said_within_seconds(tmp_path):
     """A well-formed address where nothing listens: the worker says so in one
     line within seconds and keeps trying (the coordinator may still be

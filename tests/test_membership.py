@@ -95,7 +95,7 @@ def test_wait_policy_pauses_on_any_missing_stage():
 
 def test_register_refuses_a_stage_of_another_size_and_a_held_slot():
     m = Membership(2, 2)
-    m.register(0, 1, "h:1", 1, "h", False, 416, now=0.0)
+    first, _ = m.register(0, 1, "h:1", 1, "h", False, 416, now=0.0)
     with pytest.raises(Refused) as e:
         m.register(1, 1, "h:2", 2, "h", False, 400, now=0.0)
     assert e.value.code == "FAILED_PRECONDITION" and "416" in e.value.message and "400" in e.value.message
@@ -105,27 +105,46 @@ def test_register_refuses_a_stage_of_another_size_and_a_held_slot():
     with pytest.raises(Refused) as e:
         m.register(5, 0, "h:3", 3, "h", False, 416, now=0.0)
     assert e.value.code == "INVALID_ARGUMENT"
-    # the same process taking its slot again (its registration's reply was lost) is allowed
-    w, replacement = m.register(0, 1, "h:1", 1, "h", True, 416, now=1.0)
-    assert not replacement and m.holder((0, 1)) is w
-    # ... but not once it has beaten under it: a rejoin naming a live holder's pid and
-    # host (what Status shows anyone with the token) evicted a healthy worker
+    # the same process taking its slot again with its registration's secret is
+    # allowed (it keeps the secret), again when that rejoin's reply was lost
+    secret = first.secret
+    w, replacement = m.register(0, 1, "h:1", 1, "h", True, 416, now=1.0, secret=secret)
+    assert not replacement and m.holder((0, 1)) is w and w.secret == secret and first.state == "dead"
+    w, replacement = m.register(0, 1, "h:1", 1, "h", True, 416, now=1.5, secret=secret)
+    assert not replacement and m.holder((0, 1)) is w and w.secret == secret
+    # ... not on its pid and host alone (what Status shows anyone with the token)
+    for forged in ("00" * 32, "0f" * 32):
+        with pytest.raises(Refused) as e:
+            m.register(0, 1, "h:9", 1, "h", True, 416, now=1.7, secret=forged)
+        assert e.value.code == "ALREADY_EXISTS" and m.holder((0, 1)) is w
+    with pytest.raises(Refused) as e:
+        m.register(0, 1, "h:9", 1, "h", True, 416, now=1.7)
+    assert e.value.code == "INVALID_ARGUMENT" and m.holder((0, 1)) is w
+    # ... and not once it has beaten under it, even with the secret
     m.heartbeat(w, 3, "alive", now=2.0)
     with pytest.raises(Refused) as e:
-        m.register(0, 1, "h:9", 1, "h", True, 416, now=3.0)
+        m.register(0, 1, "h:9", 1, "h", True, 416, now=3.0, secret=secret)
     assert e.value.code == "ALREADY_EXISTS" and m.holder((0, 1)) is w and w.state == "alive"
     # A restarted coordinator whose saved state holds that registration: the
-    # same process, not known by its newer id, takes the slot back until the
-    # restored registration beats to the new coordinator.
+    # same process, not known by its newer id, takes the slot back with the
+    # secret until the restored registration beats to the new coordinator;
+    # pid and host alone do not, before that beat either.
     again = Membership(2, 2)
     again.restore(m.to_dict(), now=10.0)
     old = again.holder((0, 1))
-    w2, replacement = again.register(0, 1, "h:1", 1, "h", True, 416, now=11.0)
-    assert not replacement and again.holder((0, 1)) is w2 and old.state == "dead"
+    with pytest.raises(Refused) as e:
+        again.register(0, 1, "h:9", 1, "h", True, 416, now=10.5, secret="11" * 32)
+    assert e.value.code == "ALREADY_EXISTS" and again.holder((0, 1)) is old and old.state == "alive"
+    w2, replacement = again.register(0, 1, "h:1", 1, "h", True, 416, now=11.0, secret=secret)
+    assert not replacement and again.holder((0, 1)) is w2 and old.state == "dead" and w2.secret == secret
     again.heartbeat(w2, 4, "alive", now=12.0)
     with pytest.raises(Refused) as e:
-        again.register(0, 1, "h:1", 1, "h", True, 416, now=13.0)
+        again.register(0, 1, "h:1", 1, "h", True, 416, now=13.0, secret=secret)
     assert e.value.code == "ALREADY_EXISTS"
+    # A rejoin into a vacant slot (a coordinator that lost this registration) keeps its secret too.
+    again.declare_dead(w2, now=14.0)
+    w3, replacement = again.register(0, 1, "h:1", 1, "h", True, 416, now=15.0, secret=secret)
+    assert not replacement and w3.secret == secret
 
 
 def test_stale_and_unknown_workers_and_pulses():
@@ -285,6 +304,51 @@ def test_a_beat_speaks_for_a_registration_only_with_its_secret(tmp_path):
     c.stop()        # (writes out the metrics log)
     faults = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"fault"' in line]
     assert [(f["worker"], f["reason"]) for f in faults] == [(w.worker_id, "it left (exited with 143)")], faults
+
+
+def test_a_forged_rejoin_after_a_coordinator_restart_evicts_nobody(tmp_path):
+    """Right after a restart, before a restored worker's first beat, a
+    Register(rejoin) naming its pid and host (Status shows both to anyone with
+    the job's token) took its slot: a healthy worker evicted. A rejoin now
+    proves the registration it continues with that registration's secret, and
+    keeps it; the worker itself still takes its slot back, again when the
+    reply was lost."""
+    from crucible.coordinator.server import Coordinator
+
+    c, ids = _coordinator(tmp_path)
+    wid, secret = ids[(0, 1)], _secret(c, ids[(0, 1)])
+    c.stop()
+    c._lock_file.close()
+    c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)
+
+    def rejoin(proof: bytes, address: str = "h:01") -> pb.RegisterReply:
+        return c2.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=0, stage=1,
+                                              address=address, pid=1, host="h", numel=4, rejoin=True,
+                                              secret=proof), None)
+
+    try:
+        for forged, code in ((b"", grpc.StatusCode.INVALID_ARGUMENT), (bytes(3), grpc.StatusCode.INVALID_ARGUMENT),
+                             (bytes(32), grpc.StatusCode.ALREADY_EXISTS),
+                             (_secret(c, ids[(1, 1)]), grpc.StatusCode.ALREADY_EXISTS)):
+            with pytest.raises(rpc.RpcFault) as e:
+                rejoin(forged, address="evil:1")
+            assert e.value.code == code, (forged, e.value)
+        held = c2.m.holder((0, 1))
+        assert held.worker_id == wid and held.state == "alive" and held.address == "h:01"
+        # The worker itself (the restored coordinator does not know its newer id):
+        reply = rejoin(secret)
+        assert reply.worker_id != wid and reply.secret == secret and not reply.replacement
+        assert c2.m.workers[wid].state == "dead" and c2.m.holder((0, 1)).worker_id == reply.worker_id
+        # ... its reply lost: it asks again with the same secret, and gets the slot again
+        again = rejoin(secret)
+        assert again.secret == secret and c2.m.holder((0, 1)).worker_id == again.worker_id
+        # Once it beats under that registration, no rejoin takes it (its own secret neither).
+        c2.Heartbeat(pb.HeartbeatRequest(worker_id=again.worker_id, step=1, state="alive", secret=secret), None)
+        with pytest.raises(rpc.RpcFault) as e:
+            rejoin(secret)
+        assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+    finally:
+        c2.stop()
 
 
 def test_every_call_that_speaks_for_a_worker_needs_its_secret(tmp_path):

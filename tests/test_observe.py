@@ -309,8 +309,9 @@ def test_report_leaves_out_the_time_between_launches(tmp_path, slurm):
     day in elapsed_s and on its time axes. It counts the time the job ran:
     the first launch from the start of its first step, the second from its
     first event (the resume it logs before its coordinator_start); a
-    coordinator restart inside a launch is the same launch going on.
-    Under Slurm (``slurm``), neither the `slurm down` an hour after the stop
+    coordinator restart inside a launch is the same launch going on; a
+    `launch_start` (a launcher's, before its pre-flight) is not the job
+    running, nor is one whose launch a check refused. Under Slurm (``slurm``), neither the `slurm down` an hour after the stop
     nor the resume's submissions and 690 s in the queue (logged before its
     coordinator starts, in the first launch's events) count."""
     from crucible import interval
@@ -334,8 +335,12 @@ def test_report_leaves_out_the_time_between_launches(tmp_path, slurm):
            + [{"event": "coordinator_start", "time": day + 25, "restored": True, "incarnation": 3}]  # same launch
            + steps(0, [day + 30 + i for i in range(10)], 51)
            + [{"event": "job_done", "time": day + 45}])
+    # a launch its pre-flight refused an hour before, then the resume's own launch_start
+    i = next(i for i, e in enumerate(log) if e["event"] == "ckpt_resume")
+    log[i:i] = [{"event": "launch_start", "time": day - 3600, "pid": 1, "resume": True},
+                {"event": "launch_start", "time": day - 8, "pid": 2, "resume": True}]
     if slurm:
-        i = next(i for i, e in enumerate(log) if e["event"] == "ckpt_resume")
+        i = next(i for i, e in enumerate(log) if e["event"] == "launch_start")
         log[i:i] = ([{"event": "slurm_down", "time": 3600.0, "cancelled": 3}]
                     + [{"event": "slurm_submit", "time": day - 700 + k, "slot": slot, "job_id": 100 + k}
                        for k, slot in enumerate(("coordinator", "r0s0", "r0s1"))]

@@ -65,6 +65,26 @@ def test_a_launch_into_a_running_jobs_run_dir_is_refused_and_changes_nothing(tmp
     assert "coordinator.lock" not in line, line
 
 
+def test_a_launch_while_another_launch_starts_there_is_refused_and_changes_nothing(tmp_path):
+    """Another `crucible launch` in its pre-flight, or starting its coordinator
+    (it holds launch.lock, no coordinator holds coordinator.lock yet): one
+    line, exit 2, nothing written."""
+    import fcntl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "token").write_text("the-starting-jobs-token\n")
+    with open(run / "launch.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)        # (the other launcher's)
+        before = tree_digest(run)
+        for extra in ([], ["--resume"], ["--no-check"]):
+            line = _refused("launch", "--run-dir", str(run), *extra, *JOB)
+            assert line == f"crucible: --run-dir {run}: another `crucible launch` runs there (it holds " \
+                           f"launch.lock: its coordinator is starting or restarting); let it end, or choose " \
+                           f"another --run-dir", line
+            assert tree_digest(run) == before
+
+
 # ---- a run directory that cannot be made (was a traceback after the pre-flight, or `check passed`) ----------
 
 def test_a_run_dir_that_cannot_be_made_is_named(tmp_path):

@@ -43,6 +43,18 @@ its successor is signed with it; the successor gets the tag to expect from
 ``upstream_tag`` (pushed to it alone). A registration into a slot makes a new
 secret, so a stale holder cannot sign for the slot's new route.
 
+A rejoin (a live worker taking its slot again: a restarted coordinator does
+not know its id, or its last registration's reply was lost) presents the
+secret of the registration it continues, and takes the slot back only from a
+holder that is the same process (pid and host), has not beaten to this
+coordinator, and has that secret. The new registration keeps the secret, so
+that a rejoin whose reply was lost, or a coordinator restored from a state
+file older than the worker's latest registration, still finds it. Pid and
+host alone are no proof: ``crucible status`` shows them to anyone with the
+job's token, who could otherwise evict a healthy worker in the heartbeat
+interval after a coordinator restart. A rejoin into a vacant slot keeps the
+secret it brings too (its previous holder is not known here any more).
+
 Routes and epochs
 -----------------
 Replica r's route is the ordered list of its stages whose holder is alive (or
@@ -154,10 +166,15 @@ class Membership:
         return None
 
     def register(self, replica: int, stage: int, address: str, pid: int, host: str, rejoin: bool,
-                 numel: int, now: float, silent_after: float | None = None) -> tuple[WorkerInfo, bool]:
+                 numel: int, now: float, silent_after: float | None = None,
+                 secret: str = "") -> tuple[WorkerInfo, bool]:
         """A worker takes a slot; returns (its record, whether it is a replacement).
         A holder silent for more than ``silent_after`` seconds (kept only because
-        the coordinator is isolated) gives way to the newcomer."""
+        the coordinator is isolated) gives way to the newcomer. ``secret`` (hex):
+        a rejoin's proof, the secret of the registration it continues ("Identity")."""
+        if rejoin and len(secret) != 2 * identity.SECRET_BYTES:
+            raise Refused("INVALID_ARGUMENT", f"a rejoin carries the secret of the registration it continues "
+                                              f"({identity.SECRET_BYTES} bytes), not {len(secret) // 2}")
         if replica >= 0 or stage >= 0:
             if not (0 <= replica < self.R and 0 <= stage < self.S):
                 raise Refused("INVALID_ARGUMENT", f"slot r{replica}s{stage} does not exist in a {self.R}x{self.S} job")
@@ -168,12 +185,13 @@ class Membership:
                 self.declare_dead(held, now)
                 held = None
             if held is not None:
-                # The same process again: its registration's reply was lost, or a
-                # restarted coordinator restored an older registration of it: it
-                # has not beaten under that one to this coordinator. A holder that
-                # has is not given up on its pid and host (anyone with the job's
-                # token reads them in Status).
-                if not (rejoin and held.pid == pid and held.host == host and held.last_heard <= self.restored_at):
+                # The same process again, with the registration's secret: its
+                # rejoin's reply was lost, or a restarted coordinator restored an
+                # older registration of it; it has not beaten under that one to
+                # this coordinator. Pid and host alone prove nothing (anyone with
+                # the job's token reads them in Status).
+                if not (rejoin and held.pid == pid and held.host == host and held.last_heard <= self.restored_at
+                        and identity.same(bytes.fromhex(secret), bytes.fromhex(held.secret))):
                     raise Refused("ALREADY_EXISTS", f"slot {slot_name(*slot)} is held by live worker "
                                                     f"{held.worker_id}")
                 held.state = "dead"     # the same process taking its slot again: its old record goes
@@ -195,7 +213,8 @@ class Membership:
         prev = self.workers.get(self.slots[slot] or "")
         w = WorkerInfo(f"{slot_name(*slot)}-{uuid.uuid4().hex[:8]}", slot[0], slot[1], address, pid, host,
                        state="joining" if replacement else "alive", last_seen=now, registered_at=now,
-                       numel=numel, slot_step=self._slot_step(prev), secret=identity.new_secret())
+                       numel=numel, slot_step=self._slot_step(prev),
+                       secret=secret if rejoin else identity.new_secret())
         self.workers[w.worker_id] = w
         self.slots[slot] = w.worker_id
         self._prune(slot)

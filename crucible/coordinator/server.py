@@ -36,7 +36,8 @@ Protocol (what a worker can rely on)
   work must not stall their replica for ever.
 * **Identity** (``crucible/identity.py``): Register issues a per-registration
   secret; WatchRoutes needs it and pushes each worker the HELLO tag it must
-  expect from its predecessor.
+  expect from its predecessor. A rejoin presents it (``membership.py``,
+  "Identity"): pid and host, shown by Status, take no slot back.
 * **Report** carries events (JSON objects with an ``event`` field) numbered by
   ``(source, seq)``: a retried batch is written to ``metrics.jsonl`` once.
 * **Status** is the job at a glance, the JSON that ``crucible status --json``
@@ -305,7 +306,8 @@ class Coordinator:
             try:
                 w, replacement = self.m.register(req.replica, req.stage, req.address, req.pid, req.host,
                                                  req.rejoin, int(req.numel), self.clock(),
-                                                 silent_after=self.cfg.fault.heartbeat_timeout_s)
+                                                 silent_after=self.cfg.fault.heartbeat_timeout_s,
+                                                 secret=req.secret.hex() if req.rejoin else "")
             except Refused as e:
                 raise rpc.RpcFault(_status(e.code), e.message) from None
             self.metrics.write({"event": "worker_registered", "worker": w.worker_id, "replica": w.replica,

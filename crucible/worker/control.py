@@ -140,10 +140,13 @@ class ControlClient:
 
     def register(self, replica: int, stage: int, address: str, numel: int, deadline_s: float = 60.0,
                  rejoin: bool = False) -> pb.RegisterReply:
-        """Register (or, after a coordinator restart, take our old slot again)."""
+        """Register (or, after a coordinator restart, take our old slot again:
+        a rejoin proves our last registration with its secret, and keeps it)."""
         req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage,
                                  address=address, pid=os.getpid(), host=socket.gethostname(), numel=numel)
         req.rejoin = rejoin
+        if rejoin:
+            req.secret = self.secret
         held_until = None
         while True:
             asked = time.monotonic()
