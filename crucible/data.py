@@ -8,6 +8,11 @@ Sources (``data.path``):
 * a text file, or a folder of text files (read recursively, sorted): bytes.
 * a ``.bin`` file of little-endian uint16 tokens (the nanoGPT convention).
 
+Every source is read up to ``data.max_bytes`` bytes (a ``.bin``: that many
+bytes' whole tokens). A FIFO, a device or a socket (as ``data.path`` or in
+its folder) is refused: reading one blocks forever or never ends, and each
+stage-0 worker reads the corpus again.
+
 The last ``data.eval_fraction`` of the tokens is held out for evaluation. The
 training part is cut into R contiguous shards, one per replica. A shard is cut
 into windows of ``seq_len + 1`` tokens; each pass over the shard visits the
@@ -20,6 +25,7 @@ would have.
 from __future__ import annotations
 
 import os
+import stat
 import sysconfig
 
 import numpy as np
@@ -35,11 +41,32 @@ def _stdlib_files() -> list[str]:
     return sorted(out, key=lambda p: os.path.relpath(p, root))
 
 
+def _not_regular(path: str) -> str | None:
+    """What ``path`` is when it is neither a regular file nor a folder (a FIFO,
+    a device, a socket: reading one blocks forever or never ends), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None     # (said by whoever opens it)
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+
+
 def _text_files(folder: str) -> list[str]:
+    def unreadable(e: OSError) -> None:
+        # (os.walk skips a folder it cannot list: the corpus would silently lack it)
+        raise ValueError(f"data.path: cannot read the folder {e.filename!r}: {e.strerror or e}")
+
     out = []
-    for dirpath, dirnames, filenames in os.walk(folder):
+    for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         out.extend(os.path.join(dirpath, f) for f in filenames if not f.startswith("."))
+    for p in out:
+        what = _not_regular(p)
+        if what:
+            raise ValueError(f"data.path: {p!r} in the folder is {what}, not a file of text")
     return sorted(out)
 
 
@@ -74,6 +101,8 @@ def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
         toks = _read_files(_stdlib_files(), max_bytes, skip_unreadable=True)
     elif not os.path.exists(path):
         raise ValueError(f"data.path {path!r}: no such file or folder")
+    elif _not_regular(path):
+        raise ValueError(f"data.path {path!r}: {_not_regular(path)}, not a file or a folder of files")
     elif os.path.isdir(path):
         files = _text_files(path)
         if not files:
@@ -81,12 +110,16 @@ def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
         toks = _read_files(files, max_bytes)
     elif path.endswith(".bin"):
         try:
-            raw = np.fromfile(path, dtype=np.uint8)
+            size = os.path.getsize(path)
+            # At most data.max_bytes of it (a whole number of tokens), as of a text file: a
+            # .bin of many GB with a small cap was read whole (a MemoryError, or every
+            # stage-0 worker holding all of it).
+            raw = np.fromfile(path, dtype=np.uint8, count=min(size, max_bytes) // 2 * 2)
         except OSError as e:
             raise ValueError(f"data.path {path!r}: cannot read: {e.strerror or e}") from None
-        if raw.size % 2:
+        if size % 2:
             raise ValueError(f"data.path {path!r}: a .bin file holds uint16 tokens, but its size "
-                             f"({raw.size} bytes) is odd")
+                             f"({size} bytes) is odd")
         toks = raw.view("<u2")
         if toks.size and int(toks.max()) >= vocab_size:
             at = int(np.argmax(toks >= vocab_size))
