@@ -161,3 +161,28 @@ def test_a_folder_that_cannot_be_listed_is_named(tmp_path, monkeypatch):
     with pytest.raises(ValueError) as e:
         load_tokens(str(tmp_path / "d"), 1 << 20)
     assert str(e.value) == f"data.path: cannot read the folder {str(tmp_path / 'd' / 'sub')!r}: Permission denied"
+
+
+def _corpus(tmp_path, payload: bytes, *overrides) -> Corpus:
+    (tmp_path / "c.txt").write_bytes(payload)
+    return Corpus(Config.load(None, ["train.seq_len=16", f"data.path={tmp_path / 'c.txt'}", *overrides]))
+
+
+def test_corpus_change_names_what_the_checkpoint_read_and_what_this_job_reads(tmp_path):
+    from crucible.data import corpus_change
+
+    text = bytes(range(32, 127)) * 40
+    saved = _corpus(tmp_path, text).fingerprint()
+    assert saved["tokens"] == len(text) and saved["path"] == str(tmp_path / "c.txt")
+    assert corpus_change(saved, _corpus(tmp_path, text).fingerprint()) is None            # the same data
+    assert corpus_change(None, saved) is None and corpus_change({}, saved) is None       # recorded none
+    changed = _corpus(tmp_path, text[:-1] + b"!").fingerprint()                          # same size, one byte
+    why = corpus_change(saved, changed)
+    assert why.startswith(f"it was trained on other data (data.path {str(tmp_path / 'c.txt')!r}, 3,800 tokens "
+                          f"(3,724 for training), sha256 {saved['sha256'][:12]}) than this job reads"), why
+    assert "data.allow_new_corpus=true" in why and changed["sha256"][:12] in why
+    assert corpus_change(saved, changed, allow=True) is None
+    assert corpus_change(saved, _corpus(tmp_path, text, "data.max_bytes=3000").fingerprint())   # a shorter cap
+    assert corpus_change(saved, _corpus(tmp_path, text, "data.eval_fraction=0.1").fingerprint())  # another split
+    builtin = Corpus(Config.load(None, ["data.max_bytes=300000"])).fingerprint()
+    assert "than this job reads (the built-in corpus, 300,000 tokens" in corpus_change(saved, builtin)

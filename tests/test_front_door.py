@@ -131,6 +131,9 @@ MISTAKES = {
     ".bin with ids beyond the vocabulary": (
         lambda t: [f"data.path={_data_file(t, 'toks.bin', np.array([1, 2, 4764] * 400, '<u2').tobytes())}"],
         "token id 4764 (at token 2) is beyond model.vocab_size 256"),
+    "resume on other data (it went on silently)": (
+        lambda t: [f"data.path={_data_file(t, 'other.txt', bytes(range(32, 127)) * 100)}"],
+        "it was trained on other data (the built-in corpus, 2,000,000 tokens"),
     "unimportable builder": (lambda t: ["model.builder=nonexist:fn"],
                              "model.builder 'nonexist:fn' does not import: No module named 'nonexist'"),
     "builder that returns the wrong shape": (
