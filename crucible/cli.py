@@ -124,6 +124,8 @@ def _add_results(sub) -> None:
     p = sub.add_parser("export", help="assemble a checkpoint's stages into one model (safetensors + config.json)")
     p.add_argument("ckpt", metavar="CKPT", help="run directory, its checkpoints/, or one step_<N>")
     p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--force", action="store_true",
+                   help="replace the model.safetensors and config.json DIR already holds")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--replica", type=int, help="the replica whose weights to export (default: the first complete one)")
     g.add_argument("--global", dest="use_global", action="store_true",

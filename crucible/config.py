@@ -129,7 +129,10 @@ class DataConfig:
     # text file, a folder of text files, or a uint16 token .bin file.
     path: str = ""
     eval_fraction: float = 0.02   # tail of the corpus held out for evaluation
-    max_bytes: int = 64 << 20     # cap on the built-in corpus
+    max_bytes: int = 64 << 20     # cap on the bytes read from the corpus (a .bin: max_bytes // 2 tokens)
+    # --resume on data other than the checkpoint was trained on (another file,
+    # changed contents, max_bytes or eval_fraction) is refused unless this is set
+    allow_new_corpus: bool = False
 
 
 @dataclass

@@ -8,6 +8,11 @@ Sources (``data.path``):
 * a text file, or a folder of text files (read recursively, sorted): bytes.
 * a ``.bin`` file of little-endian uint16 tokens (the nanoGPT convention).
 
+Every source is read up to ``data.max_bytes`` bytes (a ``.bin``: that many
+bytes' whole tokens). A FIFO, a device or a socket (as ``data.path`` or in
+its folder) is refused: reading one blocks forever or never ends, and each
+stage-0 worker reads the corpus again.
+
 The last ``data.eval_fraction`` of the tokens is held out for evaluation. The
 training part is cut into R contiguous shards, one per replica. A shard is cut
 into windows of ``seq_len + 1`` tokens; each pass over the shard visits the
@@ -19,7 +24,9 @@ would have.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import stat
 import sysconfig
 
 import numpy as np
@@ -35,11 +42,32 @@ def _stdlib_files() -> list[str]:
     return sorted(out, key=lambda p: os.path.relpath(p, root))
 
 
+def _not_regular(path: str) -> str | None:
+    """What ``path`` is when it is neither a regular file nor a folder (a FIFO,
+    a device, a socket: reading one blocks forever or never ends), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None     # (said by whoever opens it)
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+
+
 def _text_files(folder: str) -> list[str]:
+    def unreadable(e: OSError) -> None:
+        # (os.walk skips a folder it cannot list: the corpus would silently lack it)
+        raise ValueError(f"data.path: cannot read the folder {e.filename!r}: {e.strerror or e}")
+
     out = []
-    for dirpath, dirnames, filenames in os.walk(folder):
+    for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         out.extend(os.path.join(dirpath, f) for f in filenames if not f.startswith("."))
+    for p in out:
+        what = _not_regular(p)
+        if what:
+            raise ValueError(f"data.path: {p!r} in the folder is {what}, not a file of text")
     return sorted(out)
 
 
@@ -74,6 +102,8 @@ def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
         toks = _read_files(_stdlib_files(), max_bytes, skip_unreadable=True)
     elif not os.path.exists(path):
         raise ValueError(f"data.path {path!r}: no such file or folder")
+    elif _not_regular(path):
+        raise ValueError(f"data.path {path!r}: {_not_regular(path)}, not a file or a folder of files")
     elif os.path.isdir(path):
         files = _text_files(path)
         if not files:
@@ -81,12 +111,16 @@ def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
         toks = _read_files(files, max_bytes)
     elif path.endswith(".bin"):
         try:
-            raw = np.fromfile(path, dtype=np.uint8)
+            size = os.path.getsize(path)
+            # At most data.max_bytes of it (a whole number of tokens), as of a text file: a
+            # .bin of many GB with a small cap was read whole (a MemoryError, or every
+            # stage-0 worker holding all of it).
+            raw = np.fromfile(path, dtype=np.uint8, count=min(size, max_bytes) // 2 * 2)
         except OSError as e:
             raise ValueError(f"data.path {path!r}: cannot read: {e.strerror or e}") from None
-        if raw.size % 2:
+        if size % 2:
             raise ValueError(f"data.path {path!r}: a .bin file holds uint16 tokens, but its size "
-                             f"({raw.size} bytes) is odd")
+                             f"({size} bytes) is odd")
         toks = raw.view("<u2")
         if toks.size and int(toks.max()) >= vocab_size:
             at = int(np.argmax(toks >= vocab_size))
@@ -104,6 +138,32 @@ def tokens_needed_for(cfg) -> int:
     sequence (and data.eval_fraction), and one training sequence per replica."""
     w, r = cfg.train.seq_len + 1, cfg.job.replicas
     return max((r + 1) * w, int(np.ceil(r * w / (1.0 - cfg.data.eval_fraction))) + 1)
+
+
+_SAME_DATA = ("tokens", "train", "dtype", "sha256")
+
+
+def corpus_change(saved, now: dict, allow: bool = False) -> str | None:
+    """Why a job reading the corpus ``now`` (``Corpus.fingerprint()``) cannot
+    resume exactly from a checkpoint whose stage 0 read ``saved``: other
+    tokens (another data.path, a file that changed, another data.max_bytes)
+    or another split (data.eval_fraction). None when they are the same, when
+    ``allow`` (data.allow_new_corpus), or when the checkpoint recorded none
+    (an older Crucible)."""
+    if allow or not isinstance(saved, dict) or not saved.get("sha256"):
+        return None
+    if all(saved.get(k) == now.get(k) for k in _SAME_DATA):
+        return None
+
+    def said(fp: dict) -> str:
+        src = f"data.path {fp.get('path')!r}" if fp.get("path") else "the built-in corpus"
+        n, t = fp.get("tokens"), fp.get("train")
+        size = f"{n:,} tokens ({t:,} for training)" if isinstance(n, int) and isinstance(t, int) else "?"
+        return f"{src}, {size}, sha256 {str(fp.get('sha256'))[:12]}"
+
+    return (f"it was trained on other data ({said(saved)}) than this job reads ({said(now)}): exact resume needs "
+            f"the same data (data.path, its contents, data.max_bytes, data.eval_fraction); restore it, or set "
+            f"data.allow_new_corpus=true to train on from this checkpoint on the new data")
 
 
 class ShardReader:
@@ -180,6 +240,22 @@ class Corpus:
                              f"(needs at least {need})")
         n_eval = max(int(len(toks) * cfg.data.eval_fraction), cfg.train.seq_len + 1)
         self.train, self.eval = toks[:-n_eval], toks[-n_eval:]
+        self.path = cfg.data.path
+        self._fingerprint: dict | None = None
+
+    def fingerprint(self) -> dict:
+        """What identifies the tokens this job reads, split as it splits them:
+        ``{"path", "tokens", "train", "dtype", "sha256"}`` (SHA-256 of every
+        token's bytes, training part first). Stage 0 records it in its shards
+        (the data cursor); ``--resume`` compares it (``corpus_change``)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            for part in (self.train, self.eval):
+                h.update(np.ascontiguousarray(part).data)
+            self._fingerprint = {"path": self.path, "tokens": int(len(self.train) + len(self.eval)),
+                                 "train": int(len(self.train)), "dtype": str(self.train.dtype),
+                                 "sha256": h.hexdigest()}
+        return self._fingerprint
 
     def held_out(self, split: str) -> np.ndarray:
         """The held-out tokens of ``train.eval_split``: all of them, or the first half

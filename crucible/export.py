@@ -2,7 +2,7 @@
 
 Export
 ------
-``crucible export CKPT --out DIR [--replica R | --global]`` assembles every
+``crucible export CKPT --out DIR [--replica R | --global] [--force]`` assembles every
 stage of one replica (its trained weights, θ_local) or ``θ_global`` (the
 weights all replicas agreed on at their last outer round, from the outer
 state of each stage's shard) into one model, and writes::
@@ -14,7 +14,9 @@ state of each stage's shard) into one model, and writes::
 
 CKPT is a run directory or its ``checkpoints/`` (the newest committed
 checkpoint) or one ``step_<N>``. Every shard is checked against the
-manifest's SHA-256 as it is read.
+manifest's SHA-256 as it is read. A DIR that already holds either file is
+refused unless ``--force`` (it may be an earlier export, or a user's own);
+so is one inside a checkpoint (retention would delete it).
 
 Layout ``gpt`` (the built-in model): the unsplit model. Parameter names do
 not depend on the split (blocks carry their global index), so the stages'
@@ -146,7 +148,8 @@ def _load(path: Path, name: str) -> dict:
     try:
         sd = store.load_shard(path, name)
     except (store.CheckpointCorrupt, OSError) as e:
-        raise ExportError(f"{path}/{name}: {e}") from None
+        # (CheckpointCorrupt names the file itself)
+        raise ExportError(str(e) if str(path) in str(e) else f"{path}/{name}: {e}") from None
     if not isinstance(sd.get("model"), dict):
         raise ExportError(f"{path}/{name}: not a worker state (no model)")
     return sd
@@ -191,31 +194,62 @@ def assemble(stages: dict, cfg: Config) -> tuple[dict, str]:
     return out, "gpt"
 
 
-def export(ckpt: str, out_dir: str, replica: int | None = None, use_global: bool = False) -> dict:
+def out_problem(out_dir: str, force: bool = False) -> str | None:
+    """Why ``--out`` cannot take an export (the line to show), or None: it
+    cannot be made or written (``/proc/x``, a file in the way, a read-only
+    file system); it already holds ``model.safetensors`` or ``config.json``
+    (an earlier export, or a user's own files: replaced only with
+    ``force``); it lies inside a checkpoint (retention would delete it with
+    the checkpoint)."""
+    from crucible.files import dir_problem
+
+    problem = dir_problem(out_dir, make=True)
+    if problem:
+        return f"--out {out_dir}: {problem}"
+    p = Path(os.path.abspath(out_dir))
+    for above in (p, *p.parents):
+        if above.name.startswith("step_") and (above / store.MANIFEST).is_file():
+            return (f"--out {out_dir}: inside checkpoint {above} (deleting that checkpoint, as retention does, "
+                    f"would delete the export): choose a folder outside checkpoints/")
+    there = [n for n in (WEIGHTS, CONFIG) if os.path.lexists(os.path.join(out_dir, n))]
+    if there and not force:
+        return (f"--out {out_dir} already holds {' and '.join(there)}: choose another --out, or add --force to "
+                f"replace {'them' if len(there) > 1 else 'it'}")
+    return None
+
+
+def export(ckpt: str, out_dir: str, replica: int | None = None, use_global: bool = False,
+           force: bool = False) -> dict:
     from crucible.extras import need
 
     need("safetensors", "crucible export")
     from safetensors.torch import save_file
 
-    from crucible.files import dir_problem
-
-    problem = dir_problem(out_dir)
+    problem = out_problem(out_dir, force)
     if problem:
-        raise ExportError(f"--out {out_dir}: {problem}")
+        raise ExportError(problem)
     stages, cfg, source = checkpoint_state(ckpt, replica, use_global)
     tensors, layout = assemble(stages, cfg)
-    os.makedirs(out_dir, exist_ok=True)
     meta = {"format": FORMAT, "version": VERSION, "layout": layout, "model": cfg.to_dict()["model"],
             "seq_len": cfg.train.seq_len, "vocab_size": cfg.model.vocab_size, "source": source,
             "parameters": int(sum(t.numel() for t in tensors.values())), "config": cfg.to_dict()}
     tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
-              metadata={"format": FORMAT, "layout": layout, "step": str(source["step"]),
-                        "replica": str(source["replica"])})
-    os.replace(tmp, os.path.join(out_dir, WEIGHTS))
-    with open(os.path.join(out_dir, CONFIG + ".tmp"), "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(os.path.join(out_dir, CONFIG + ".tmp"), os.path.join(out_dir, CONFIG))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
+                  metadata={"format": FORMAT, "layout": layout, "step": str(source["step"]),
+                            "replica": str(source["replica"])})
+        with open(os.path.join(out_dir, CONFIG + ".tmp"), "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(tmp, os.path.join(out_dir, WEIGHTS))
+        os.replace(os.path.join(out_dir, CONFIG + ".tmp"), os.path.join(out_dir, CONFIG))
+    except OSError as e:        # (a disk that fills, a folder that went away: one line, no .tmp left)
+        for t in (tmp, os.path.join(out_dir, CONFIG + ".tmp")):
+            try:
+                os.unlink(t)
+            except OSError:
+                pass
+        raise ExportError(f"--out {out_dir}: cannot write the export: {e.strerror or e}") from None
     return meta
 
 
@@ -278,10 +312,23 @@ def load_model(path: str) -> tuple[nn.Module, Config]:
             meta = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ExportError(f"{path}/{CONFIG}: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise ExportError(f"{path}/{CONFIG}: not a Crucible export (format {meta.get('format')!r})")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ExportError(f"{path}/{CONFIG}: not a Crucible export (format "
+                          f"{meta.get('format') if isinstance(meta, dict) else None!r})")
+    if not isinstance(meta.get("config"), dict):
+        raise ExportError(f"{path}/{CONFIG}: holds no job configuration (\"config\"): a damaged export")
     cfg = Config.from_dict(meta["config"], validate=False)
-    return load_state(load_file(os.path.join(path, WEIGHTS)), cfg, meta.get("layout", "gpt")), cfg
+    try:
+        tensors = load_file(os.path.join(path, WEIGHTS))
+    except Exception as e:  # noqa: BLE001  (safetensors' own error type: a truncated or foreign file)
+        raise ExportError(f"{path}/{WEIGHTS}: cannot be read: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                          ) from None
+    try:
+        return load_state(tensors, cfg, meta.get("layout", "gpt")), cfg
+    except RuntimeError as e:     # a strict load: names or shapes that do not fit config.json
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        raise ExportError(f"{path}/{WEIGHTS} does not fit the model of its {CONFIG}: "
+                          f"{'; '.join(lines[1:3]) or lines[0]}") from None
 
 
 def load_any(path: str, replica: int | None = None, use_global: bool = False) -> tuple[nn.Module, Config, dict]:
@@ -368,7 +415,7 @@ def main(args) -> int:
         torch.set_num_threads(1)     # small models: one thread is fastest and shares the machine
     try:
         if args.cmd == "export":
-            meta = export(args.ckpt, args.out, args.replica, args.use_global)
+            meta = export(args.ckpt, args.out, args.replica, args.use_global, args.force)
             src = meta["source"]
             print(f"crucible: exported {'θ_global' if src['replica'] == 'global' else 'replica ' + str(src['replica'])}"
                   f" of {src['checkpoint']} (step {src['step']}): {meta['parameters']:,} parameters, layout "

@@ -16,6 +16,8 @@ What is checked, in order:
 * the data (``data.*``): the source exists and is readable, holds enough
   tokens for ``train.seq_len``, the held-out split and one sequence per
   replica, and every token id fits ``model.vocab_size`` (``.bin`` files too);
+  a ``--resume`` reads the same data as its checkpoint was trained on
+  (``check_resume_data``; ``data.allow_new_corpus`` lets it differ);
 * the model (``model.*``): the builder imports; every stage builds; one
   microbatch of real data goes forward through the whole split, stage by
   stage, each boundary holding ``[microbatch, seq_len, d_model]`` float32;
@@ -160,6 +162,39 @@ def check_data(cfg: Config):
     return corpus, f"data: {len(corpus.train) + len(corpus.eval):,} tokens from {src}"
 
 
+def check_resume_data(run_dir: str | None, resume: bool, cfg: Config, corpus) -> None:
+    """A resume on data other than the checkpoint's stage 0 read (another
+    data.path, a file that changed, another data.max_bytes or
+    data.eval_fraction) would not continue "exactly where it was": refused
+    (``crucible.data.corpus_change``) unless data.allow_new_corpus. Compared
+    with the newest committed checkpoint whose manifest and stage-0 shard
+    headers read (the coordinator falls back past a damaged one; the workers
+    compare again as they load); a checkpoint that recorded no corpus (an
+    older Crucible) is not compared."""
+    if not (run_dir and resume) or cfg.data.allow_new_corpus:
+        return
+    from crucible.checkpoint import store
+    from crucible.checkpoint.shard import read_plain
+    from crucible.data import corpus_change
+
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return
+    now = corpus.fingerprint()
+    for info in reversed(store.list_checkpoints(root)):
+        try:
+            names = store.shard_names(info.path)
+            saved = [read_plain(os.path.join(info.path, n), "data")
+                     for n in (store.shard_name(r, 0) for r in range(cfg.job.replicas)) if n in names]
+        except (store.CheckpointCorrupt, OSError, ValueError):
+            continue
+        for data in saved:
+            why = corpus_change(data.get("corpus") if isinstance(data, dict) else None, now)
+            if why:
+                raise CheckFailed(f"--resume: checkpoint {info.path}: {why}")
+        return
+
+
 def _describe(t) -> str:
     import torch
 
@@ -282,6 +317,7 @@ def run(cfg: Config, run_dir: str | None = None, resume: bool = False, device: s
     memory_line = check_memory(cfg)           # (before anything is built: sizing.TooBig, exit status 2)
     resume_line = check_run_dir(run_dir, resume, cfg, verify=verify)
     corpus, data_line = check_data(cfg)
+    check_resume_data(run_dir, resume, cfg, corpus)
     model_line = check_model(cfg, corpus, device)
     return [memory_line, *([resume_line] if resume_line else []), data_line, model_line,
             f"checked in {time.perf_counter() - t0:.1f}s"]

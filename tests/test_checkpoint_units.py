@@ -729,3 +729,46 @@ def test_ckpt_verify_of_a_checkpoint_deleted_meanwhile_is_not_damage(tmp_path, m
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"step {steps[1]}: ok" in out and f"step {steps[0]}: deleted" in out and "DAMAGED" not in out
+
+
+def test_a_resume_on_other_data_is_refused_by_the_preflight_and_by_the_worker(tmp_path):
+    """Stage 0's shard records the corpus it read (size, split and SHA-256, in
+    the shard's header); a --resume on other tokens (another data.path, a file
+    that changed) continued silently, the batches no longer those of the
+    checkpoint's run. Refused, naming the keys, unless data.allow_new_corpus."""
+    from crucible.checkpoint.shard import read_plain
+    from crucible.data import Corpus
+    from crucible.preflight import CheckFailed, check_resume_data
+    from crucible.worker.checkpointing import DataCursor
+
+    text = bytes(range(32, 127)) * 40
+    (tmp_path / "c.txt").write_bytes(text)
+    cfg = Config.load(None, ["train.seq_len=16", f"data.path={tmp_path / 'c.txt'}", "job.replicas=2"])
+    saved = DataCursor(8, 1, cfg.train.seed, step=lambda: 5, corpus=Corpus(cfg).fingerprint())
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    store.commit(str(root), 5, [write_shard(store.tmp_dir(str(root), 5), store.shard_name(1, 0),
+                                            {"format": "x", "data": saved.state_dict()})])
+    shard_path = os.path.join(store.step_dir(str(root), 5), store.shard_name(1, 0))
+    assert read_plain(shard_path, "data") == saved.state_dict() and read_plain(shard_path, "model") is None
+    check_resume_data(str(run), True, cfg, Corpus(cfg))                 # the same data: resumes
+
+    (tmp_path / "c.txt").write_bytes(text[:-1] + b"!")                  # the file changed under the run
+    now = Corpus(cfg)
+    with pytest.raises(CheckFailed) as e:
+        check_resume_data(str(run), True, cfg, now)
+    assert str(e.value).startswith(f"--resume: checkpoint {store.step_dir(str(root), 5)}: it was trained on other "
+                                   f"data (data.path {str(tmp_path / 'c.txt')!r}, 3,800 tokens"), e.value
+    assert "set data.allow_new_corpus=true" in str(e.value)
+    check_resume_data(str(run), False, cfg, now)                        # (not a resume: nothing to compare)
+    worker = DataCursor(8, 1, cfg.train.seed, step=lambda: 5, corpus=now.fingerprint())
+    with pytest.raises(ValueError, match=r"^--resume: it was trained on other data \(data\.path"):
+        worker.load_state_dict(saved.state_dict())                      # --no-check: the worker refuses too
+
+    allow = Config.load(None, ["train.seq_len=16", f"data.path={tmp_path / 'c.txt'}", "job.replicas=2",
+                               "data.allow_new_corpus=true"])
+    check_resume_data(str(run), True, allow, now)
+    DataCursor(8, 1, cfg.train.seed, step=lambda: 5, corpus=now.fingerprint(),
+               allow_new_corpus=True).load_state_dict(saved.state_dict())
+    old = {k: v for k, v in saved.state_dict().items() if k != "corpus"}  # a shard of an older Crucible
+    worker.load_state_dict(old)

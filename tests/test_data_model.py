@@ -93,3 +93,96 @@ def test_boundaries_carry_the_residual_stream():
     # skipping the inner stage still gives a valid input to the last one (identity of the residual stream)
     assert stages[2](h).shape == (2, 16, 32)
     assert stages[2].loss(stages[2](stages[1](h)), torch.zeros(2, 16, dtype=torch.int64)).ndim == 0
+
+
+def test_a_fifo_or_a_device_is_refused_not_read(tmp_path):
+    """A FIFO blocked the pre-flight (and every stage-0 worker) forever in open();
+    /dev/zero trained on zeros. Each is one line naming it, at once."""
+    import os
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_bytes(b"hello world " * 100)
+    os.mkfifo(tmp_path / "d" / "p")
+    got = {}
+
+    def load(key, path):
+        try:
+            load_tokens(path, 1 << 20)
+        except ValueError as e:
+            got[key] = str(e)
+
+    threads = [threading.Thread(target=load, args=a, daemon=True)
+               for a in (("fifo", str(fifo)), ("folder", str(tmp_path / "d")), ("zero", "/dev/zero"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    for p in (fifo, tmp_path / "d" / "p"):      # (release a reader stuck in open(), if any)
+        try:
+            os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    assert got.get("fifo") == f"data.path {str(fifo)!r}: a FIFO, not a file or a folder of files", got
+    assert got.get("folder") == f"data.path: {str(tmp_path / 'd' / 'p')!r} in the folder is a FIFO, not a file of text"
+    assert got.get("zero") == "data.path '/dev/zero': a character device, not a file or a folder of files"
+
+
+def test_a_bin_file_is_read_up_to_max_bytes(tmp_path):
+    """data.max_bytes caps a .bin as it caps text (it was read whole: a 200 GB
+    sparse file with data.max_bytes=100000 was a MemoryError)."""
+    (tmp_path / "t.bin").write_bytes(np.arange(1000, dtype="<u2").tobytes())
+    assert load_tokens(str(tmp_path / "t.bin"), 101, vocab_size=1024).tolist() == list(range(50))
+    assert load_tokens(str(tmp_path / "t.bin"), 1 << 40, vocab_size=1024).size == 1000
+    (tmp_path / "odd.bin").write_bytes(b"\x01" * 2001)     # a damaged file is said whatever the cap
+    with pytest.raises(ValueError, match=r"its size \(2001 bytes\) is odd"):
+        load_tokens(str(tmp_path / "odd.bin"), 100)
+
+
+def test_a_folder_that_cannot_be_listed_is_named(tmp_path, monkeypatch):
+    """os.walk skips a folder it cannot list: an unreadable data.path was 'the
+    folder holds no files (empty corpus)', an unreadable subfolder was left out
+    of the corpus without a word."""
+    import os
+
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "a.txt").write_bytes(b"hello ")
+    (tmp_path / "d" / "sub" / "b.txt").write_bytes(b"world")
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(ValueError) as e:
+        load_tokens(str(tmp_path / "d"), 1 << 20)
+    assert str(e.value) == f"data.path: cannot read the folder {str(tmp_path / 'd' / 'sub')!r}: Permission denied"
+
+
+def _corpus(tmp_path, payload: bytes, *overrides) -> Corpus:
+    (tmp_path / "c.txt").write_bytes(payload)
+    return Corpus(Config.load(None, ["train.seq_len=16", f"data.path={tmp_path / 'c.txt'}", *overrides]))
+
+
+def test_corpus_change_names_what_the_checkpoint_read_and_what_this_job_reads(tmp_path):
+    from crucible.data import corpus_change
+
+    text = bytes(range(32, 127)) * 40
+    saved = _corpus(tmp_path, text).fingerprint()
+    assert saved["tokens"] == len(text) and saved["path"] == str(tmp_path / "c.txt")
+    assert corpus_change(saved, _corpus(tmp_path, text).fingerprint()) is None            # the same data
+    assert corpus_change(None, saved) is None and corpus_change({}, saved) is None       # recorded none
+    changed = _corpus(tmp_path, text[:-1] + b"!").fingerprint()                          # same size, one byte
+    why = corpus_change(saved, changed)
+    assert why.startswith(f"it was trained on other data (data.path {str(tmp_path / 'c.txt')!r}, 3,800 tokens "
+                          f"(3,724 for training), sha256 {saved['sha256'][:12]}) than this job reads"), why
+    assert "data.allow_new_corpus=true" in why and changed["sha256"][:12] in why
+    assert corpus_change(saved, changed, allow=True) is None
+    assert corpus_change(saved, _corpus(tmp_path, text, "data.max_bytes=3000").fingerprint())   # a shorter cap
+    assert corpus_change(saved, _corpus(tmp_path, text, "data.eval_fraction=0.1").fingerprint())  # another split
+    builtin = Corpus(Config.load(None, ["data.max_bytes=300000"])).fingerprint()
+    assert "than this job reads (the built-in corpus, 300,000 tokens" in corpus_change(saved, builtin)

@@ -161,3 +161,71 @@ def test_sampled_text_comes_from_the_trained_model(trained, tmp_path, capsys):
     assert _printable(cont.encode()) > 0.9 and _printable(noise) < 0.6, (cont, export.decode(noise))
     ids = list(text.encode())[: cfg.train.seq_len + 1]
     assert _nll(model, ids) < _nll(untrained, ids) - 1.0
+
+
+# ---- where the export goes, and a damaged export (no training needed) -------------------------------------------
+
+
+def _tiny_export(folder) -> Config:
+    """An export of an untrained tiny model, written as `export` writes one."""
+    from safetensors.torch import save_file
+
+    cfg = Config.load(None, ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "train.seq_len=16",
+                             "job.stages=1", "job.replicas=1"])
+    os.makedirs(folder, exist_ok=True)
+    save_file(build_stage(cfg, 0, 1).state_dict(), os.path.join(folder, export.WEIGHTS))
+    with open(os.path.join(folder, export.CONFIG), "w") as f:
+        json.dump({"format": export.FORMAT, "version": 1, "layout": "gpt", "config": cfg.to_dict()}, f)
+    return cfg
+
+
+def test_export_never_replaces_files_unasked_nor_writes_where_it_cannot(tmp_path, capsys):
+    """--out holding model.safetensors or config.json (an earlier export, or a
+    user's own files) was overwritten without a word; /proc/x was a traceback;
+    a folder inside a checkpoint would go with it at retention."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"a user's own weights")
+    ckpt = tmp_path / "nothing-here"     # (the refusals come before the checkpoint is read)
+    ckpt.mkdir()
+    code, _, err = _cli(capsys, "export", str(ckpt), "--out", str(mine))
+    assert code == 2 and err == (f"crucible export: --out {mine} already holds model.safetensors: choose another "
+                                 f"--out, or add --force to replace it\n"), err
+    assert (mine / "model.safetensors").read_bytes() == b"a user's own weights"
+    code, _, err = _cli(capsys, "export", str(ckpt), "--out", str(mine), "--force")   # asked: goes on to the ckpt
+    assert code == 2 and "no committed checkpoint" in err, err
+    code, _, err = _cli(capsys, "export", str(ckpt), "--out", "/proc/crucible-export")
+    assert code == 2 and err.startswith("crucible export: --out /proc/crucible-export: cannot create it: /proc: ") \
+        and len(err.splitlines()) == 1, err
+    step = tmp_path / "run" / "checkpoints" / "step_00000010"
+    step.mkdir(parents=True)
+    (step / store.MANIFEST).write_text("{}")
+    assert export.out_problem(str(step / "model")).startswith(
+        f"--out {step / 'model'}: inside checkpoint {step} (deleting that checkpoint, as retention does,")
+    assert export.out_problem(str(tmp_path / "run" / "model")) is None
+
+
+def test_a_damaged_export_is_one_line_not_a_traceback(tmp_path, capsys):
+    cfg = _tiny_export(tmp_path / "m")
+    model, _ = export.load_model(str(tmp_path / "m"))
+    assert export.logits(model, torch.zeros(1, cfg.train.seq_len, dtype=torch.long)).shape == (1, 16, 256)
+    weights, meta_path = tmp_path / "m" / export.WEIGHTS, tmp_path / "m" / export.CONFIG
+    good_meta = json.loads(meta_path.read_text())
+
+    def sample_err() -> str:
+        code, out, err = _cli(capsys, "sample", str(tmp_path / "m"), "--tokens", "3")
+        assert code == 2 and not out and len(err.splitlines()) == 1, (code, out, err)
+        return err
+
+    weights.write_bytes(weights.read_bytes()[:1000])                 # truncated
+    assert sample_err().startswith(f"crucible sample: {tmp_path / 'm'}/model.safetensors: cannot be read: ")
+    _tiny_export(tmp_path / "m")
+    meta = dict(good_meta, config=dict(good_meta["config"], model=dict(good_meta["config"]["model"], d_model=64)))
+    meta_path.write_text(json.dumps(meta))                            # weights of another size
+    assert sample_err().startswith(f"crucible sample: {tmp_path / 'm'}/model.safetensors does not fit the model of "
+                                   f"its config.json: size mismatch for ")
+    meta_path.write_text(json.dumps({"format": export.FORMAT}))       # no configuration
+    assert sample_err() == (f"crucible sample: {tmp_path / 'm'}/config.json: holds no job configuration "
+                            f"(\"config\"): a damaged export\n")
+    meta_path.write_text("[1]")
+    assert "not a Crucible export" in sample_err()

@@ -114,15 +114,26 @@ def _data_file(tmp_path, name: str, payload: bytes) -> str:
     return str(path)
 
 
+def _fifo(tmp_path) -> str:
+    path = tmp_path / "corpus.fifo"
+    os.mkfifo(path)
+    return str(path)
+
+
 MISTAKES = {
     "missing data path": (lambda t: ["data.path=/nonexistent/corpus.txt"],
                           "data.path '/nonexistent/corpus.txt': no such file or folder"),
     "empty corpus": (lambda t: [f"data.path={_data_file(t, 'empty.txt', b'')}"], "empty corpus"),
     "corpus shorter than one sequence": (lambda t: [f"data.path={_data_file(t, 'short.txt', b'def f(): pass')}"],
                                          "too few for train.seq_len 32"),
+    "a FIFO (reading it blocked forever)": (lambda t: [f"data.path={_fifo(t)}"],
+                                            "corpus.fifo': a FIFO, not a file or a folder of files"),
     ".bin with ids beyond the vocabulary": (
         lambda t: [f"data.path={_data_file(t, 'toks.bin', np.array([1, 2, 4764] * 400, '<u2').tobytes())}"],
         "token id 4764 (at token 2) is beyond model.vocab_size 256"),
+    "resume on other data (it went on silently)": (
+        lambda t: [f"data.path={_data_file(t, 'other.txt', bytes(range(32, 127)) * 100)}"],
+        "it was trained on other data (the built-in corpus, 2,000,000 tokens"),
     "unimportable builder": (lambda t: ["model.builder=nonexist:fn"],
                              "model.builder 'nonexist:fn' does not import: No module named 'nonexist'"),
     "builder that returns the wrong shape": (

@@ -402,6 +402,27 @@ def read_shard(path: str | os.PathLike, expected_checksum: str | None = None) ->
     return state
 
 
+def read_plain(path: str | os.PathLike, key: str) -> Any:
+    """The entry ``key`` of a shard's state, from its header alone (the data
+    region is not read, nor checked): for an entry of plain values only (a
+    tensor in it is CheckpointCorrupt). None when the state has no ``key``."""
+    where = str(path)
+    with open(path, "rb") as f:
+        header, _ = read_header(f, os.fstat(f.fileno()).st_size, where)
+    tree = header["tree"]
+    items = tree.get("$dict") if isinstance(tree, dict) else None
+    if not isinstance(items, list):
+        raise CheckpointCorrupt(f"{where}: top level of the state is not a dict")
+    dec = _Decoder({"blobs": [], "data_bytes": 0}, bytearray(), 0, where)
+    for item in items:
+        if isinstance(item, list) and len(item) == 2 and item[0] == key:
+            try:
+                return dec.decode(item[1])
+            except RecursionError:
+                raise CheckpointCorrupt(f"{where}: malformed header: state tree nested too deeply") from None
+    return None
+
+
 def check_file(path: Path, expected_bytes: Any = None, expected_checksum: Any = None) -> list[str]:
     """Problems with one shard file (empty when good), found without building
     tensors: size, framing, and the streamed SHA-256 against its trailer and

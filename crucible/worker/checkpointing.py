@@ -132,22 +132,37 @@ class DataCursor:
     from (seed, replica) (``crucible.data``), so the cursor is ``step · B`` and
     needs no state of its own. Loading checks that the stream the worker will
     draw from the restored step on is the one the checkpoint was taken in: a
-    shard of another replica is refused; another seed, batch size or a
-    cursor that is not the restored step's is said in the log (the run goes
-    on, on the stream of its present configuration)."""
+    shard of another replica is refused; so is one taken on other data
+    (``corpus``: the ``Corpus.fingerprint()`` it records, compared by
+    ``crucible.data.corpus_change``) unless ``allow_new_corpus``
+    (data.allow_new_corpus); another seed, batch size or a cursor that is not
+    the restored step's is said in the log (the run goes on, on the stream of
+    its present configuration)."""
 
-    def __init__(self, batch_size: int, replica: int, seed: int, step: Callable[[], int]):
+    def __init__(self, batch_size: int, replica: int, seed: int, step: Callable[[], int],
+                 corpus: dict | None = None, allow_new_corpus: bool = False):
         self.batch_size, self.replica, self.seed, self.step = int(batch_size), int(replica), int(seed), step
+        self.corpus, self.allow_new_corpus = corpus, bool(allow_new_corpus)
 
     def state_dict(self) -> dict:
-        return {"cursor": self.step() * self.batch_size, "batch_size": self.batch_size, "replica": self.replica,
-                "seed": self.seed}
+        out = {"cursor": self.step() * self.batch_size, "batch_size": self.batch_size, "replica": self.replica,
+               "seed": self.seed}
+        if self.corpus is not None:
+            out["corpus"] = dict(self.corpus)
+        return out
 
     def load_state_dict(self, state: dict) -> None:
+        from crucible.data import corpus_change
+
         if state.get("replica") != self.replica:
             raise ValueError(f"the data cursor is of replica {state.get('replica')}, this worker is of replica "
                              f"{self.replica}")
+        if self.corpus is not None:
+            why = corpus_change(state.get("corpus"), self.corpus, self.allow_new_corpus)
+            if why:
+                raise ValueError(f"--resume: {why}")
         now = self.state_dict()
+        now.pop("corpus", None)
         if {k: state.get(k) for k in now} != now:
             log.warning("r%d: the data stream after this restore differs from the checkpoint's (saved %s, now %s)",
                         self.replica, {k: state.get(k) for k in now}, now)

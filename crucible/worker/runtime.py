@@ -212,7 +212,7 @@ class Worker:
         self.ledger = Ledger(self._report, self.replica)
         self.debug = DebugHooks(cfg.debug, self.run_dir, self.name)
         if self.first:
-            corpus = Corpus(cfg)
+            self.corpus = corpus = Corpus(cfg)
             self.reader = corpus.reader(cfg, self.replica)
             self.evals = eval_batches(corpus.held_out(cfg.train.eval_split), cfg.train.seq_len, mb, cfg.train.eval_batches)
 
@@ -271,7 +271,8 @@ class Worker:
         cfg = self.cfg
         parts = {"model": self.model, "optimizer": self.opt, "outer": self.outer, "rng": RngState(self.device)}
         if self.first:
-            parts["data"] = DataCursor(cfg.train.batch_size, self.replica, cfg.train.seed, step=lambda: self.step)
+            parts["data"] = DataCursor(cfg.train.batch_size, self.replica, cfg.train.seed, step=lambda: self.step,
+                                       corpus=self.corpus.fingerprint(), allow_new_corpus=cfg.data.allow_new_corpus)
 
         def set_step(step: int) -> None:
             self.step = self.ctl.step = step
