@@ -97,7 +97,9 @@ def _read_files(paths: list[str], max_bytes: int, skip_unreadable: bool = False)
 def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
     """All tokens of the corpus, as uint8 (bytes) or uint16 (.bin). Raises
     ValueError naming ``data.path`` (and the file) for a source that does not
-    exist, cannot be read, or holds token ids beyond ``model.vocab_size``."""
+    exist, cannot be read, or holds token ids beyond ``model.vocab_size``.
+    A leading ``~`` is this host's home (the shell leaves ``data.path=~/x`` as it is)."""
+    path = os.path.expanduser(path)
     if not path:
         toks = _read_files(_stdlib_files(), max_bytes, skip_unreadable=True)
     elif not os.path.exists(path):

@@ -64,7 +64,9 @@ class Files:
 
 
 def resolve(tls_dir: str = "", host: str = "", ca: str = "", cert: str = "", key: str = "") -> Files | None:
-    """The files from a directory (+ host name) or given one by one; None = plaintext."""
+    """The files from a directory (+ host name) or given one by one; None = plaintext.
+    A leading ``~`` is this host's home (``net.tls_dir=~/certs``: no shell expands it)."""
+    tls_dir, ca, cert, key = (os.path.expanduser(p) for p in (tls_dir, ca, cert, key))
     if tls_dir and (ca or cert or key):
         raise TlsError("give a TLS directory or the CA/certificate/key files, not both")
     if ca or cert or key:

@@ -186,3 +186,19 @@ def test_corpus_change_names_what_the_checkpoint_read_and_what_this_job_reads(tm
     assert corpus_change(saved, _corpus(tmp_path, text, "data.eval_fraction=0.1").fingerprint())  # another split
     builtin = Corpus(Config.load(None, ["data.max_bytes=300000"])).fingerprint()
     assert "than this job reads (the built-in corpus, 300,000 tokens" in corpus_change(saved, builtin)
+
+
+def test_a_data_path_and_tls_files_under_home_written_with_a_tilde(tmp_path, monkeypatch):
+    """`data.path=~/corpus.txt` (no shell expands ~ after '='): 'no such file
+    or folder'. A leading ~ is the home of the host that reads the file."""
+    from crucible import tls
+    from crucible.certs import make
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus.txt").write_bytes(b"hello")
+    assert bytes(load_tokens("~/corpus.txt", 1 << 20)) == b"hello"
+    make(str(tmp_path / "certs"), ["127.0.0.1"])
+    files = tls.resolve("~/certs", "127.0.0.1")
+    assert files.ca == str(tmp_path / "certs" / "ca.pem"), files
+    assert tls.resolve(ca="~/certs/ca.pem", cert="~/certs/127.0.0.1.pem", key="~/certs/127.0.0.1.key").key == \
+        str(tmp_path / "certs" / "127.0.0.1.key")
