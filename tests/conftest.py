@@ -58,6 +58,18 @@ def child_env() -> dict:
     return env
 
 
+def kill_group(pgid: int, proc: subprocess.Popen) -> None:
+    """SIGKILL to the process group a test started, then reap its leader (bounded)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 class Job:
     """A `crucible launch` in its own process group."""
 
@@ -156,14 +168,7 @@ class Job:
         return read_events(self.run_dir, kind)
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+        kill_group(self.pgid, self.proc)
         self.log.close()
 
     def group_alive(self) -> bool:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY, child_env, crucible_cmd
+from conftest import ROOT, TINY, child_env, crucible_cmd, kill_group
 from crucible.metrics import read_events
 from crucible.status import StatusClient
 
@@ -90,14 +90,7 @@ class PtyLaunch:
 
     def kill(self) -> None:
         self._stop.set()
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+        kill_group(self.pgid, self.proc)
         try:
             os.close(self.master)
         except OSError:
