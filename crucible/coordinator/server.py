@@ -8,6 +8,13 @@ Protocol (what a worker can rely on)
   and the stage's size (every worker of a stage must have built the same
   number of parameters), gives the worker a slot ``(replica, stage)``, a
   worker id, the configuration as JSON, the run directory and the routes.
+  A stage-0 worker registers with the fingerprint of the corpus it read
+  (``RegisterRequest.corpus``); one that is not the job's (the resumed
+  checkpoint's, else the first stage-0 registration's: ``membership.py``,
+  "Corpus") is refused with FAILED_PRECONDITION, one line naming data.path
+  and both fingerprints, before anything changes, unless
+  ``data.allow_new_corpus``. The worker exits with that line as its error,
+  and the launcher's crash-loop rule stops the job.
 * **Routes** (``membership.py``): replica r's route is the ordered list of its
   stages that have a live worker. Every change bumps the job's epoch and is
   pushed at once to every ``WatchRoutes`` stream.
@@ -45,9 +52,10 @@ Protocol (what a worker can rely on)
 
 Restarts
 --------
-The membership (slots, workers, routes, route epochs, stage sizes) is written
-to ``coordinator.state.json`` after every change, off the lock. A coordinator
-started on a run directory that holds it continues from it: the same worker
+The membership (slots, workers, routes, route epochs, stage sizes, the job's
+corpus) is written to ``coordinator.state.json`` after every change, off the
+lock. A coordinator started on a run directory that holds it continues from
+it: the same worker
 ids, routes and epochs, so workers carry on without re-registering and no
 step is aborted; each worker's heartbeat clock restarts at the restore. Outer
 rounds closed before the restart are read back from disk (``outer.py``);
