@@ -246,8 +246,8 @@ def _checkpoints(run, steps=(10, 20, 30)) -> tuple[Config, dict]:
     for step in steps:
         torch.manual_seed(step)
         models[step] = {s: build_stage(cfg, s, 2).state_dict() for s in (0, 1)}
-        shards = [write_shard(store.tmp_dir(root, step), store.shard_name(0, s), {"step": step, "model": models[step][s]})
-                  for s in (0, 1)]
+        shards = [write_shard(store.tmp_dir(root, step), store.shard_name(0, s),
+                              {"step": step, "model": models[step][s]}) for s in (0, 1)]
         store.commit(root, step, shards, {"config": cfg.to_dict(), "topology": {"replicas": 1, "stages": 2},
                                           "replicas": {"0": {"step": step}}})
     return cfg, models

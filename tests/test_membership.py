@@ -483,7 +483,8 @@ def test_the_coordinator_refuses_a_stage_0_on_other_data_and_keeps_the_jobs_corp
     store.commit(root, 5, shards, {"topology": {"replicas": 2, "stages": 2}, "replicas": {"0": {"step": 5},
                                                                                         "1": {"step": 5}}})
     for allow, taken in ((False, B), (True, A)):
-        c3 = Coordinator(Config.load(None, {"job.replicas": 2, "job.stages": 2, "checkpoint.enable_checkpointing": False,
+        c3 = Coordinator(Config.load(None, {"job.replicas": 2, "job.stages": 2,
+                                            "checkpoint.enable_checkpointing": False,
                                             "data.allow_new_corpus": allow}), str(run), token="t", restore=False)
         try:
             c3.ckpt.prepare(resume=True)

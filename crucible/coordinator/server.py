@@ -55,9 +55,9 @@ Restarts
 The membership (slots, workers, routes, route epochs, stage sizes, the job's
 corpus) is written to ``coordinator.state.json`` after every change, off the
 lock. A coordinator started on a run directory that holds it continues from
-it: the same worker
-ids, routes and epochs, so workers carry on without re-registering and no
-step is aborted; each worker's heartbeat clock restarts at the restore. Outer
+it: the same worker ids, routes and epochs, so workers carry on without
+re-registering and no step is aborted; each worker's heartbeat clock
+restarts at the restore. Outer
 rounds closed before the restart are read back from disk (``outer.py``);
 rounds in flight are redone by the workers' retries. ``--resume`` (a whole
 job restarting from a checkpoint) and a fresh ``crucible launch`` start
