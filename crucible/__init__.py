@@ -3,7 +3,8 @@
 __version__ = "0.1.0"
 
 # Bumped whenever the wire contract in proto/crucible.proto changes meaning.
-PROTOCOL_VERSION = 5    # 2: HELLOs signed per registration (identity), outer rounds can be abandoned;
+PROTOCOL_VERSION = 6    # 2: HELLOs signed per registration (identity), outer rounds can be abandoned;
                         # 3: heartbeats carry the registration's secret;
                         # 4: so do reports, outer contributions and shard reports;
-                        # 5: and rejoins (RegisterRequest.secret)
+                        # 5: and rejoins (RegisterRequest.secret);
+                        # 6: stage 0 registers with its corpus (RegisterRequest.corpus)

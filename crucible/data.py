@@ -142,32 +142,6 @@ def tokens_needed_for(cfg) -> int:
     return max((r + 1) * w, int(np.ceil(r * w / (1.0 - cfg.data.eval_fraction))) + 1)
 
 
-_SAME_DATA = ("tokens", "train", "dtype", "sha256")
-
-
-def corpus_change(saved, now: dict, allow: bool = False) -> str | None:
-    """Why a job reading the corpus ``now`` (``Corpus.fingerprint()``) cannot
-    resume exactly from a checkpoint whose stage 0 read ``saved``: other
-    tokens (another data.path, a file that changed, another data.max_bytes)
-    or another split (data.eval_fraction). None when they are the same, when
-    ``allow`` (data.allow_new_corpus), or when the checkpoint recorded none
-    (an older Crucible)."""
-    if allow or not isinstance(saved, dict) or not saved.get("sha256"):
-        return None
-    if all(saved.get(k) == now.get(k) for k in _SAME_DATA):
-        return None
-
-    def said(fp: dict) -> str:
-        src = f"data.path {fp.get('path')!r}" if fp.get("path") else "the built-in corpus"
-        n, t = fp.get("tokens"), fp.get("train")
-        size = f"{n:,} tokens ({t:,} for training)" if isinstance(n, int) and isinstance(t, int) else "?"
-        return f"{src}, {size}, sha256 {str(fp.get('sha256'))[:12]}"
-
-    return (f"it was trained on other data ({said(saved)}) than this job reads ({said(now)}): exact resume needs "
-            f"the same data (data.path, its contents, data.max_bytes, data.eval_fraction); restore it, or set "
-            f"data.allow_new_corpus=true to train on from this checkpoint on the new data")
-
-
 class ShardReader:
     """Batches of one replica's shard; its state is the cursor."""
 
@@ -249,7 +223,8 @@ class Corpus:
         """What identifies the tokens this job reads, split as it splits them:
         ``{"path", "tokens", "train", "dtype", "sha256"}`` (SHA-256 of every
         token's bytes, training part first). Stage 0 records it in its shards
-        (the data cursor); ``--resume`` compares it (``corpus_change``)."""
+        (the data cursor); ``--resume`` compares it (``crucible.corpus``), and so
+        does the coordinator at stage 0's registration."""
         if self._fingerprint is None:
             h = hashlib.sha256()
             for part in (self.train, self.eval):

@@ -53,7 +53,8 @@ KINDS: dict[str, str] = {
     "coordinator_reconnected": "a majority is heard again after coordinator_isolated: silent, live",
     "coordinator_restored": "a restarted coordinator continues its predecessor's membership: incarnation, "
                             "workers, routes",
-    "worker_registered": "worker, replica, stage, address, pid, replacement, rejoin, numel",
+    "worker_registered": "worker, replica, stage, address, pid, replacement, rejoin, numel, corpus (stage 0: the "
+                         "corpus it read)",
     "worker_joined": "a replacement is ready and in its route again: worker, replica, stage",
     "worker_done": "a worker says its replica is done: worker, replica, stage",
     "fault": "a worker declared dead: kind (worker_dead), worker, replica, stage, pid, reason, probe_s, "

@@ -13,8 +13,12 @@ state of each stage's shard) into one model, and writes::
                             "source" (checkpoint, step, replica or "global", shards)}
 
 CKPT is a run directory or its ``checkpoints/`` (the newest committed
-checkpoint) or one ``step_<N>``. Every shard is checked against the
-manifest's SHA-256 as it is read. A DIR that already holds either file is
+checkpoint that verifies, as ``--resume`` chooses: a newer one that is
+damaged is passed over, said in one line each, ``crucible export:
+checkpoint step N passed over: <its problems>``, and recorded in the
+export's ``source``), or one ``step_<N>`` (taken as it is: a damaged one is
+refused, naming the damage). Every shard is checked against the manifest's
+SHA-256 as it is read. A DIR that already holds either file is
 refused unless ``--force`` (it may be an earlier export, or a user's own);
 so is one inside a checkpoint (retention would delete it).
 
@@ -80,9 +84,13 @@ class ExportError(Exception):
 # ---- reading a checkpoint ------------------------------------------------------------------------------
 
 
-def resolve_checkpoint(path: str) -> Path:
+def resolve_checkpoint(path: str, passed_over: list | None = None) -> Path:
     """A step_<N> directory, or the newest committed checkpoint under a run
-    directory or its checkpoints/."""
+    directory or its checkpoints/ that verifies (``store.verify``, every
+    shard's size and SHA-256, as ``--resume`` chooses); each newer one that
+    does not is appended to ``passed_over`` as ``{"step", "path",
+    "problems"}``. A step_<N> named is taken as it is (its shards are checked
+    as they are read). ExportError when none verifies."""
     p = Path(path)
     if not p.exists():
         raise ExportError(f"{path}: no such file or directory")
@@ -94,13 +102,24 @@ def resolve_checkpoint(path: str) -> Path:
     found = store.list_checkpoints(root)
     if not found:
         raise ExportError(f"{path}: no committed checkpoint (a step_<N> directory with {store.MANIFEST})")
-    return Path(found[-1].path)
+    damaged = []
+    for info in reversed(found):
+        problems = store.verify(info.path)
+        if not problems:
+            if passed_over is not None:
+                passed_over.extend(damaged)
+            return Path(info.path)
+        damaged.append({"step": info.step, "path": info.path, "problems": problems})
+    raise ExportError(f"{path}: none of the {len(found)} checkpoint(s) in {root} verifies (newest, step "
+                      f"{found[-1].step}: damaged: {'; '.join(damaged[0]['problems'])})")
 
 
 def checkpoint_state(ckpt: str, replica: int | None = None, use_global: bool = False) -> tuple[dict, Config, dict]:
     """The stages of one replica (or θ_global) of a checkpoint, as one state dict
-    per stage: ``({stage: state_dict}, config, source)``."""
-    path = resolve_checkpoint(ckpt)
+    per stage: ``({stage: state_dict}, config, source)``; ``source["passed_over"]``:
+    the newer checkpoints that did not verify (``resolve_checkpoint``)."""
+    passed_over: list[dict] = []
+    path = resolve_checkpoint(ckpt, passed_over)
     try:
         manifest = store.read_manifest(path)
     except store.CheckpointCorrupt as e:
@@ -140,7 +159,7 @@ def checkpoint_state(ckpt: str, replica: int | None = None, use_global: bool = F
         source = {"replica": replica, "shards": [store.shard_name(replica, s) for s in range(S)]}
     rep = (manifest.get("replicas") or {}).get(str(source["replica"])) or {}
     source.update(checkpoint=str(path), step=int(manifest["step"]), config_hash=manifest.get("config_hash"),
-                  outer_round=rep.get("round"), end=bool(manifest.get("end")))
+                  outer_round=rep.get("round"), end=bool(manifest.get("end")), passed_over=passed_over)
     return stages, cfg, source
 
 
@@ -408,6 +427,13 @@ def decode(ids: list[int]) -> str:
 # ---- the commands ----------------------------------------------------------------------------------------------
 
 
+def passed_over_lines(source: dict) -> list[str]:
+    """One line for each newer checkpoint passed over (as the launcher says
+    them at a --resume)."""
+    return [f"checkpoint step {d['step']} passed over: {'; '.join(d['problems'])}"[:400]
+            for d in source.get("passed_over") or []]
+
+
 def main(args) -> int:
     from crucible.config import ConfigError
 
@@ -417,12 +443,16 @@ def main(args) -> int:
         if args.cmd == "export":
             meta = export(args.ckpt, args.out, args.replica, args.use_global, args.force)
             src = meta["source"]
+            for line in passed_over_lines(src):
+                print(f"crucible export: {line}", file=sys.stderr)
             print(f"crucible: exported {'θ_global' if src['replica'] == 'global' else 'replica ' + str(src['replica'])}"
                   f" of {src['checkpoint']} (step {src['step']}): {meta['parameters']:,} parameters, layout "
                   f"{meta['layout']}, to {os.path.join(args.out, WEIGHTS)} and {CONFIG}")
             return 0
         check_sampling(args.tokens, args.temperature, args.top_k)     # before the model is loaded
         model, cfg, source = load_any(args.model, args.replica, args.use_global)
+        for line in [] if is_export(args.model) else passed_over_lines(source):
+            print(f"crucible sample: {line}", file=sys.stderr)
         if cfg.model.vocab_size != 256 or cfg.data.path.endswith(".bin"):
             print("crucible sample: note: the model's tokens are not bytes; the output is their ids as bytes",
                   file=sys.stderr)

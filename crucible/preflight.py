@@ -166,7 +166,7 @@ def check_resume_data(run_dir: str | None, resume: bool, cfg: Config, corpus) ->
     """A resume on data other than the checkpoint's stage 0 read (another
     data.path, a file that changed, another data.max_bytes or
     data.eval_fraction) would not continue "exactly where it was": refused
-    (``crucible.data.corpus_change``) unless data.allow_new_corpus. Compared
+    (``crucible.corpus.corpus_change``) unless data.allow_new_corpus. Compared
     with the newest committed checkpoint whose manifest and stage-0 shard
     headers read (the coordinator falls back past a damaged one; the workers
     compare again as they load); a checkpoint that recorded no corpus (an
@@ -175,7 +175,7 @@ def check_resume_data(run_dir: str | None, resume: bool, cfg: Config, corpus) ->
         return
     from crucible.checkpoint import store
     from crucible.checkpoint.shard import read_plain
-    from crucible.data import corpus_change
+    from crucible.corpus import corpus_change
 
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):

@@ -169,7 +169,7 @@ def _corpus(tmp_path, payload: bytes, *overrides) -> Corpus:
 
 
 def test_corpus_change_names_what_the_checkpoint_read_and_what_this_job_reads(tmp_path):
-    from crucible.data import corpus_change
+    from crucible.corpus import corpus_change
 
     text = bytes(range(32, 127)) * 40
     saved = _corpus(tmp_path, text).fingerprint()

@@ -229,3 +229,71 @@ def test_a_damaged_export_is_one_line_not_a_traceback(tmp_path, capsys):
                             f"(\"config\"): a damaged export\n")
     meta_path.write_text("[1]")
     assert "not a Crucible export" in sample_err()
+
+
+# ---- a run whose newest checkpoint is damaged (no training needed) ----------------------------------------------
+
+
+def _checkpoints(run, steps=(10, 20, 30)) -> tuple[Config, dict]:
+    """Committed checkpoints of a 1 x 2 job, as the workers write them: each
+    step's stages an untrained tiny model seeded by the step."""
+    from crucible.checkpoint.shard import write_shard
+
+    cfg = Config.load(None, ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "train.seq_len=16",
+                             "job.stages=2", "job.replicas=1"])
+    root = str(run / "checkpoints")
+    models = {}
+    for step in steps:
+        torch.manual_seed(step)
+        models[step] = {s: build_stage(cfg, s, 2).state_dict() for s in (0, 1)}
+        shards = [write_shard(store.tmp_dir(root, step), store.shard_name(0, s),
+                              {"step": step, "model": models[step][s]}) for s in (0, 1)]
+        store.commit(root, step, shards, {"config": cfg.to_dict(), "topology": {"replicas": 1, "stages": 2},
+                                          "replicas": {"0": {"step": step}}})
+    return cfg, models
+
+
+def _flip(path, at: int = -100) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_export_of_a_run_passes_over_damaged_checkpoints_as_resume_does(tmp_path, capsys):
+    """`crucible export RUN_DIR` refused with the damage line when the newest
+    checkpoint was damaged, while `--resume` falls back to the newest that
+    verifies. Export now does what resume does: the newest that verifies,
+    one line for each newer one it passed over (also in the export's
+    source); a damaged step_N named is still refused, naming the damage."""
+    run = tmp_path / "run"
+    _, models = _checkpoints(run)
+    root = run / "checkpoints"
+    _flip(store.step_dir(str(root), 30) / store.shard_name(0, 1))
+    (store.step_dir(str(root), 20) / store.shard_name(0, 0)).write_bytes(b"")       # truncated to nothing
+    for target in (run, root):
+        out = tmp_path / f"from-{target.name}"
+        code, _, err = _cli(capsys, "export", str(target), "--out", str(out))
+        assert code == 0, err
+        assert err.splitlines() == [
+            "crucible export: checkpoint step 30 passed over: r0s1.shard: checksum mismatch: the bytes on disk do "
+            "not match the shard's own checksum",
+            "crucible export: checkpoint step 20 passed over: r0s0.shard: size 0 bytes, manifest says "
+            f"{store.read_manifest(store.step_dir(str(root), 20))['shards'][0]['bytes']}"], err
+        meta = json.load(open(out / export.CONFIG))
+        assert meta["source"]["step"] == 10 and meta["source"]["checkpoint"] == str(store.step_dir(str(root), 10))
+        assert [d["step"] for d in meta["source"]["passed_over"]] == [30, 20]
+        got = load_file(str(out / export.WEIGHTS))
+        want = {**models[10][0], **models[10][1]}
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # a damaged checkpoint named: refused with its damage, nothing written
+    code, out, err = _cli(capsys, "export", str(store.step_dir(str(root), 30)), "--out", str(tmp_path / "named"))
+    assert code == 2 and not out and len(err.splitlines()) == 1, err
+    assert err == (f"crucible export: {store.step_dir(str(root), 30)}/r0s1.shard: checksum mismatch: the bytes on "
+                   f"disk do not match the shard's own checksum\n"), err
+    assert not (tmp_path / "named" / export.WEIGHTS).exists()
+    # none verifies: one line
+    _flip(store.step_dir(str(root), 10) / store.shard_name(0, 0))
+    code, out, err = _cli(capsys, "export", str(run), "--out", str(tmp_path / "none"))
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"crucible export: {run}: none of the 3 checkpoint(s) in {root} verifies (newest, step 30: "
+                          f"damaged: r0s1.shard: "), err

@@ -147,6 +147,93 @@ def test_register_refuses_a_stage_of_another_size_and_a_held_slot():
     assert not replacement and w3.secret == secret
 
 
+# ---------------------------------------------------------------- the job's corpus
+
+A = {"path": "/data/c.txt", "tokens": 3800, "train": 3724, "dtype": "uint8", "sha256": "a" * 64}
+B = dict(A, sha256="b" * 64)        # the same size, other tokens (a host whose copy differs)
+REFUSAL_B = ("r1s0 read other data (data.path '/data/c.txt', 3,800 tokens (3,724 for training), sha256 bbbbbbbbbbbb) "
+             "than this job trains on (data.path '/data/c.txt', 3,800 tokens (3,724 for training), sha256 "
+             "aaaaaaaaaaaa): every replica's stage 0 needs the same data (data.path, its contents, data.max_bytes, "
+             "data.eval_fraction); restore it on r1s0's host, or set data.allow_new_corpus=true to train on the "
+             "new data")
+
+
+def _refused(m: Membership, *args, **kw) -> Refused:
+    before = (m.to_dict(), {wid: (w.state, w.last_seen) for wid, w in m.workers.items()})
+    with pytest.raises(Refused) as e:
+        m.register(*args, **kw)
+    after = (m.to_dict(), {wid: (w.state, w.last_seen) for wid, w in m.workers.items()})
+    assert after == before          # refused before anything changed
+    return e.value
+
+
+def test_every_stage_0_of_a_job_reads_the_jobs_corpus():
+    """Each host has its own copy of data.path: a replica whose stage 0 read
+    other tokens trained silently on other data than the rest of the job, and
+    a replacement stage 0 (it reads the corpus again) on a file that changed
+    since. The first stage-0 registration's corpus is the job's; another one
+    is refused, naming both, before anything changes; a registration of
+    another stage is not compared."""
+    m = Membership(2, 2)
+    m.register(0, 0, "h:00", 1, "h", False, 5, now=0.0, corpus=A)
+    assert m.corpus == A
+    m.register(1, 1, "h:11", 2, "h", False, 6, now=0.0, corpus=B)     # (not stage 0: no corpus of its own)
+    assert m.corpus == A
+    e = _refused(m, 1, 0, "h:10", 3, "h", False, 5, now=0.0, corpus=B)
+    assert e.code == "FAILED_PRECONDITION" and e.message == REFUSAL_B
+    e = _refused(m, -1, -1, "h:10", 3, "h", False, 5, now=0.0, corpus=B)     # any vacant slot: r1s0 too
+    assert e.message == REFUSAL_B
+    # the same tokens read from another path (another mount point) are the same data
+    m.register(-1, -1, "h:10", 3, "h", False, 5, now=0.0, corpus=dict(A, path="/mnt/c.txt"))
+    _full_rest(m)
+    assert m.job_started and m.corpus == A
+    # a replacement stage 0 that read a file which changed since: refused; the slot stays vacant
+    m.declare_dead(m.holder((1, 0)), now=5.0)
+    m.recompute_routes()
+    e = _refused(m, 1, 0, "h:10b", 4, "h", False, 5, now=6.0, corpus=B)
+    assert e.message == REFUSAL_B and m.holder((1, 0)) is None
+    w, replacement = m.register(1, 0, "h:10c", 5, "h", False, 5, now=7.0, corpus=A)
+    assert replacement and m.holder((1, 0)) is w
+    # a holder kept only because the coordinator is isolated does not give way to a refused newcomer
+    held = m.holder((0, 0))
+    e = _refused(m, 0, 0, "h:00b", 6, "h", False, 5, now=100.0, silent_after=5.0, corpus=dict(B))
+    assert "r0s0 read other data" in e.message and m.holder((0, 0)) is held and held.state == "alive"
+    # A restarted coordinator keeps the job's corpus (its state file); an older state file has none:
+    # the first stage-0 registration's is taken again.
+    again = Membership(2, 2, incarnation=2)
+    again.restore(m.to_dict(), now=10.0)
+    assert again.corpus == A
+    again.declare_dead(again.holder((1, 0)), now=11.0)
+    assert _refused(again, 1, 0, "h:10d", 7, "h", False, 5, now=12.0, corpus=B).message == REFUSAL_B
+    old = {k: v for k, v in m.to_dict().items() if k != "corpus"}
+    older = Membership(2, 2, incarnation=2)
+    older.restore(old, now=10.0)
+    assert older.corpus is None
+
+
+def test_a_resumed_job_reads_its_checkpoints_corpus_unless_a_new_one_is_allowed():
+    """Resumed: the checkpoint's corpus is the job's, the first stage 0
+    included. With data.allow_new_corpus (for this launch) every stage 0 is
+    taken: the job's corpus is this launch's first, and a difference is only
+    said (``corpus_differs``)."""
+    m = Membership(2, 1)
+    m.resume_at({0: 5, 1: 5}, corpus=B)
+    e = _refused(m, 0, 0, "h:00", 1, "h", False, 10, now=0.0, corpus=A)
+    assert e.message.startswith("r0s0 read other data (data.path '/data/c.txt', 3,800 tokens (3,724 for training), "
+                                "sha256 aaaaaaaaaaaa) than this job trains on (data.path '/data/c.txt', 3,800 tokens "
+                                "(3,724 for training), sha256 bbbbbbbbbbbb)"), e.message
+    m.register(0, 0, "h:00", 1, "h", False, 10, now=0.0, corpus=B)
+    m2 = Membership(2, 1)
+    m2.resume_at({0: 5, 1: 5}, corpus=None)      # a checkpoint of an older Crucible recorded none
+    m2.register(0, 0, "h:00", 1, "h", False, 10, now=0.0, corpus=A)
+    assert m2.corpus == A
+    allowed = Membership(2, 1, allow_new_corpus=True)
+    allowed.register(0, 0, "h:00", 1, "h", False, 10, now=0.0, corpus=A)
+    w, _ = allowed.register(1, 0, "h:10", 2, "h", False, 10, now=0.0, corpus=B)
+    assert allowed.holder((1, 0)) is w and allowed.corpus == A
+    assert allowed.corpus_differs(B) and not allowed.corpus_differs(A) and not allowed.corpus_differs(None)
+
+
 def test_stale_and_unknown_workers_and_pulses():
     m = Membership(1, 2)
     ids = _full(m)
@@ -349,6 +436,74 @@ def test_a_forged_rejoin_after_a_coordinator_restart_evicts_nobody(tmp_path):
         assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
     finally:
         c2.stop()
+
+
+def _register(c, r: int, s: int, corpus: dict | None = None, pid: int = 1) -> pb.RegisterReply:
+    return c.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=r, stage=s, address=f"h:{r}{s}",
+                                         pid=pid, host="h", numel=4, corpus=pb.Corpus(**corpus) if corpus else None),
+                      None)
+
+
+def test_the_coordinator_refuses_a_stage_0_on_other_data_and_keeps_the_jobs_corpus(tmp_path):
+    """Over the wire: FAILED_PRECONDITION with the one line, the job's corpus
+    kept in the state file (a restarted coordinator refuses the same), and a
+    coordinator that resumes a checkpoint takes the corpus its stage 0 read
+    from the shard's header (before any worker registers)."""
+    from crucible.checkpoint import store
+    from crucible.checkpoint.shard import write_shard
+    from crucible.coordinator.server import Coordinator
+
+    cfg = Config.load(None, {"job.replicas": 2, "job.stages": 2, "checkpoint.enable_checkpointing": False})
+    c = Coordinator(cfg, str(tmp_path / "run"), token="t", restore=True)
+    _register(c, 0, 0, A)
+    _register(c, 0, 1)
+    with pytest.raises(rpc.RpcFault) as e:
+        _register(c, 1, 0, B, pid=2)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and str(e.value) == REFUSAL_B
+    assert c.m.holder((1, 0)) is None
+    c.stop()
+    c._lock_file.close()
+    c2 = Coordinator(cfg, str(tmp_path / "run"), token="t", restore=True)
+    try:
+        assert c2.m.corpus == A
+        with pytest.raises(rpc.RpcFault) as e:
+            _register(c2, 1, 0, B, pid=2)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and str(e.value) == REFUSAL_B
+        _register(c2, 1, 0, dict(A, path="/mnt/c.txt"), pid=3)
+    finally:
+        c2.stop()
+        c2._lock_file.close()
+
+    # --resume: a checkpoint whose stage 0 read B (r1s0's shard: r0s0 is vacant in it)
+    run = tmp_path / "resumed"
+    root = str(run / "checkpoints")
+    shards = [write_shard(store.tmp_dir(root, 5), store.shard_name(1, 0), {"step": 5, "data": {"cursor": 40,
+                                                                                               "corpus": B}})]
+    shards += [write_shard(store.tmp_dir(root, 5), store.shard_name(r, 1), {"step": 5}) for r in (0, 1)]
+    store.commit(root, 5, shards, {"topology": {"replicas": 2, "stages": 2}, "replicas": {"0": {"step": 5},
+                                                                                        "1": {"step": 5}}})
+    for allow, taken in ((False, B), (True, A)):
+        c3 = Coordinator(Config.load(None, {"job.replicas": 2, "job.stages": 2,
+                                            "checkpoint.enable_checkpointing": False,
+                                            "data.allow_new_corpus": allow}), str(run), token="t", restore=False)
+        try:
+            c3.ckpt.prepare(resume=True)
+            assert c3.ckpt.resume_dir == str(store.step_dir(root, 5))
+            assert c3.m.corpus == (None if allow else B)
+            if not allow:
+                with pytest.raises(rpc.RpcFault) as e:
+                    _register(c3, 0, 0, A)
+                assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+                assert str(e.value).startswith("r0s0 read other data (data.path '/data/c.txt', 3,800 tokens (3,724 "
+                                               "for training), sha256 aaaaaaaaaaaa) than this job trains on "
+                                               "(data.path '/data/c.txt', 3,800 tokens (3,724 for training), sha256 "
+                                               "bbbbbbbbbbbb)"), e.value
+            _register(c3, 0, 0, taken)
+            _register(c3, 1, 0, B, pid=2)          # with allow: taken, and said
+            assert c3.m.corpus == taken
+        finally:
+            c3.stop()
+            c3._lock_file.close()
 
 
 def test_every_call_that_speaks_for_a_worker_needs_its_secret(tmp_path):

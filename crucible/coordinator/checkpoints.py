@@ -292,15 +292,37 @@ class CheckpointManager:
                         m.get("config_hash"), self.job_cfg.digest())
         self.resume_dir, self.resume_manifest = chosen.path, m
         self.latest_committed_step = chosen.step
+        corpus = None if self.job_cfg.data.allow_new_corpus else self._trained_on(chosen, m)
         with self.cv:   # (outer round numbers follow from the steps: the relay needs nothing)
             self.m.resume_at({int(r): int(info.get("step", chosen.step))
-                              for r, info in (m.get("replicas") or {}).items()})
+                              for r, info in (m.get("replicas") or {}).items()}, corpus=corpus)
         self.metrics.write({"event": "ckpt_resume", "step": chosen.step, "path": chosen.path,
                             "replicas": m.get("replicas"), "vacant": m.get("vacant", [])})
         log.info("resuming from %s (step %d)", chosen.path, chosen.step)
         done = store.nothing_left(chosen, self.job_cfg.train.steps, m)
         if done:    # (a coordinator started by hand: `launch` and `check` refuse this; here the job ends at once)
             log.warning("%s; the job ends as soon as its workers register", done)
+
+    def _trained_on(self, chosen: store.CkptInfo, manifest: dict) -> dict | None:
+        """The corpus the checkpoint's stage 0 read (its first replica's shard
+        that recorded one, from the header alone): every stage 0 of the resumed
+        job must read it (membership, "Corpus"). None when none did.
+        ``manifest``: the checkpoint's, read already."""
+        from crucible.checkpoint.shard import read_plain
+        from crucible.corpus import recorded
+
+        names = {sh["name"] for sh in manifest["shards"]}
+        for r in range(self.job_cfg.job.replicas):
+            name = store.shard_name(r, 0)
+            if name not in names:
+                continue
+            try:
+                data = read_plain(os.path.join(chosen.path, name), "data")
+            except (store.CheckpointCorrupt, OSError, ValueError):
+                continue
+            if isinstance(data, dict) and recorded(data.get("corpus")):
+                return data["corpus"]
+        return None
 
     def start(self) -> None:
         if self._thread is None and self.enabled:

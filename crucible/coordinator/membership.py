@@ -22,6 +22,20 @@ A stage's size (its parameter count, ``numel``) is fixed by the first worker
 that registers it; a worker that built a stage of another size is refused.
 The outer relay takes sizes from here, never from a contribution.
 
+Corpus
+------
+Every replica's stage 0 must read the same tokens (``crucible.corpus``): on
+other data the replicas are not training the model asked for, and the job
+cannot resume exactly (each host may hold its own copy of ``data.path``, and
+a replacement stage 0 reads it again). The job's corpus is the resumed
+checkpoint's (``resume_at``), else the first stage-0 registration's; it is
+kept in ``to_dict()``, so a restarted coordinator keeps it. A stage-0
+registration with another fingerprint is refused (FAILED_PRECONDITION, one
+line naming both: ``crucible.corpus.registration_change``) before anything
+changes, unless ``data.allow_new_corpus`` for this launch (the job's corpus
+is then this launch's first stage-0 registration's, and the difference is
+only said). A registration without one (another stage) is not compared.
+
 Silence and isolation
 ---------------------
 A worker not heard from for ``fault.heartbeat_timeout_s`` is dead (``judge``),
@@ -76,6 +90,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
+from crucible import corpus as corpora
 from crucible import exits, identity, metrics
 from crucible.slots import slot_name
 
@@ -134,7 +149,8 @@ class ReplicaInfo:
 
 
 class Membership:
-    def __init__(self, replicas: int, stages: int, on_stage_failure: str = "skip", incarnation: int = 1):
+    def __init__(self, replicas: int, stages: int, on_stage_failure: str = "skip", incarnation: int = 1,
+                 allow_new_corpus: bool = False):
         self.R, self.S = replicas, stages
         self.on_stage_failure = on_stage_failure
         self.incarnation = incarnation
@@ -145,6 +161,8 @@ class Membership:
         self.routes: dict[int, list[int]] = {r: [] for r in range(replicas)}
         self.route_epoch: dict[int, int] = {r: 0 for r in range(replicas)}
         self.stage_numel: dict[int, int] = {}
+        self.corpus: dict | None = None      # the job's corpus ("Corpus"): every stage 0 reads it
+        self.allow_new_corpus = bool(allow_new_corpus)
         self.job_started = False
         self.created = time.time()   # the job's start (kept across coordinator restarts: status's elapsed)
         self.restored = False        # continued from a previous incarnation's state
@@ -167,11 +185,12 @@ class Membership:
 
     def register(self, replica: int, stage: int, address: str, pid: int, host: str, rejoin: bool,
                  numel: int, now: float, silent_after: float | None = None,
-                 secret: str = "") -> tuple[WorkerInfo, bool]:
+                 secret: str = "", corpus: dict | None = None) -> tuple[WorkerInfo, bool]:
         """A worker takes a slot; returns (its record, whether it is a replacement).
         A holder silent for more than ``silent_after`` seconds (kept only because
         the coordinator is isolated) gives way to the newcomer. ``secret`` (hex):
-        a rejoin's proof, the secret of the registration it continues ("Identity")."""
+        a rejoin's proof, the secret of the registration it continues ("Identity").
+        ``corpus``: the fingerprint of the corpus a stage-0 worker read ("Corpus")."""
         if rejoin and len(secret) != 2 * identity.SECRET_BYTES:
             raise Refused("INVALID_ARGUMENT", f"a rejoin carries the secret of the registration it continues "
                                               f"({identity.SECRET_BYTES} bytes), not {len(secret) // 2}")
@@ -179,6 +198,7 @@ class Membership:
             if not (0 <= replica < self.R and 0 <= stage < self.S):
                 raise Refused("INVALID_ARGUMENT", f"slot r{replica}s{stage} does not exist in a {self.R}x{self.S} job")
             slot = (replica, stage)
+            self._check_corpus(slot, corpus)
             held = self.holder(slot)
             if held is not None and silent_after is not None and held.state in ("alive", "joining") \
                     and now - held.last_seen > silent_after and not rejoin:
@@ -199,6 +219,7 @@ class Membership:
             slot = self.vacant_slot()
             if slot is None:
                 raise Refused("RESOURCE_EXHAUSTED", "no vacant slot in this job")
+            self._check_corpus(slot, corpus)
         if numel > 0:
             want = self.stage_numel.get(slot[1])
             if want is not None and want != numel:
@@ -206,6 +227,8 @@ class Membership:
                               f"stage {slot[1]} of this job has {want:,} parameters; this worker built "
                               f"{numel:,} (another model, configuration or code version?)")
             self.stage_numel.setdefault(slot[1], numel)
+        if slot[1] == 0 and self.corpus is None:
+            self.corpus = corpora.clean(corpus)
         # Once the job is under way a new worker is a replacement: it pulls its
         # stage's weights from a peer and enters the route when it says "ready".
         # A live worker re-registering after a coordinator restart is not.
@@ -219,6 +242,19 @@ class Membership:
         self.slots[slot] = w.worker_id
         self._prune(slot)
         return w, replacement
+
+    def _check_corpus(self, slot: tuple[int, int], corpus: dict | None) -> None:
+        """A stage-0 registration reads the job's corpus ("Corpus"); refused
+        (before anything changes) otherwise."""
+        if slot[1] != 0:
+            return
+        why = corpora.registration_change(slot_name(*slot), self.corpus, corpus, self.allow_new_corpus)
+        if why:
+            raise Refused("FAILED_PRECONDITION", why)
+
+    def corpus_differs(self, corpus: dict | None) -> bool:
+        """A stage-0 fingerprint that is not the job's (taken only with data.allow_new_corpus)."""
+        return corpora.recorded(corpus) and corpora.recorded(self.corpus) and not corpora.same(self.corpus, corpus)
 
     def member(self, worker_id: str) -> WorkerInfo:
         """The calling worker. Unknown: NOT_FOUND (register again: we may be a
@@ -462,11 +498,15 @@ class Membership:
         """Workers still at work: alive or joining."""
         return [w for w in self.workers.values() if w.state in ("alive", "joining")]
 
-    def resume_at(self, steps: dict[int, int]) -> None:
-        """A job resumed from a checkpoint: its replicas start at these steps."""
+    def resume_at(self, steps: dict[int, int], corpus: dict | None = None) -> None:
+        """A job resumed from a checkpoint: its replicas start at these steps;
+        ``corpus``, the one its stage 0 read, is the job's ("Corpus"; None: the
+        checkpoint recorded none, or data.allow_new_corpus)."""
         for r, step in steps.items():
             if 0 <= r < self.R:
                 self.replicas[r].step = int(step)
+        if corpora.recorded(corpus):
+            self.corpus = corpora.clean(corpus)
 
     def mean_losses(self) -> dict[str, float]:
         """The replicas' latest training and evaluation losses, averaged (those known)."""
@@ -489,6 +529,7 @@ class Membership:
             "routes": {str(r): v for r, v in self.routes.items()},
             "route_epoch": {str(r): v for r, v in self.route_epoch.items()},
             "stage_numel": {str(s): n for s, n in self.stage_numel.items()},
+            "corpus": self.corpus,
         }
 
     def restore(self, d: dict, now: float) -> None:
@@ -514,4 +555,5 @@ class Membership:
         self.routes = {int(r): list(v) for r, v in d["routes"].items()}
         self.route_epoch = {int(r): int(v) for r, v in d["route_epoch"].items()}
         self.stage_numel = {int(s): int(n) for s, n in d["stage_numel"].items()}
+        self.corpus = corpora.clean(d.get("corpus"))     # (a state file written before it was kept: None)
         self.restored, self.restored_at = True, now

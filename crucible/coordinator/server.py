@@ -8,6 +8,13 @@ Protocol (what a worker can rely on)
   and the stage's size (every worker of a stage must have built the same
   number of parameters), gives the worker a slot ``(replica, stage)``, a
   worker id, the configuration as JSON, the run directory and the routes.
+  A stage-0 worker registers with the fingerprint of the corpus it read
+  (``RegisterRequest.corpus``); one that is not the job's (the resumed
+  checkpoint's, else the first stage-0 registration's: ``membership.py``,
+  "Corpus") is refused with FAILED_PRECONDITION, one line naming data.path
+  and both fingerprints, before anything changes, unless
+  ``data.allow_new_corpus``. The worker exits with that line as its error,
+  and the launcher's crash-loop rule stops the job.
 * **Routes** (``membership.py``): replica r's route is the ordered list of its
   stages that have a live worker. Every change bumps the job's epoch and is
   pushed at once to every ``WatchRoutes`` stream.
@@ -45,11 +52,12 @@ Protocol (what a worker can rely on)
 
 Restarts
 --------
-The membership (slots, workers, routes, route epochs, stage sizes) is written
-to ``coordinator.state.json`` after every change, off the lock. A coordinator
-started on a run directory that holds it continues from it: the same worker
-ids, routes and epochs, so workers carry on without re-registering and no
-step is aborted; each worker's heartbeat clock restarts at the restore. Outer
+The membership (slots, workers, routes, route epochs, stage sizes, the job's
+corpus) is written to ``coordinator.state.json`` after every change, off the
+lock. A coordinator started on a run directory that holds it continues from
+it: the same worker ids, routes and epochs, so workers carry on without
+re-registering and no step is aborted; each worker's heartbeat clock
+restarts at the restore. Outer
 rounds closed before the restart are read back from disk (``outer.py``);
 rounds in flight are redone by the workers' retries. ``--resume`` (a whole
 job restarting from a checkpoint) and a fresh ``crucible launch`` start
@@ -72,6 +80,7 @@ import time
 import grpc
 
 from crucible import PROTOCOL_VERSION, identity, ledger, metrics, procs, rpc
+from crucible import corpus as corpora
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
@@ -112,7 +121,7 @@ class Coordinator:
         self._lock_file = self._take_lock()
         self.incarnation = self._bump_incarnation()
         self.cv = threading.Condition()
-        self.m = Membership(cfg.job.replicas, cfg.job.stages, cfg.fault.on_stage_failure, self.incarnation)
+        self.m = self._membership()
         self.state_file = LatestFile(os.path.join(self.run_dir, STATE_FILE), mode=0o600)   # holds secrets
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         self.report_seq = last_sequence_numbers(metrics_path)    # source -> newest seq written
@@ -169,8 +178,7 @@ class Coordinator:
             self.m.restore(saved, self.clock())
         except (KeyError, TypeError, ValueError) as e:
             log.warning("not continuing from %s: %s", self.state_file.path, e)
-            self.m = Membership(self.cfg.job.replicas, self.cfg.job.stages, self.cfg.fault.on_stage_failure,
-                                self.incarnation)
+            self.m = self._membership()
             return
         # The replicas' ledgers so far in this launch (status's goodput), from the log: before this
         # coordinator writes to it, one event at a time (a long run's log is GBs: none of it held).
@@ -180,6 +188,11 @@ class Coordinator:
                  max(self.m.route_epoch.values()))
         self.metrics.write({"event": "coordinator_restored", "incarnation": self.incarnation, "workers": live,
                             "routes": {str(r): v for r, v in self.m.routes.items()}})
+
+    def _membership(self) -> Membership:
+        cfg = self.cfg
+        return Membership(cfg.job.replicas, cfg.job.stages, cfg.fault.on_stage_failure, self.incarnation,
+                          allow_new_corpus=cfg.data.allow_new_corpus)
 
     def _forget_state(self) -> None:
         try:
@@ -302,17 +315,24 @@ class Coordinator:
         self._check_version(req.protocol_version)
         if not req.address or ":" not in req.address:
             raise ValueError(f"address {req.address!r} must be host:port")
+        corpus = _corpus(req)
         with self.cv:
             try:
                 w, replacement = self.m.register(req.replica, req.stage, req.address, req.pid, req.host,
                                                  req.rejoin, int(req.numel), self.clock(),
                                                  silent_after=self.cfg.fault.heartbeat_timeout_s,
-                                                 secret=req.secret.hex() if req.rejoin else "")
+                                                 secret=req.secret.hex() if req.rejoin else "", corpus=corpus)
             except Refused as e:
+                if e.code == "FAILED_PRECONDITION":     # (a worker that will not do: its log and ours say why)
+                    log.error("registration refused (pid %d on %s): %s", req.pid, req.host, e.message)
                 raise rpc.RpcFault(_status(e.code), e.message) from None
+            if w.stage == 0 and self.m.corpus_differs(corpus):
+                log.warning("%s reads other data than this job's first stage 0 (taken: data.allow_new_corpus): "
+                            "%s", slot_name(w.replica, w.stage), corpora.describe(corpus))
             self.metrics.write({"event": "worker_registered", "worker": w.worker_id, "replica": w.replica,
                                 "stage": w.stage, "address": req.address, "pid": req.pid,
-                                "replacement": replacement, "rejoin": req.rejoin, "numel": req.numel})
+                                "replacement": replacement, "rejoin": req.rejoin, "numel": req.numel,
+                                **({"corpus": corpus} if w.stage == 0 and corpus else {})})
             self._changed(f"{slot_name(w.replica, w.stage)} registered")
             self.suspicions.forget(w.replica, w.stage)
             return pb.RegisterReply(worker_id=w.worker_id, replica=w.replica, stage=w.stage,
@@ -666,6 +686,15 @@ class Coordinator:
                 "checkpoint": self.ckpt.status(),
                 "isolated": self.m.isolated,
             }
+
+
+def _corpus(req: pb.RegisterRequest) -> dict | None:
+    """The corpus a stage-0 worker registers with (RegisterRequest.corpus), as
+    ``Corpus.fingerprint()`` has it; None when it sent none."""
+    if not req.HasField("corpus") or not req.corpus.sha256:
+        return None
+    c = req.corpus
+    return {"path": c.path, "tokens": int(c.tokens), "train": int(c.train), "dtype": c.dtype, "sha256": c.sha256}
 
 
 def _check_fields(ev: dict, i: int) -> None:

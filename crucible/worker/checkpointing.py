@@ -134,7 +134,7 @@ class DataCursor:
     draw from the restored step on is the one the checkpoint was taken in: a
     shard of another replica is refused; so is one taken on other data
     (``corpus``: the ``Corpus.fingerprint()`` it records, compared by
-    ``crucible.data.corpus_change``) unless ``allow_new_corpus``
+    ``crucible.corpus.corpus_change``) unless ``allow_new_corpus``
     (data.allow_new_corpus); another seed, batch size or a cursor that is not
     the restored step's is said in the log (the run goes on, on the stream of
     its present configuration)."""
@@ -152,7 +152,7 @@ class DataCursor:
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        from crucible.data import corpus_change
+        from crucible.corpus import corpus_change
 
         if state.get("replica") != self.replica:
             raise ValueError(f"the data cursor is of replica {state.get('replica')}, this worker is of replica "

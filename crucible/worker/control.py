@@ -139,11 +139,15 @@ class ControlClient:
         return self._retry(lambda: self.stub.JobInfo(req, metadata=self.md, timeout=10), deadline_s)
 
     def register(self, replica: int, stage: int, address: str, numel: int, deadline_s: float = 60.0,
-                 rejoin: bool = False) -> pb.RegisterReply:
+                 rejoin: bool = False, corpus: dict | None = None) -> pb.RegisterReply:
         """Register (or, after a coordinator restart, take our old slot again:
-        a rejoin proves our last registration with its secret, and keeps it)."""
+        a rejoin proves our last registration with its secret, and keeps it).
+        ``corpus``: stage 0's, the ``Corpus.fingerprint()`` of what it read (the
+        coordinator refuses another than the job's: FAILED_PRECONDITION, raised)."""
         req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage,
                                  address=address, pid=os.getpid(), host=socket.gethostname(), numel=numel)
+        if corpus:
+            req.corpus.CopyFrom(pb.Corpus(**{k: corpus[k] for k in ("path", "tokens", "train", "dtype", "sha256")}))
         req.rejoin = rejoin
         if rejoin:
             req.secret = self.secret

@@ -171,7 +171,8 @@ class Worker:
         self.phases["built"] = time.time()
         if self.stop_requested.is_set():
             raise Stopping("stopped before it registered")
-        reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel)
+        reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel,
+                                  corpus=self.corpus.fingerprint() if self.first else None)
         self.phases["registered"] = time.time()
         log.info("%s registered as %s at %s%s (built in %.1f s)", self.name, reply.worker_id, self.address,
                  " (replacement)" if reply.replacement else "", self.phases["built"] - self.phases["job_info"])
@@ -321,7 +322,7 @@ class Worker:
     def _reregister(self) -> None:
         """The coordinator restarted and does not know us: take our old slot again."""
         reply = self.ctl.register(self.replica, self.stage, self.address, numel=self.outer.numel, deadline_s=30.0,
-                                  rejoin=True)
+                                  rejoin=True, corpus=self.corpus.fingerprint() if self.first else None)
         pulse.stop(self.pulse)
         self.pulse = pulse.start(self.coordinator, reply.worker_id, reply.secret,
                                  self.cfg.fault.heartbeat_interval_s, self.cfg.fault.heartbeat_timeout_s)
