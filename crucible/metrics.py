@@ -220,13 +220,16 @@ def each(run_dir_or_path: str, kinds: tuple[str, ...], offset: int = 0, end: int
                 yield (where, ev) if at else ev
 
 
-def follow(run_dir_or_path: str, kinds: tuple[str, ...] | None, offset: int, feed=None) -> tuple[list[dict], int]:
+def follow(run_dir_or_path: str, kinds: tuple[str, ...] | None, offset: int, feed=None,
+           partial: bool = False) -> tuple[list[dict], int]:
     """The events of `kinds` (None: every event) in the whole lines written
     since byte `offset`, and the offset to follow on from (after the last
     whole line: a line still being written is read next time, whole). Each
     line is read once however long the run: for a reader that looks again
     and again. Read a block at a time (a first look at a long run's log holds
-    none of it); with `feed`, each event is passed to it instead of listed."""
+    none of it); with `feed`, each event is passed to it instead of listed.
+    With `partial`, a last line without its newline is read too (the end of
+    a log nobody writes to any more)."""
     events = []
     put = feed or events.append
     try:
@@ -235,7 +238,7 @@ def follow(run_dir_or_path: str, kinds: tuple[str, ...] | None, offset: int, fee
             f.seek(offset)
             if kinds is not None:
                 for at, raw in _named(f, kinds, end):
-                    if not raw.endswith(b"\n"):
+                    if not raw.endswith(b"\n") and not partial:
                         break           # (the line being written)
                     offset = at + len(raw)
                     ev = _event(raw)
@@ -248,7 +251,7 @@ def follow(run_dir_or_path: str, kinds: tuple[str, ...] | None, offset: int, fee
                     offset = max(offset, at + nl + 1)
             else:
                 for raw in f:
-                    if not raw.endswith(b"\n"):
+                    if not raw.endswith(b"\n") and not partial:
                         break           # (the line being written)
                     offset += len(raw)
                     if raw.strip():
