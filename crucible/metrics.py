@@ -263,6 +263,55 @@ def follow(run_dir_or_path: str, kinds: tuple[str, ...] | None, offset: int, fee
     return events, offset
 
 
+def newest_first(run_dir_or_path: str, kinds: tuple[str, ...], start: int = 0):
+    """(the offset after the log's last whole line, the events of `kinds` in
+    the whole lines from byte `start` up to it, newest first): for a reader
+    that wants only the latest ones (how a job ended) from a long run's log,
+    read from its end a block at a time, as far as the reader takes them. The
+    events are those ``follow(run_dir_or_path, kinds, start)`` lists,
+    reversed. No log, or one that cannot be read: (`start`, none)."""
+    try:
+        f = open(path_of(run_dir_or_path), "rb")
+    except OSError:
+        return start, iter(())
+    try:
+        end, hi = None, f.seek(0, os.SEEK_END)
+        while end is None and hi > start:
+            lo = max(start, hi - BLOCK)
+            f.seek(lo)
+            nl = f.read(hi - lo).rfind(b"\n")
+            end, hi = (lo + nl + 1 if nl >= 0 else None), lo
+    except OSError:
+        end = None
+    if end is None:
+        f.close()
+        return start, iter(())
+    return end, _newest_first(f, kinds, start, end)
+
+
+def _newest_first(f, kinds: tuple[str, ...], start: int, end: int):
+    pattern = _kinds_pattern(tuple(kinds))
+    with f:
+        hi, rest = end, b""         # (rest: a line that began before the block read last, for the block before it)
+        while hi > start:
+            lo = max(start, hi - BLOCK)
+            f.seek(lo)
+            buf = f.read(hi - lo) + rest
+            hi, rest = lo, b""
+            if lo > start:
+                cut = buf.find(b"\n") + 1
+                buf, rest = buf[cut:], buf[:cut] if cut else buf
+            line = -1
+            for m in reversed(list(pattern.finditer(buf))):
+                a = buf.rfind(b"\n", 0, m.start()) + 1
+                if a == line:
+                    continue        # (a line named twice: once)
+                line = a
+                ev = _event(buf[a:buf.find(b"\n", m.end()) + 1 or len(buf)])
+                if ev is not None and ev["event"] in kinds:
+                    yield ev
+
+
 def read_events(run_dir_or_path: str, kind: str | None = None, offset: int = 0) -> list[dict]:
     """The events (of one kind, or all), in file order (from byte ``offset``)."""
     return read(run_dir_or_path, kind, offset)[0]
