@@ -125,6 +125,9 @@ class Proc:
 
 
 class Launcher:
+    scanned: int | None = None        # how far metrics.jsonl was read (_scan_ends; None: from offset)
+    tally: "Tally | None" = None      # this launch's events read so far, for the summary (_scan_ends)
+
     def __init__(self, args, overrides: list[str]):
         self.args = args
         self.run_dir = os.path.abspath(args.run_dir or default_run_dir())
@@ -168,7 +171,6 @@ class Launcher:
         self.offset = 0                   # metrics.jsonl's size when this launch started: its events follow
         self.job_done = False             # job_done seen in this launch's events
         self.stopped_by: signal.Signals | None = None   # job_stopped seen: the signal the coordinator got
-        self.scanned = None               # how far metrics.jsonl was read (_scan_ends; None: from offset)
         self.ckpt_events: list[dict] = [] # the saves' commits and aborts read since _watch_checkpoints ran
         self.ckpt_failing = ""            # why saves fail, said once until one commits again
         self.coord: Proc | None = None
@@ -599,10 +601,17 @@ class Launcher:
     def _scan_ends(self) -> None:
         """Follow metrics.jsonl (``metrics.follow``: each line once) for the two
         events that say how the job ended, job_done and job_stopped, and the
-        saves' commits and aborts (kept for ``_watch_checkpoints``)."""
-        events, self.scanned = metrics.follow(self.run_dir, ("job_done", "job_stopped", "ckpt_abort", "ckpt_commit"),
-                                              self.offset if self.scanned is None else self.scanned)
-        for ev in events:
+        saves' commits and aborts (kept for ``_watch_checkpoints``); every
+        event is tallied for the summary as it comes (a long launch's log is
+        not read again at its end)."""
+        _, self.scanned = metrics.follow(self.run_dir, None, self.offset if self.scanned is None else self.scanned,
+                                         feed=self._scanned)
+
+    def _scanned(self, ev: dict) -> None:
+        if self.tally is None:
+            self.tally = Tally()
+        self.tally.feed(ev)
+        if ev["event"] in ("job_done", "job_stopped", "ckpt_abort", "ckpt_commit"):
             if ev["event"] in ("ckpt_abort", "ckpt_commit"):
                 self.ckpt_events.append(ev)
             elif ev["event"] == "job_done":
@@ -793,40 +802,55 @@ class Launcher:
         return f"crucible: newest checkpoint: step {ckpts[-1].step}; go on from it with\n  {shlex.join(argv)}"
 
     def _summary(self, ending: str) -> str:
-        """How the job ended, then final loss per replica, its time ledger, and the faults seen.
-        An event without what is read from it (a worker's report the coordinator
-        takes as it is: no replica, a loss that is not a number) is passed over."""
-        from crucible.ledger import KEYS, Ledgers
+        """How the job ended, then final loss per replica, its time ledger, and the faults seen:
+        this launch's events (not earlier ones' in the run), tallied as ``_scan_ends`` read them."""
+        from crucible.ledger import KEYS
 
-        steps, losses, ledger, faults = {}, {}, Ledgers(), 0
-        path = metrics.path_of(self.run_dir)
-        for ev in metrics.read_events(path, offset=self.offset):    # this launch's (not earlier ones' in the run)
-            kind, r = ev.get("event"), ev.get("replica")
-            ledger.feed(ev)
-            if kind == "fault":
-                faults += 1
-            elif not metrics.whole(r):
-                continue
-            elif kind == "step" and metrics.whole(ev.get("step")):
-                steps[r] = ev["step"] + 1
-                losses[r] = ev.get("loss")
-            elif kind == "eval":
-                losses[f"eval{r}"] = ev.get("loss")
-        ledgers = ledger.totals()   # (each stage-0 worker the replica had, and the time between them)
+        self._scan_ends()
+        # (and a last line with no newline, which _scan_ends leaves for next time: the log's end now)
+        _, self.scanned = metrics.follow(self.run_dir, None, self.scanned, feed=self._scanned, partial=True)
+        tally = self.tally or Tally()
+        ledgers = tally.ledger.totals()   # (each stage-0 worker the replica had, and the time between them)
         lines = []
-        for r in sorted(steps):
-            line = f"r{r}: {steps[r]} steps, loss {_fmt(losses[r])}"
-            if metrics.number(losses.get(f"eval{r}")):
-                line += f", held-out {losses[f'eval{r}']:.3f}"
+        for r in sorted(tally.steps):
+            line = f"r{r}: {tally.steps[r]} steps, loss {_fmt(tally.losses[r])}"
+            if metrics.number(tally.losses.get(f"eval{r}")):
+                line += f", held-out {tally.losses[f'eval{r}']:.3f}"
             g = ledgers.get(r)
             if g and g["wall_s"]:
                 parts = ", ".join(f"{k.removesuffix('_s')} {g[k]:.1f}s" for k in KEYS if g[k])
                 line += f"; goodput {100 * g['compute_s'] / g['wall_s']:.0f}% of {g['wall_s']:.0f}s ({parts})"
             lines.append(line)
         out = f"crucible: {ending}.\n" + "\n".join(f"  {x}" for x in lines)
-        if faults:
-            out += f"\n  {faults} worker fault{'' if faults == 1 else 's'}"
-        return out + f"\ncrucible: metrics in {path}"
+        if tally.faults:
+            out += f"\n  {tally.faults} worker fault{'' if tally.faults == 1 else 's'}"
+        return out + f"\ncrucible: metrics in {metrics.path_of(self.run_dir)}"
+
+
+class Tally:
+    """What the launcher's summary says of a launch, from its events fed in
+    the order they were written: each replica's last step and loss (and
+    held-out loss), its time ledger, the faults. An event without what is
+    read from it (a worker's report the coordinator takes as it is: no
+    replica, a loss that is not a number) is passed over."""
+
+    def __init__(self):
+        from crucible.ledger import Ledgers
+
+        self.steps, self.losses, self.ledger, self.faults = {}, {}, Ledgers(), 0
+
+    def feed(self, ev: dict) -> None:
+        kind, r = ev.get("event"), ev.get("replica")
+        self.ledger.feed(ev)
+        if kind == "fault":
+            self.faults += 1
+        elif not metrics.whole(r):
+            return
+        elif kind == "step" and metrics.whole(ev.get("step")):
+            self.steps[r] = ev["step"] + 1
+            self.losses[r] = ev.get("loss")
+        elif kind == "eval":
+            self.losses[f"eval{r}"] = ev.get("loss")
 
 
 def _fmt(x) -> str:

@@ -300,6 +300,28 @@ def _gap(tot: dict, prev: _Worker | None, a: float, b: float) -> None:
     tot["restart"] += (b - a) - lost
 
 
+def latest_launch(path: str, out: "Ledgers | None" = None) -> "Ledgers":
+    """``out`` (a new one by default) fed the latest launch in a log (``Ledgers.feed_all`` of its
+    every event of ``EVENTS``, then ``forget_earlier_launches``): a restarted
+    coordinator's, streamed (``metrics.each``: a long run's log is GBs).
+    Earlier launches' ``step`` events, most of what the ledgers read, are not
+    even parsed: their workers are forgotten, and every worker is known by
+    its registration before its first step (a worker seen by its steps
+    alone there would be taken for a new one where it stepped on into the
+    latest launch)."""
+    from crucible import metrics
+
+    probe, cut = Ledgers(), 0
+    for at, ev in metrics.each(path, ("coordinator_start", "job_restart"), at=True):
+        launch = probe.launch
+        probe.feed(ev)
+        if probe.launch != launch:
+            cut = at            # (the coordinator_start that began it)
+    out = Ledgers() if out is None else out
+    out.feed_all(metrics.each(path, tuple(k for k in EVENTS if k != "step"), end=cut))
+    return out.feed_all(metrics.each(path, EVENTS, cut)).forget_earlier_launches()
+
+
 def replica_ledgers(events, now: float | None = None, replicas=()) -> dict[int, dict]:
     """``Ledgers().feed_all(events).totals(now, replicas)``."""
     return Ledgers().feed_all(events).totals(now, replicas)

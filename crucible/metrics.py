@@ -10,12 +10,15 @@ coordinator (the launcher, the Slurm supervisor) append whole lines with one
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import re
 import time
 
 FILE = "metrics.jsonl"
+BLOCK = 1 << 22      # bytes read at a time where lines are picked out of blocks (``_named``, ``follow``, ``last``)
 
 
 def whole(x) -> bool:
@@ -123,20 +126,61 @@ def _open(path: str):
         raise Unreadable(f"{path}: cannot be read: {e.strerror or e}") from None
 
 
+@functools.lru_cache(maxsize=64)
+def _kinds_pattern(kinds: tuple[str, ...]) -> "re.Pattern[bytes]":
+    """What a line of one of ``kinds`` has: its ``event`` key and the kind,
+    the JSON way (any blank around the colon)."""
+    names = b"|".join(re.escape(json.dumps(k).encode()) for k in sorted(kinds, key=len, reverse=True))
+    return re.compile(rb'"event"[ \t\r]*:[ \t\r]*(?:' + names + rb")")
+
+
+def _named(f, kinds: tuple[str, ...], end: int | None = None):
+    """(offset, line) for each line of ``f`` from where it is (to byte ``end``)
+    that names an event of ``kinds`` (``_kinds_pattern``), read a block at a
+    time: the other lines, most of a long run's log, are passed over by the
+    pattern's search, never one by one. A line comes with its newline; the
+    last one may have none (still being written)."""
+    pattern = _kinds_pattern(tuple(kinds))
+    at, rest = f.tell(), b""
+    while True:
+        data = f.read(BLOCK if end is None else min(BLOCK, end - at - len(rest)))
+        if data:
+            buf = rest + data
+            cut = buf.rfind(b"\n") + 1
+            buf, rest = buf[:cut], buf[cut:]
+        else:
+            buf, rest = rest, b""
+        after = 0                       # (a line named twice, by a nested "event": yielded once)
+        for m in pattern.finditer(buf):
+            if m.start() < after:
+                continue
+            a = buf.rfind(b"\n", 0, m.start()) + 1
+            after = buf.find(b"\n", m.end()) + 1 or len(buf)
+            yield at + a, buf[a:after]
+        at += len(buf)
+        if not data:
+            return
+
+
 def _parsed(f, kinds: tuple[str, ...] | None = None):
     """Each non-blank line of ``f`` as an event, or None where it does not
     parse as one; with ``kinds``, only the lines that name one of them (the
-    rest are not parsed)."""
-    names = tuple(f'"{k}"'.encode() for k in kinds) if kinds is not None else None
-    for raw in f:
-        if not raw.strip() or (names is not None and not any(n in raw for n in names)):
+    rest are not parsed: ``_named``)."""
+    lines = (raw for _, raw in _named(f, kinds)) if kinds is not None else f
+    for raw in lines:
+        if not raw.strip():
             continue
-        try:
-            ev = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            yield None
-            continue
-        yield ev if isinstance(ev, dict) and isinstance(ev.get("event"), str) else None
+        yield _event(raw)
+
+
+def _event(raw: bytes) -> dict | None:
+    """One line as an event, or None where it is none (no JSON object with
+    an ``event`` string: half written, not UTF-8)."""
+    try:
+        ev = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return ev if isinstance(ev, dict) and isinstance(ev.get("event"), str) else None
 
 
 def read(run_dir_or_path: str, kind: str | None = None, offset: int = 0) -> tuple[list[dict], int]:
@@ -158,44 +202,114 @@ def read(run_dir_or_path: str, kind: str | None = None, offset: int = 0) -> tupl
     return events, bad
 
 
-def each(run_dir_or_path: str, kinds: tuple[str, ...], offset: int = 0):
+def each(run_dir_or_path: str, kinds: tuple[str, ...], offset: int = 0, end: int | None = None, at: bool = False):
     """The events of ``kinds``, one at a time in file order (from byte
-    ``offset``): for reading a long run's whole log without holding it (a
-    restarted coordinator's ledgers); lines that do not parse are passed
-    over. A missing file is no events; an unreadable one raises ``Unreadable``."""
+    ``offset``, up to byte ``end``): for reading a long run's whole log
+    without holding it (a restarted coordinator's ledgers); lines that do not
+    parse are passed over, the lines of other kinds not even parsed
+    (``_named``). With ``at``, each comes as (its line's offset, it). A
+    missing file is no events; an unreadable one raises ``Unreadable``."""
     f = _open(path_of(run_dir_or_path))
     if f is None:
         return
     with f:
         f.seek(offset)
-        for ev in _parsed(f, kinds):
+        for where, raw in _named(f, kinds, end):
+            ev = _event(raw) if raw.strip() else None
             if ev is not None and ev["event"] in kinds:
-                yield ev
+                yield (where, ev) if at else ev
 
 
-def follow(run_dir_or_path: str, kinds: tuple[str, ...], offset: int) -> tuple[list[dict], int]:
-    """The events of `kinds` in the whole lines written since byte `offset`,
-    and the offset to follow on from (after the last whole line: a line
-    still being written is read next time, whole). Each line is read once
-    however long the run: for a reader that looks again and again."""
+def follow(run_dir_or_path: str, kinds: tuple[str, ...] | None, offset: int, feed=None,
+           partial: bool = False) -> tuple[list[dict], int]:
+    """The events of `kinds` (None: every event) in the whole lines written
+    since byte `offset`, and the offset to follow on from (after the last
+    whole line: a line still being written is read next time, whole). Each
+    line is read once however long the run: for a reader that looks again
+    and again. Read a block at a time (a first look at a long run's log holds
+    none of it); with `feed`, each event is passed to it instead of listed.
+    With `partial`, a last line without its newline is read too (the end of
+    a log nobody writes to any more)."""
+    events = []
+    put = feed or events.append
     try:
         with open(path_of(run_dir_or_path), "rb") as f:
+            end = f.seek(0, os.SEEK_END)
             f.seek(offset)
-            data = f.read()
+            if kinds is not None:
+                for at, raw in _named(f, kinds, end):
+                    if not raw.endswith(b"\n") and not partial:
+                        break           # (the line being written)
+                    offset = at + len(raw)
+                    ev = _event(raw)
+                    if ev is not None and ev["event"] in kinds:
+                        put(ev)
+                # (the lines of other kinds after that: passed, up to the last whole line)
+                at = f.seek(max(offset, end - BLOCK))
+                nl = f.read(end - at).rfind(b"\n")
+                if nl >= 0:
+                    offset = max(offset, at + nl + 1)
+            else:
+                for raw in f:
+                    if not raw.endswith(b"\n") and not partial:
+                        break           # (the line being written)
+                    offset += len(raw)
+                    if raw.strip():
+                        ev = _event(raw)
+                        if ev is not None:
+                            put(ev)
     except OSError:
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    events = []
-    for raw in data[:end].splitlines():
-        if not any(f'"{k}"'.encode() in raw for k in kinds):
-            continue                    # (most lines: no parse)
-        try:
-            ev = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if isinstance(ev, dict) and ev.get("event") in kinds:
-            events.append(ev)
-    return events, offset + end
+        pass
+    return events, offset
+
+
+def newest_first(run_dir_or_path: str, kinds: tuple[str, ...], start: int = 0):
+    """(the offset after the log's last whole line, the events of `kinds` in
+    the whole lines from byte `start` up to it, newest first): for a reader
+    that wants only the latest ones (how a job ended) from a long run's log,
+    read from its end a block at a time, as far as the reader takes them. The
+    events are those ``follow(run_dir_or_path, kinds, start)`` lists,
+    reversed. No log, or one that cannot be read: (`start`, none)."""
+    try:
+        f = open(path_of(run_dir_or_path), "rb")
+    except OSError:
+        return start, iter(())
+    try:
+        end, hi = None, f.seek(0, os.SEEK_END)
+        while end is None and hi > start:
+            lo = max(start, hi - BLOCK)
+            f.seek(lo)
+            nl = f.read(hi - lo).rfind(b"\n")
+            end, hi = (lo + nl + 1 if nl >= 0 else None), lo
+    except OSError:
+        end = None
+    if end is None:
+        f.close()
+        return start, iter(())
+    return end, _newest_first(f, kinds, start, end)
+
+
+def _newest_first(f, kinds: tuple[str, ...], start: int, end: int):
+    pattern = _kinds_pattern(tuple(kinds))
+    with f:
+        hi, rest = end, b""         # (rest: a line that began before the block read last, for the block before it)
+        while hi > start:
+            lo = max(start, hi - BLOCK)
+            f.seek(lo)
+            buf = f.read(hi - lo) + rest
+            hi, rest = lo, b""
+            if lo > start:
+                cut = buf.find(b"\n") + 1
+                buf, rest = buf[cut:], buf[:cut] if cut else buf
+            line = -1
+            for m in reversed(list(pattern.finditer(buf))):
+                a = buf.rfind(b"\n", 0, m.start()) + 1
+                if a == line:
+                    continue        # (a line named twice: once)
+                line = a
+                ev = _event(buf[a:buf.find(b"\n", m.end()) + 1 or len(buf)])
+                if ev is not None and ev["event"] in kinds:
+                    yield ev
 
 
 def read_events(run_dir_or_path: str, kind: str | None = None, offset: int = 0) -> list[dict]:

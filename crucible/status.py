@@ -66,6 +66,8 @@ class Ends:
 
         if metrics.size(run_dir) < self.offset:          # (a new file: read it from the start)
             self.__init__()
+        if self.offset == self.start and not self.last and not self.launch and self.commit is None:
+            return self._first_look(run_dir)
         events, self.offset = metrics.follow(run_dir, self.KINDS, self.offset)
         for e in events:
             if e["event"] in ("launch_start", "job_restart"):
@@ -74,6 +76,27 @@ class Ends:
                 self.last, self.launch = e, {}
             elif metrics.whole(e.get("step")):
                 self.commit = e.get("step")
+        return self
+
+    def _first_look(self, run_dir: str) -> "Ends":
+        """What ``update`` finds reading the whole log, read from its end back
+        only as far as it takes (``metrics.newest_first``: a long run's log is GBs;
+        its end is at its end)."""
+        from crucible import metrics
+
+        self.offset, newest = metrics.newest_first(run_dir, self.KINDS, self.start)
+        last = launch = None
+        for e in newest:
+            if e["event"] in ("launch_start", "job_restart"):
+                if last is None and launch is None:
+                    launch = e          # (the latest one, where no end or start came after it)
+            elif e["event"] != "ckpt_commit":
+                last = last or e
+            elif self.commit is None and metrics.whole(e.get("step")):
+                self.commit = e.get("step")
+            if last is not None and self.commit is not None:
+                break
+        self.last, self.launch = last or {}, launch or {}
         return self
 
 

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 from crucible import exits, procs
 from crucible.files import atomic_write
-from crucible.metrics import append_event, read_events
+from crucible.metrics import append_event, each, follow
 from crucible.slots import slot_of
 
 import dataclasses
@@ -410,22 +410,8 @@ class Supervisor:
 
     def _scan_metrics(self) -> None:
         """Has the job finished since `up`? (``job_done`` in metrics.jsonl, read incrementally)."""
-        path = os.path.join(self.run.run_dir, "metrics.jsonl")
-        try:
-            with open(path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return
-        end = data.rfind(b"\n") + 1
-        for line in data[:end].splitlines():
-            if b'"job_done"' in line:
-                try:
-                    if json.loads(line).get("event") == "job_done":
-                        self.finished = True
-                except ValueError:
-                    pass
-        self.offset += end
+        done, self.offset = follow(self.run.run_dir, ("job_done",), self.offset)
+        self.finished = self.finished or bool(done)
 
     def _coordinator_status(self) -> dict | None:
         from crucible import rpc
@@ -806,7 +792,7 @@ def down(run: SlurmRun, final_checkpoint: bool = True, timeout: float | None = N
             say(f"crucible slurm: the coordinator did not exit in {limit:.0f}s; cancelling everything")
         j = query_jobs([run.job_name(COORD)]).get(coord[0].job_id)
         result["coordinator_exit"] = j.exit_code if j else None
-        commits = [e for e in read_events(run.run_dir, "ckpt_commit") if e.get("time", 0) >= t0]
+        commits = [e for e in each(run.run_dir, ("ckpt_commit",)) if e.get("time", 0) >= t0]
         if commits:
             result["final_checkpoint"] = commits[-1].get("step")
     elif final_checkpoint:

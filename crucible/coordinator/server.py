@@ -182,7 +182,7 @@ class Coordinator:
             return
         # The replicas' ledgers so far in this launch (status's goodput), from the log: before this
         # coordinator writes to it, one event at a time (a long run's log is GBs: none of it held).
-        self.metrics.ledgers.feed_all(metrics.each(self.metrics.path, ledger.EVENTS)).forget_earlier_launches()
+        ledger.latest_launch(self.metrics.path, self.metrics.ledgers)
         live = sum(1 for w in self.m.workers.values() if w.state in ("alive", "joining", "done"))
         log.info("continuing from the previous coordinator's state: %d live workers, epoch %#x", live,
                  max(self.m.route_epoch.values()))
