@@ -81,6 +81,7 @@ No torch here: this module runs anywhere (``crucible interval``).
 
 from __future__ import annotations
 
+import array
 import bisect
 import math
 import os
@@ -282,71 +283,105 @@ def from_run_dir(
         raise FileNotFoundError(f"{path}: no metrics log in this run directory")
     if restart_s is not None:
         restart_s = _check("restart_s", restart_s, positive=False)
-    events, bad = metrics.read(path)
+    log = _Log().read(path)
     out = _empty(source="run_dir")
     out["run_dir"] = os.fspath(run_dir)
-    if bad:
-        out["notes"].append(f"skipped {bad} unparseable line(s) in metrics.jsonl")
-    commits = [ev for ev in events if ev["event"] == "ckpt_commit"]
-    stalls = [s for s in (_num(ev.get("stall_s")) for ev in commits) if s is not None and s >= 0]
-    persists = [p for p in (_num(ev.get("persist_s")) for ev in commits) if p is not None and p >= 0]
-    stops = _interruptions(events)
+    if log.bad:
+        out["notes"].append(f"skipped {log.bad} unparseable line(s) in metrics.jsonl")
+    stops = log.interruptions()
     span, gaps = 0.0, []
-    for launch in metrics.launch_segments(events):
-        ran = metrics.launch_span(launch)
-        span += (ran[1] - ran[0]) if ran else 0.0
-        last = None                     # (the time of the launch's previous commit)
-        for ev in launch:
-            t = _num(ev.get("time")) if ev["event"] == "ckpt_commit" else None
-            if t is None:
-                continue
-            if last is not None and not ev.get("final") and not ev.get("end"):
-                gaps.append(t - last)
-            last = t
+    segments = log.outline.segments()
+    firsts = [a for a, _, _ in segments]
+    last, launch = None, None           # (the time of the launch's previous commit; that launch)
+    for ran in segments:
+        span += (ran[2][1] - ran[2][0]) if ran[2] else 0.0
+    for i, t, periodic in log.commits:
+        k = bisect.bisect_right(firsts, i)
+        if k != launch:
+            last, launch = None, k
+        if last is not None and periodic:
+            gaps.append(t - last)
+        last = t
     out["span_s"] = span
     out["faults"] = len(stops)
     out["coordinator_restarts"] = sum(1 for x in stops if x["kind"] == "coordinator")
-    _observed_cost(out, stalls, persists, gaps)
+    _observed_cost(out, log.stalls, log.persists, gaps)
     _observed_mtbf(out, [x["time"] for x in stops], span, node_mtbf_s, nodes)
-    _observed_restart(out, events, stops, restart_s)
+    _observed_restart(out, log.step_times(), sorted(log.whole_job), log.outline.launches(), stops, restart_s)
     _fill(out)
     return out
 
 
-def _interruptions(events: list[dict]) -> list[dict]:
-    """The interruptions in the log, by time: each ``fault`` and each
-    coordinator restart (``coordinator_start`` with ``restored`` true)."""
-    out = []
-    for i, ev in enumerate(events):
+class _Log:
+    """What ``from_run_dir`` needs of a run's log, kept as it is read a line
+    at a time: its launches' outline (``metrics.Outline``), the commits, the
+    interruptions, each replica's step times (8 bytes a step); not its
+    events (a long run's log is GBs)."""
+
+    def __init__(self):
+        self.bad, self.outline = 0, metrics.Outline()
+        self.stalls, self.persists = [], []
+        self.commits: list[tuple[int, float, bool]] = []    # (index, time, periodic: neither final nor end)
+        self.stops: list[tuple[int, dict]] = []
+        self.steps: dict[int, array.array] = {}
+        self.whole_job: list[float] = []
+
+    def read(self, path: str) -> "_Log":
+        for ev in metrics.every(path):
+            if ev is None:
+                self.bad += 1
+            else:
+                self.add(ev)
+        return self
+
+    def add(self, ev: dict) -> None:
+        i, kind = len(self.outline), ev["event"]
+        self.outline.add(ev)
         t = _num(ev.get("time"))
-        if t is None:
-            continue
-        if ev["event"] == "fault":
+        if kind == "step":
             r = ev.get("replica")
-            out.append({"time": t, "kind": "worker", "worker": ev.get("worker"),
-                        "replica": r if metrics.whole(r) else None, "stage": ev.get("stage"), "_i": i})
-        elif ev["event"] == "coordinator_start" and ev.get("restored") is True:
-            out.append({"time": t, "kind": "coordinator", "incarnation": ev.get("incarnation"), "_i": i})
-    out.sort(key=lambda x: (x["time"], x["_i"]))
-    for x in out:
-        del x["_i"]
-    return out
+            if t is not None and metrics.whole(r):
+                ts = self.steps.get(r)
+                if ts is None:
+                    ts = self.steps[r] = array.array("d")
+                ts.append(t)
+        elif kind == "ckpt_commit":
+            s, p = _num(ev.get("stall_s")), _num(ev.get("persist_s"))
+            if s is not None and s >= 0:
+                self.stalls.append(s)
+            if p is not None and p >= 0:
+                self.persists.append(p)
+            if t is not None:
+                self.commits.append((i, t, not ev.get("final") and not ev.get("end")))
+        elif t is None:
+            return
+        elif kind == "fault":
+            r = ev.get("replica")
+            self.stops.append((i, {"time": t, "kind": "worker", "worker": ev.get("worker"),
+                                   "replica": r if metrics.whole(r) else None, "stage": ev.get("stage")}))
+        elif kind == "coordinator_start" and ev.get("restored") is True:
+            self.stops.append((i, {"time": t, "kind": "coordinator", "incarnation": ev.get("incarnation")}))
+        elif kind in ("job_rollback", "job_restart"):
+            self.whole_job.append(t)
+
+    def interruptions(self) -> list[dict]:
+        """The interruptions in the log, by time: each ``fault`` and each
+        coordinator restart (``coordinator_start`` with ``restored`` true)."""
+        return [x for _, x in sorted(self.stops, key=lambda ix: (ix[1]["time"], ix[0]))]
+
+    def step_times(self) -> dict[int, "np.ndarray"]:
+        """Each replica's step times, sorted."""
+        import numpy as np
+
+        return {r: np.sort(np.frombuffer(ts, np.float64)) for r, ts in self.steps.items()}
 
 
-def _observed_restart(out: dict, events: list[dict], stops: list[dict], given: float | None) -> None:
+def _observed_restart(out: dict, steps: dict, whole_job: list[float], launches: list[float], stops: list[dict],
+                      given: float | None) -> None:
+    """R (see the module docstring), from each replica's step times (sorted),
+    the times of the whole-job restarts (sorted) and of the launches."""
     notes = out["notes"]
-    steps: dict[int, list[float]] = {}
-    for ev in events:
-        t, r = _num(ev.get("time")), ev.get("replica")
-        if ev["event"] == "step" and t is not None and metrics.whole(r):
-            steps.setdefault(r, []).append(t)
-    for ts in steps.values():
-        ts.sort()
-    typical = {r: (statistics.median(b - a for a, b in zip(ts, ts[1:])) if len(ts) >= 2 else 0.0)
-               for r, ts in steps.items()}
-    whole_job = sorted(t for ev in events if ev["event"] in ("job_rollback", "job_restart")
-                       for t in [_num(ev.get("time"))] if t is not None)
-    launches = metrics.launches(events)
+    typical = {r: _median_gap(ts) for r, ts in steps.items()}
     taken: set[tuple[int, float]] = set()      # (replica, the gap's last step before): an outage counted
     why_out: dict[str, int] = {}
     for x in stops:
@@ -410,8 +445,9 @@ def _measure(x: dict, steps: dict[int, list[float]], typical: dict[int, float], 
         elif (r, ts[k - 1]) in taken:
             reasons.append("same outage")
         else:
-            taken.add((r, ts[k - 1]))
-            gap = ts[k] - ts[k - 1]
+            before, after = float(ts[k - 1]), float(ts[k])
+            taken.add((r, before))
+            gap = after - before
             per[str(r)] = {"gap_s": gap, "step_s": typical[r], "restart_s": max(0.0, gap - typical[r])}
     x["replicas"] = per
     x["restart_s"] = max(v["restart_s"] for v in per.values()) if per else None
@@ -427,9 +463,22 @@ _WHY = {
 }
 
 
-def _after(ts: list[float], t: float) -> float | None:
+def _after(ts, t: float) -> float | None:
     k = bisect.bisect_right(ts, t)
-    return ts[k] if k < len(ts) else None
+    return float(ts[k]) if k < len(ts) else None
+
+
+def _median_gap(ts) -> float:
+    """The median gap between sorted times (``statistics.median`` of them, 0
+    with fewer than two), their gaps sorted by numpy: a replica may have
+    millions of steps."""
+    import numpy as np
+
+    if len(ts) < 2:
+        return 0.0
+    gaps = np.sort(np.diff(ts))
+    n = len(gaps)
+    return float(gaps[n // 2]) if n % 2 else (float(gaps[n // 2 - 1]) + float(gaps[n // 2])) / 2
 
 
 def _observed_cost(out: dict, stalls: list[float], persists: list[float], gaps: list[float]) -> None:

@@ -10,6 +10,7 @@ coordinator (the launcher, the Slurm supervisor) append whole lines with one
 
 from __future__ import annotations
 
+import array
 import functools
 import json
 import math
@@ -46,9 +47,15 @@ def launches(events: list[dict]) -> list[float]:
     time between one launch's last event and the next one's first is time
     the job did not run (``crucible interval``'s M, ``crucible report``'s
     elapsed time leave it out)."""
-    starts = sorted((t, ev.get("restored") is True) for ev in events if ev["event"] == "coordinator_start"
-                    for t in [time_of(ev)] if t is not None)
-    restarts = sorted(t for ev in events if ev["event"] == "job_restart" for t in [time_of(ev)] if t is not None)
+    return _launches([(t, ev.get("restored") is True) for ev in events if ev["event"] == "coordinator_start"
+                      for t in [time_of(ev)] if t is not None],
+                     [t for ev in events if ev["event"] == "job_restart" for t in [time_of(ev)] if t is not None])
+
+
+def _launches(starts: list[tuple[float, bool]], restarts: list[float]) -> list[float]:
+    """``launches`` from the (time, restored) of the coordinator starts and
+    the times of the whole-job restarts (``Outline`` keeps no events)."""
+    starts, restarts = sorted(starts), sorted(restarts)
     out, prev = [], float("-inf")
     for t, restored in starts:
         if not restored and not any(prev <= j <= t for j in restarts):
@@ -98,6 +105,78 @@ def launch_span(launch: list[dict]) -> tuple[float, float] | None:
     such event."""
     times = [t for ev in launch if not front_end_event(ev) for t in [time_of(ev)] if t is not None]
     return (min(times), max(times)) if times else None
+
+
+class Outline:
+    """What ``launch_segments`` and ``launch_span`` ask of each event, in 9
+    bytes an event (its time, a code), in the order they were added: the
+    launches of a long run's log and their spans without holding its events
+    (``crucible report`` and ``crucible interval`` read millions of lines)."""
+
+    OTHER, START, RESTART, START_UP, FRONT_END = range(5)   # (a code's low bits: what it is to launch_segments)
+    NO_TIME, RESTORED = 8, 16                               # (its flags: time_of is None; a restored start)
+
+    def __init__(self):
+        self.times = array.array("d")   # its ``time`` as a float (NaN where it is no number: then NO_TIME)
+        self.codes = array.array("B")
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def add(self, ev: dict) -> None:
+        kind, t = ev["event"], ev.get("time")
+        if kind == "coordinator_start":
+            code = self.START | (self.RESTORED if ev.get("restored") is True else 0)
+        elif kind == "job_restart":
+            code = self.RESTART
+        elif kind in START_UP and "src" not in ev:
+            code = self.START_UP
+        elif front_end_event(ev):
+            code = self.FRONT_END
+        else:
+            code = self.OTHER
+        if time_of(ev) is None:
+            code |= self.NO_TIME
+        self.codes.append(code)
+        self.times.append(float(t) if isinstance(t, (int, float)) else math.nan)
+
+    def launches(self) -> list[float]:
+        """``launches`` of the events added."""
+        import numpy as np
+
+        codes, times = np.frombuffer(self.codes, np.uint8), np.frombuffer(self.times, np.float64)
+        timed = (codes & self.NO_TIME) == 0
+        starts = np.flatnonzero(((codes & 7) == self.START) & timed).tolist()
+        restarts = np.flatnonzero(((codes & 7) == self.RESTART) & timed).tolist()
+        return _launches([(float(times[i]), bool(codes[i] & self.RESTORED)) for i in starts],
+                         [float(times[i]) for i in restarts])
+
+    def segments(self, order=None) -> list[tuple[int, int, tuple[float, float] | None]]:
+        """``launch_segments`` of the events taken in ``order`` (their
+        indices; None: as added), each as (its first position in that order,
+        the position after its last, its ``launch_span``)."""
+        import numpy as np
+
+        codes, times = np.frombuffer(self.codes, np.uint8), np.frombuffer(self.times, np.float64)
+        if order is not None:
+            codes, times = codes[order], times[order]
+        starts, kind = set(self.launches()), codes & 7
+        cuts = [0]
+        for p in np.flatnonzero((kind == self.START) & ((codes & self.NO_TIME) == 0)).tolist():
+            if p == 0 or float(times[p]) not in starts:
+                continue
+            b = p               # (what its coordinator logged just before it: the new launch's)
+            while b > cuts[-1] and kind[b - 1] == self.START_UP:
+                b -= 1
+            cuts.append(b)
+        cuts.append(len(codes))
+        spanned = (kind != self.FRONT_END) & ((codes & self.NO_TIME) == 0)
+        out = []
+        for a, b in zip(cuts, cuts[1:]):
+            if a < b:
+                ts = times[a:b][spanned[a:b]]
+                out.append((a, b, (float(ts.min()), float(ts.max())) if ts.size else None))
+        return out
 
 
 class Unreadable(OSError):
@@ -200,6 +279,18 @@ def read(run_dir_or_path: str, kind: str | None = None, offset: int = 0) -> tupl
             elif kind is None or ev["event"] == kind:
                 events.append(ev)
     return events, bad
+
+
+def every(run_dir_or_path: str):
+    """Each non-blank line's event (None where it does not parse), in file
+    order, one at a time: ``read`` for a reader that keeps only what it
+    needs of a long run's log. A missing file is none; an unreadable one
+    raises ``Unreadable``."""
+    f = _open(path_of(run_dir_or_path))
+    if f is None:
+        return
+    with f:
+        yield from _parsed(f)
 
 
 def each(run_dir_or_path: str, kinds: tuple[str, ...], offset: int = 0, end: int | None = None, at: bool = False):
