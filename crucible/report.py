@@ -38,6 +38,8 @@ from __future__ import annotations
 from crucible import ledger, metrics
 from crucible.files import atomic_write
 
+import array
+import bisect
 import html
 import json
 import math
@@ -70,72 +72,242 @@ def read_events(path: str) -> tuple[list[dict], int]:
     return events, bad
 
 
-class Run:
-    """The series of one run, from its events."""
+class _Steps:
+    """One replica's ``step`` events as arrays (40 bytes a step: its time,
+    step, loss, step_s, tokens), in time order once ``done`` (ties in the
+    order given): the plots' series of a log of millions of steps."""
 
-    def __init__(self, events: list[dict]):
-        self.events = events
-        starts = [e for e in events if e["event"] == "coordinator_start"]
-        first = next((e for e in events if e["event"] == "step"), None)
-        # Time 0 is when training began (the start of the first step), not the
-        # coordinator's start: workers may take long to come up.
-        if first is not None:
-            self.t0 = first["time"] - (first.get("step_s") if _num(first.get("step_s")) else 0.0)
+    COLUMNS = ("time", "step", "loss", "step_s", "tokens")
+
+    def __init__(self):
+        self._cols = {c: array.array("d") for c in self.COLUMNS}
+
+    def add(self, e: dict) -> None:
+        c = self._cols
+        c["time"].append(e["time"])
+        c["step"].append(e["step"])
+        c["loss"].append(e["loss"])
+        c["step_s"].append(e["step_s"] if _num(e.get("step_s")) else math.nan)
+        tokens = e.get("tokens", 0)
+        c["tokens"].append(tokens if metrics.number(tokens) else math.nan)
+
+    def done(self) -> "_Steps":
+        import numpy as np
+
+        cols = {c: np.frombuffer(v, np.float64) for c, v in self._cols.items()}
+        by = np.argsort(cols["time"], kind="stable")
+        for c, v in cols.items():
+            setattr(self, c, v[by])
+        del self._cols
+        return self
+
+    def __len__(self) -> int:
+        return len(self.time)
+
+
+class _LedgerFeed:
+    """What ``ledger.Ledgers`` reads of the events (``ledger.EVENTS``), kept
+    to feed it in time order at the end (a stage-0 ``step`` in arrays, 40
+    bytes; a ``goodput`` in arrays but each worker's last one, which its
+    ledger keeps; the others, a few, as events), and the latest time of the
+    events between coordinator starts (``Ledgers`` keeps no more of them)."""
+
+    def __init__(self):
+        self.workers: dict[str, int] = {}
+        self.steps = {c: array.array("d") for c in ("index", "time", "replica", "worker", "compute_s", "step_s")}
+        self.goodputs = {c: array.array("d") for c in ("index", "time", "replica", "worker")}
+        self.last_goodput: dict[tuple, tuple] = {}      # (replica, worker) -> (time, index, the event)
+        self.others: list[tuple[float, int, dict]] = []
+
+    def add(self, i: int, e: dict) -> None:
+        kind, r = e["event"], e.get("replica")
+        if kind in ("coordinator_start", "job_restart"):
+            self.others.append((e["time"], i, {"event": kind, "time": e["time"], "restored": e.get("restored")}))
+            return
+        if not metrics.whole(r) or kind not in ledger.EVENTS:
+            return
+        if kind not in ("goodput", "eval", "step_aborted") and e.get("stage") != 0:
+            return
+        w = str(e.get("worker", ""))
+        if kind == "step" and _num(e["time"]):
+            cols, wid = self.steps, self.workers.setdefault(w, len(self.workers))
+            for c, v in (("index", i), ("time", e["time"]), ("replica", r), ("worker", wid),
+                         ("compute_s", e.get("compute_s")), ("step_s", e.get("step_s"))):
+                cols[c].append(v if c in ("index", "time", "replica", "worker") or _num(v) else math.nan)
+        elif kind == "goodput" and _num(e["time"]):
+            cols, wid = self.goodputs, self.workers.setdefault(w, len(self.workers))
+            for c, v in (("index", i), ("time", e["time"]), ("replica", r), ("worker", wid)):
+                cols[c].append(v)
+            last = self.last_goodput.get((r, w))
+            if last is None or (e["time"], i) >= last[:2]:
+                self.last_goodput[(r, w)] = (e["time"], i, e)
         else:
-            self.t0 = starts[0]["time"] if starts else (events[0]["time"] if events else time.time())
-        self.config = (starts[-1].get("config") or {}) if starts else {}
-        self.incarnations = len(starts)
-        # The time between launches (a stop, then a --resume): left out of the time axis.
-        spans = [s for s in map(metrics.launch_span, metrics.launch_segments(events)) if s is not None]
-        self.launches = max(1, len(spans))
-        self.stopped: list[tuple[float, float]] = []      # (one launch's last event, the next one's first)
-        for (_, end), (start, _) in zip(spans, spans[1:]):
-            if start > end:
-                self.stopped.append((end, start))
-        self.steps: dict[int, list[dict]] = defaultdict(list)
+            self.others.append((e["time"], i, e))
+
+    def totals(self, outline: "metrics.Outline", order, replicas) -> dict[int, dict]:
+        """``ledger.replica_ledgers`` of the events in time order."""
+        import numpy as np
+
+        names = list(self.workers)
+        steps = {c: np.frombuffer(v, np.float64) for c, v in self.steps.items()}
+        goodputs = {c: np.frombuffer(v, np.float64) for c, v in self.goodputs.items()}
+        n_s, n_g = len(steps["index"]), len(goodputs["index"])
+        keys = np.concatenate([steps["time"], goodputs["time"], np.array([t for t, _, _ in self.others], np.float64)])
+        index = np.concatenate([steps["index"], goodputs["index"], np.array([i for _, i, _ in self.others], np.float64)])
+        by = np.lexsort((index, keys))
+        # the latest time of the events from each coordinator start (in time order) to the next
+        codes = np.frombuffer(outline.codes, np.uint8)
+        times = np.where(codes & outline.NO_TIME, np.nan, np.frombuffer(outline.times, np.float64))
+        if order is not None:
+            codes, times = codes[order], times[order]
+        cuts = np.concatenate([[0], np.flatnonzero((codes & 7) == outline.START)])
+        latest = np.fmax.reduceat(times, cuts).tolist() if len(times) else [math.nan]
+        done, interval = ledger.Ledgers(), 0
+
+        def through(k):     # (the interval before coordinator start k: its latest time, where it has one)
+            if k < len(latest) and not math.isnan(latest[k]):
+                done.feed({"event": "", "time": latest[k]})
+
+        for j in by.tolist():
+            if j < n_s:
+                t = float(steps["time"][j])
+                c, s = float(steps["compute_s"][j]), float(steps["step_s"][j])
+                done.feed({"event": "step", "time": t, "replica": int(steps["replica"][j]), "stage": 0,
+                           "worker": names[int(steps["worker"][j])], "compute_s": None if math.isnan(c) else c,
+                           "step_s": None if math.isnan(s) else s})
+            elif j < n_s + n_g:
+                j -= n_s
+                r, w, t = int(goodputs["replica"][j]), names[int(goodputs["worker"][j])], float(goodputs["time"][j])
+                last = self.last_goodput[(r, w)]
+                done.feed(last[2] if last[1] == int(goodputs["index"][j]) else
+                          {"event": "goodput", "time": t, "replica": r, "worker": w})
+            else:
+                e = self.others[j - n_s - n_g][2]
+                if e["event"] == "coordinator_start":
+                    through(interval)
+                    interval += 1
+                done.feed(e)
+        through(interval)
+        return done.totals(replicas=replicas)
+
+
+class Run:
+    """The series of one run, from its events (in any order: taken in time
+    order, ties in the order given, as a sort of them would), one at a time:
+    a long run's log has millions, so what is kept is compact (``_Steps``,
+    ``_LedgerFeed``, ``metrics.Outline``) and the rest is counted."""
+
+    def __init__(self, events):
+        import numpy as np
+
+        self.events = 0                                   # (how many, with a time)
+        self.outline = metrics.Outline()
+        self.steps: dict[int, _Steps] = {}
         self.evals: dict[int, list[dict]] = defaultdict(list)
         self.ledgers: set[int] = set()                    # replicas with a time ledger (goodput events)
-        self.faults, self.replacements, self.routes, self.ckpts, self.aborts = [], [], [], [], []
+        self.faults, self.replacements, self.routes, self.ckpts = [], [], [], []
+        self.aborts = 0
         self.kills = []                                   # the launcher's --chaos kills
         self.rounds: dict[int, dict] = {}                 # round -> {"time", "bytes"} (coordinator's outer_round)
         self.outer_sent: dict[tuple[int, int], dict] = defaultdict(lambda: {"sent": 0, "dense": 0, "time": 0.0})
         self.done = None
+        self._feed = _LedgerFeed()
+        first = start = last_start = None                 # (time, index, event) of the earliest/latest in time order
+        self.incarnations = 0
+        self._last: dict[int, tuple] = {}                 # replica -> (time, index, step, loss) of its latest step
+        self._mark = []                                   # (time, index, the list it goes to, what it keeps)
         for e in events:
-            k, r = e["event"], e.get("replica")
-            if k == "step" and isinstance(r, int) and _num(e.get("loss")):
-                self.steps[r].append(e)
+            if not isinstance(e.get("time"), (int, float)):
+                continue
+            i, k, r, t = self.events, e["event"], e.get("replica"), e["time"]
+            self.events += 1
+            self.outline.add(e)
+            self._feed.add(i, e)
+            if k == "step":
+                if first is None or (t, i) < first[:2]:
+                    first = (t, i, e.get("step_s"))
+                if isinstance(r, int) and _num(e.get("loss")) and metrics.number(e.get("step")):
+                    self.steps.setdefault(r, _Steps()).add(e)
+                    if r not in self._last or (t, i) >= self._last[r][:2]:
+                        self._last[r] = (t, i, e["step"], e["loss"])
             elif k == "eval" and isinstance(r, int) and _num(e.get("loss")):
-                self.evals[r].append(e)
+                self._mark.append((t, i, self.evals[r], {"time": t, "step": e.get("step"), "loss": e["loss"]}))
             elif k == "goodput" and isinstance(r, int):
                 self.ledgers.add(r)
             elif k == "fault":
-                self.faults.append(e)
+                self._mark.append((t, i, self.faults, {"time": t, "replica": r}))
             elif k == "chaos":
-                self.kills.append(e)
+                self._mark.append((t, i, self.kills, {"time": t}))
             elif k == "replacement_ready":
-                self.replacements.append(e)
+                self._mark.append((t, i, self.replacements, {"time": t, "replica": r}))
             elif k == "route_change":
-                self.routes.append(e)
+                self._mark.append((t, i, self.routes, {"time": t}))
             elif k == "ckpt_commit" and _num(e.get("step")):
-                self.ckpts.append(e)
+                self._mark.append((t, i, self.ckpts, {f: e[f] for f in ("time", "step", "stall_s", "stall_median_s",
+                                                                        "persist_s", "duration_s", "end", "final")
+                                                      if f in e}))
             elif k == "ckpt_abort":
-                self.aborts.append(e)
+                self.aborts += 1
             elif k == "outer_round" and isinstance(e.get("round"), int):
-                rd = self.rounds.setdefault(e["round"], {"time": e["time"], "bytes": 0})
+                rd = self.rounds.setdefault(e["round"], {"time": t, "bytes": 0})
                 rd["bytes"] += int(e.get("bytes") or 0)
-                rd["time"] = max(rd["time"], e["time"])
+                rd["time"] = max(rd["time"], t)
             elif k == "outer" and isinstance(r, int) and isinstance(e.get("round"), int):
                 acc = self.outer_sent[(r, e["round"])]
                 acc["sent"] += int(e.get("bytes_sent") or 0)
                 acc["dense"] += int(e.get("dense_bytes") or 0)
-                acc["time"] = max(acc["time"], e["time"])
+                acc["time"] = max(acc["time"], t)
             elif k == "job_done":
                 self.done = e
+            elif k == "coordinator_start":
+                self.incarnations += 1
+                if start is None or (t, i) < start[:2]:
+                    start = (t, i, e)
+                if last_start is None or (t, i) >= last_start[:2]:
+                    last_start = (t, i, e)
+        self._mark.sort(key=lambda m: m[:2])
+        for _, _, into, kept in self._mark:
+            into.append(kept)
+        del self._mark
+        for series in self.steps.values():
+            series.done()
+        times = np.frombuffer(self.outline.times, np.float64)
+        # (in time order: a log is nearly, its workers' events stamped by their own clocks)
+        self._order = None if bool(np.all(times[1:] >= times[:-1])) else np.argsort(times, kind="stable")
+        # Time 0 is when training began (the start of the first step), not the
+        # coordinator's start: workers may take long to come up.
+        if first is not None:
+            self.t0 = first[0] - (first[2] if _num(first[2]) else 0.0)
+        elif start is not None:
+            self.t0 = start[0]
+        else:
+            self.t0 = float(times[self._order[0] if self._order is not None else 0]) if self.events else time.time()
+        self.config = (last_start[2].get("config") or {}) if last_start else {}
+        # The time between launches (a stop, then a --resume): left out of the time axis.
+        spans = [s for _, _, s in self.outline.segments(self._order) if s is not None]
+        self.launches = max(1, len(spans))
+        self.stopped: list[tuple[float, float]] = []      # (one launch's last event, the next one's first)
+        for (_, end), (start_, _) in zip(spans, spans[1:]):
+            if start_ > end:
+                self.stopped.append((end, start_))
         self.replica_ids = sorted(set(self.steps) | set(self.evals) | set(self.ledgers))
         R = (self.config.get("job") or {}).get("replicas")
         if isinstance(R, int) and R > 0:
             self.replica_ids = sorted(set(self.replica_ids) | set(range(R)))
-        self.last_time = events[-1]["time"] if events else self.t0
+        self.last_time = float(times.max()) if self.events else self.t0
+        self._totals = None
+
+    def ledger_totals(self) -> dict[int, dict]:
+        """Each replica's ledger over the run's launches (``crucible.ledger``):
+        every stage-0 worker it had and the time between them."""
+        if self._totals is None:
+            self._totals = self._feed.totals(self.outline, self._order, self.replica_ids)
+        return self._totals
+
+    def last_step(self, replica: int) -> tuple | None:
+        """(its latest step, that step's loss), as logged."""
+        last = self._last.get(replica)
+        return last[2:] if last else None
 
     def ran(self, t: float) -> float:
         """Wall time t less the time between launches before it."""
@@ -144,6 +316,15 @@ class Run:
     def rel(self, t: float) -> float:
         """Where wall time t is on the time axis: the time the job ran since training began."""
         return self.ran(t) - self.ran(self.t0)
+
+    def rel_all(self, ts):
+        """``rel`` of each of an array of times."""
+        import numpy as np
+
+        out = ts - self.ran(self.t0)
+        for a, b in self.stopped:
+            out = out - np.clip(ts - a, 0.0, b - a)
+        return out
 
     @property
     def stopped_s(self) -> float:
@@ -158,19 +339,17 @@ class Run:
 
     def step_at(self, replica: int, t: float) -> float | None:
         """The replica's step at wall time t (interpolated between its step events)."""
-        pts = self.steps.get(replica) or []
-        if not pts or t < pts[0]["time"] - 30:
+        pts = self.steps.get(replica)
+        if not pts or t < pts.time[0] - 30:
             return None
-        prev = None
-        for e in pts:
-            if e["time"] >= t:
-                if prev is None:
-                    return float(e["step"])
-                span = e["time"] - prev["time"]
-                frac = 0.0 if span <= 0 else (t - prev["time"]) / span
-                return prev["step"] + 1 + frac * (e["step"] - prev["step"])
-            prev = e
-        return float(pts[-1]["step"] + 1)
+        k = bisect.bisect_left(pts.time, t)       # (its first step at or after t)
+        if k == len(pts):
+            return float(pts.step[-1] + 1)
+        if k == 0:
+            return float(pts.step[0])
+        span = pts.time[k] - pts.time[k - 1]
+        frac = 0.0 if span <= 0 else (t - pts.time[k - 1]) / span
+        return float(pts.step[k - 1] + 1 + frac * (pts.step[k] - pts.step[k - 1]))
 
 
 def _num(x) -> bool:
@@ -190,28 +369,32 @@ def _color(r: int) -> str:
     return REPLICA_COLORS[r % len(REPLICA_COLORS)]
 
 
-def _gapped(pts: list[dict], xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
+def _gapped(times, steps, xs, ys):
     """Break a line where the replica stood still (paused, waiting for a replacement):
     a gap in wall time of more than 5 s and 10 typical steps, or a step that goes back."""
-    if len(pts) < 3:
+    import numpy as np
+
+    if len(times) < 3:
         return xs, ys
-    dts = [b["time"] - a["time"] for a, b in zip(pts, pts[1:])]
-    limit = max(5.0, 10 * statistics.median(dts))
-    ox, oy = [xs[0]], [ys[0]]
-    for i in range(1, len(pts)):
-        if dts[i - 1] > limit or pts[i]["step"] < pts[i - 1]["step"]:
-            ox.append(float("nan"))
-            oy.append(float("nan"))
-        ox.append(xs[i])
-        oy.append(ys[i])
-    return ox, oy
+    dts = np.diff(times)
+    limit = max(5.0, 10 * float(np.median(dts)))
+    cut = np.flatnonzero((dts > limit) | (steps[1:] < steps[:-1])) + 1
+    return np.insert(np.asarray(xs, np.float64), cut, np.nan), np.insert(np.asarray(ys, np.float64), cut, np.nan)
 
 
-def _median_filter(xs: list[float], n: int = 5) -> list[float]:
-    out = []
-    for i in range(len(xs)):
-        lo = max(0, i - n // 2)
-        out.append(statistics.median(xs[lo:lo + n]))
+def _median_filter(xs, n: int = 5):
+    """The median of each value's window (n wide, cut at the ends as a slice is)."""
+    import numpy as np
+
+    xs = np.asarray(xs, np.float64)
+    out = np.empty(len(xs))
+    h = n // 2
+    inner = len(xs) - n + 1         # (windows xs[i - h:i - h + n] whole)
+    if inner > h:
+        out[h:h + inner] = np.median(np.lib.stride_tricks.sliding_window_view(xs, n), axis=1)
+    for i in list(range(min(h, len(xs)))) + list(range(max(h, h + inner), len(xs))):
+        lo = max(0, i - h)
+        out[i] = statistics.median(xs[lo:lo + n].tolist())
     return out
 
 
@@ -274,12 +457,15 @@ def _legend(ax, **kw) -> None:
         ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="#777777")
 
 
-def _loss_axes_limits(ax, values: list[float]) -> None:
-    if not values:
+def _loss_axes_limits(ax, values) -> None:
+    import numpy as np
+
+    if not len(values):
         return
-    lo, hi = min(values), max(values)
-    # The first steps sit near ln(vocab): keep them, but do not let one spike flatten the curve.
-    top = min(hi, statistics.quantiles(values, n=100)[98] if len(values) >= 100 else hi)
+    lo, hi = float(values.min()), float(values.max())
+    # The first steps sit near ln(vocab): keep them, but do not let one spike flatten the curve
+    # (statistics.quantiles' 99th percentile, its "exclusive" method).
+    top = min(hi, float(np.percentile(values, 99, method="weibull")) if len(values) >= 100 else hi)
     pad = 0.05 * max(top - lo, 1e-3)
     ax.set_ylim(lo - pad, top + pad * 2)
 
@@ -314,23 +500,26 @@ def fig_loss(run: Run, path: str) -> dict:
 
 
 def _loss_curves(run: Run, ax_t, ax_step) -> None:
+    import numpy as np
+
     values = []
     for r in run.replica_ids:
         c = _color(r)
-        pts = run.steps.get(r, [])
+        pts = run.steps.get(r)
         if pts:
-            ax_t.plot(*_gapped(pts, [run.rel(e["time"]) for e in pts], [e["loss"] for e in pts]), color=c, lw=0.9,
+            ax_t.plot(*_gapped(pts.time, pts.step, run.rel_all(pts.time), pts.loss), color=c, lw=0.9,
                       alpha=0.75, label=f"r{r} train")
-            ax_step.plot(*_gapped(pts, [e["step"] + 1 for e in pts], [e["loss"] for e in pts]), color=c, lw=0.9,
+            ax_step.plot(*_gapped(pts.time, pts.step, pts.step + 1, pts.loss), color=c, lw=0.9,
                          alpha=0.75, label=f"r{r} train")
-            values += [e["loss"] for e in pts]
+            values.append(pts.loss)
         ev = run.evals.get(r, [])
         if ev:
             ax_t.plot([run.rel(e["time"]) for e in ev], [e["loss"] for e in ev], color=c, lw=1.6, ls="-",
                       marker="o", ms=3.5, mec="white", mew=0.6, label=f"r{r} held-out")
             ax_step.plot([e["step"] for e in ev], [e["loss"] for e in ev], color=c, lw=1.6, marker="o", ms=3.5,
                          mec="white", mew=0.6, label=f"r{r} held-out")
-            values += [e["loss"] for e in ev]
+            values.append(np.array([e["loss"] for e in ev], np.float64))
+    values = np.concatenate(values) if values else np.empty(0)
     _loss_axes_limits(ax_t, values)
     _loss_axes_limits(ax_step, values)
 
@@ -349,7 +538,7 @@ def _step_marks(run: Run, ax_step) -> None:
                      color=MARKS["checkpoint"][1], ms=5, transform=ax_step.get_xaxis_transform(), clip_on=False,
                      label="checkpoint (step)", zorder=3)
     H = (run.config.get("outer") or {}).get("H")
-    last_step = max((e["step"] + 1 for pts in run.steps.values() for e in pts), default=0)
+    last_step = max((float(pts.step.max()) + 1 for pts in run.steps.values() if len(pts)), default=0)
     if isinstance(H, int) and H > 0 and run.rounds:
         xs = [H * (n + 1) for n in sorted(run.rounds) if H * (n + 1) <= last_step]
         ax_step.plot(xs, [0.97] * len(xs), ls="none", marker="v", color=MARKS["outer"][1], ms=3.5, alpha=0.7,
@@ -383,11 +572,13 @@ def fig_throughput(run: Run, path: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(11, 3.6), layout="constrained")
     for r in run.replica_ids:
-        pts = [e for e in run.steps.get(r, []) if _num(e.get("step_s")) and e["step_s"] > 0]
-        if not pts:
+        pts = run.steps.get(r)
+        timed = (pts.step_s > 0) if pts else None       # (NaN: no step_s)
+        if timed is None or not timed.any():
             continue
-        tps = _median_filter([e.get("tokens", 0) / e["step_s"] for e in pts])
-        ax.plot(*_gapped(pts, [run.rel(e["time"]) for e in pts], tps), color=_color(r), lw=1.1, label=f"r{r}")
+        t, step, tokens, step_s = pts.time[timed], pts.step[timed], pts.tokens[timed], pts.step_s[timed]
+        tps = _median_filter(tokens / step_s)
+        ax.plot(*_gapped(t, step, run.rel_all(t), tps), color=_color(r), lw=1.1, label=f"r{r}")
     _mark_lines(ax, run, lambda e: run.rel(e["time"]))
     _mark_resumes(ax, run)
     ax.set_ylim(bottom=0)
@@ -402,7 +593,7 @@ def fig_throughput(run: Run, path: str) -> None:
 def ledger_totals(run: Run) -> dict[int, dict]:
     """Each replica's ledger over the run's launches (``crucible.ledger``):
     every stage-0 worker it had and the time between them."""
-    return ledger.replica_ledgers(run.events, replicas=run.replica_ids)
+    return run.ledger_totals()
 
 
 def fig_goodput(run: Run, path: str) -> None:
@@ -464,7 +655,7 @@ def fig_checkpoints(run: Run, path: str) -> None:
         a.set_xlabel("checkpoint step")
         if cks:
             a.legend(loc="upper right")
-    fig.suptitle(f"{len(cks)} checkpoints committed, {len(run.aborts)} aborted", fontsize=10)
+    fig.suptitle(f"{len(cks)} checkpoints committed, {run.aborts} aborted", fontsize=10)
     if not cks:
         a1.text(0.5, 0.5, "no checkpoint committed", ha="center", va="center", transform=a1.transAxes)
     _save(fig, path)
@@ -534,11 +725,11 @@ def _replica_rows(run: "Run") -> list[dict]:
     totals = ledger_totals(run)
     rows = []
     for r in run.replica_ids:
-        pts, ev = run.steps.get(r, []), run.evals.get(r, [])
+        last, ev = run.last_step(r), run.evals.get(r, [])
         tot = totals.get(r, {})
         wall = tot.get("wall_s", 0.0)
-        rows.append({"replica": r, "steps": (pts[-1]["step"] + 1) if pts else 0,
-                     "loss": pts[-1]["loss"] if pts else None, "eval_loss": ev[-1]["loss"] if ev else None,
+        rows.append({"replica": r, "steps": (last[0] + 1) if last else 0,
+                     "loss": last[1] if last else None, "eval_loss": ev[-1]["loss"] if ev else None,
                      "goodput": tot.get("compute_s", 0.0) / wall if wall > 0 else None,
                      "ledger": {k: round(v, 4) for k, v in tot.items() if k.endswith("_s")}})
     return rows
@@ -549,17 +740,26 @@ def build(run_dir: str, out: str | None = None) -> dict:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file (is {run_dir} a run directory?)")
-    events, bad = read_events(path)     # (metrics.Unreadable: there, but a directory, or not ours to read)
-    run = Run(events)
+    bad = [0]
+
+    def events():       # (metrics.Unreadable: there, but a directory, or not ours to read)
+        for ev in metrics.every(path):
+            if ev is None:
+                bad[0] += 1
+            else:
+                yield ev
+
+    run = Run(events())
+    bad = bad[0]
     out = out or os.path.join(run_dir, "report.html")
     fig_dir = os.path.join(os.path.dirname(os.path.abspath(out)), "report")
     figs, marks = _figures(run, fig_dir)
     rows = _replica_rows(run)
     state = "finished" if run.done else "running (or stopped before the end)"
     summary = {"run_dir": os.path.abspath(run_dir), "report": os.path.abspath(out), "state": state,
-               "events": len(events), "skipped_lines": bad, "elapsed_s": round(run.rel(run.last_time), 3),
+               "events": run.events, "skipped_lines": bad, "elapsed_s": round(run.rel(run.last_time), 3),
                "launches": run.launches, "between_launches_s": round(run.stopped_s, 3),
-               "replicas": rows, "marks": marks, "checkpoints": len(run.ckpts), "aborted_checkpoints": len(run.aborts),
+               "replicas": rows, "marks": marks, "checkpoints": len(run.ckpts), "aborted_checkpoints": run.aborts,
                "outer_rounds": len(run.rounds), "figures": [os.path.join(fig_dir, f) for f in figs.values()]}
     atomic_write(out, _page(run, run_dir, summary, figs, bad), fsync=False)
     return summary
@@ -597,7 +797,7 @@ img{{max-width:100%;border:1px solid #ddd}}table{{border-collapse:collapse}}td,t
 <p><code>{html.escape(os.path.abspath(run_dir))}</code>: {html.escape(shape)}.<br>
 {html.escape(summary['state'])}; {summary['elapsed_s']:.0f} s {took}; {marks['fault']} worker(s) lost,
 {marks['replacement']} replacement(s), {marks['route']} route change(s), {len(run.ckpts)} checkpoint(s) committed
-({len(run.aborts)} aborted), {len(run.rounds)} outer round(s). Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>
+({run.aborts} aborted), {len(run.rounds)} outer round(s). Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.</p>
 <table><tr><th>replica</th><th>steps</th><th>last train loss</th><th>last held-out loss</th><th>goodput</th></tr>
 {table}</table>
 <p>{'<br>'.join(html.escape(n) for n in notes)}</p>
