@@ -195,7 +195,8 @@ class Run:
     """The series of one run, from its events (in any order: taken in time
     order, ties in the order given, as a sort of them would), one at a time:
     a long run's log has millions, so what is kept is compact (``_Steps``,
-    ``_LedgerFeed``, ``metrics.Outline``) and the rest is counted."""
+    ``_LedgerFeed``, ``metrics.Outline``) and the rest is counted. (A
+    ``time`` of NaN, which no writer logs, goes last: a sort put it anywhere.)"""
 
     def __init__(self, events):
         import numpy as np
