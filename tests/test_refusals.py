@@ -42,25 +42,32 @@ def _refused(*args: str, status: int = 2, env: dict | None = None) -> str:
 
 # ---- a launch into a run directory whose job is running -----------------------------------------------------------
 
+def _refused_while_held(run, lock_name: str, want: str) -> None:
+    """While ``lock_name`` in ``run`` is held, a launch (plain, --resume,
+    --no-check) is refused with the line ``want`` and changes nothing."""
+    import fcntl
+
+    with open(run / lock_name, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        before = tree_digest(run)
+        for extra in ([], ["--resume"], ["--no-check"]):
+            line = _refused("launch", "--run-dir", str(run), *extra, *JOB)
+            assert line == want, line
+            assert tree_digest(run) == before
+
+
 def test_a_launch_into_a_running_jobs_run_dir_is_refused_and_changes_nothing(tmp_path):
     """A second launch (with or without --resume) into the run directory of a
     running job: it replaced the job's token and removed its coordinator.addr
     (`crucible status` then lost the job) before its own coordinator was
     refused the lock. Now one line, exit 2, nothing written."""
-    import fcntl
-
     run = tmp_path / "run"
     run.mkdir()
     (run / "token").write_text("the-running-jobs-token\n")
     (run / "coordinator.addr").write_text("127.0.0.1:1\n")
-    with open(run / "coordinator.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)        # (the running coordinator's)
-        before = tree_digest(run)
-        for extra in ([], ["--resume"], ["--no-check"]):
-            line = _refused("launch", "--run-dir", str(run), *extra, *JOB)
-            assert line == f"crucible: --run-dir {run}: a job is running there (its coordinator holds " \
-                           f"coordinator.lock); let it end, or choose another --run-dir", line
-            assert tree_digest(run) == before
+    _refused_while_held(run, "coordinator.lock",     # (the running coordinator's)
+                        f"crucible: --run-dir {run}: a job is running there (its coordinator holds "
+                        f"coordinator.lock); let it end, or choose another --run-dir")
     line = _refused("launch", "--run-dir", str(run), "--steps", "0")     # (the lock is free: on to the next check)
     assert "coordinator.lock" not in line, line
 
@@ -69,20 +76,13 @@ def test_a_launch_while_another_launch_starts_there_is_refused_and_changes_nothi
     """Another `crucible launch` in its pre-flight, or starting its coordinator
     (it holds launch.lock, no coordinator holds coordinator.lock yet): one
     line, exit 2, nothing written."""
-    import fcntl
-
     run = tmp_path / "run"
     run.mkdir()
     (run / "token").write_text("the-starting-jobs-token\n")
-    with open(run / "launch.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)        # (the other launcher's)
-        before = tree_digest(run)
-        for extra in ([], ["--resume"], ["--no-check"]):
-            line = _refused("launch", "--run-dir", str(run), *extra, *JOB)
-            assert line == f"crucible: --run-dir {run}: another `crucible launch` runs there (it holds " \
-                           f"launch.lock: its coordinator is starting or restarting); let it end, or choose " \
-                           f"another --run-dir", line
-            assert tree_digest(run) == before
+    _refused_while_held(run, "launch.lock",          # (the other launcher's)
+                        f"crucible: --run-dir {run}: another `crucible launch` runs there (it holds "
+                        f"launch.lock: its coordinator is starting or restarting); let it end, or choose "
+                        f"another --run-dir")
 
 
 # ---- a run directory that cannot be made (was a traceback after the pre-flight, or `check passed`) ----------
