@@ -104,8 +104,8 @@ def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
         toks = _read_files(_stdlib_files(), max_bytes, skip_unreadable=True)
     elif not os.path.exists(path):
         raise ValueError(f"data.path {path!r}: no such file or folder")
-    elif _not_regular(path):
-        raise ValueError(f"data.path {path!r}: {_not_regular(path)}, not a file or a folder of files")
+    elif what := _not_regular(path):
+        raise ValueError(f"data.path {path!r}: {what}, not a file or a folder of files")
     elif os.path.isdir(path):
         files = _text_files(path)
         if not files:

@@ -99,19 +99,17 @@ def resolve_checkpoint(path: str, passed_over: list | None = None) -> Path:
     if (p / store.MANIFEST).is_file():
         return p
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    found = store.list_checkpoints(root)
-    if not found:
-        raise ExportError(f"{path}: no committed checkpoint (a step_<N> directory with {store.MANIFEST})")
     damaged = []
-    for info in reversed(found):
-        problems = store.verify(info.path)
-        if not problems:
-            if passed_over is not None:
-                passed_over.extend(damaged)
-            return Path(info.path)
-        damaged.append({"step": info.step, "path": info.path, "problems": problems})
-    raise ExportError(f"{path}: none of the {len(found)} checkpoint(s) in {root} verifies (newest, step "
-                      f"{found[-1].step}: damaged: {'; '.join(damaged[0]['problems'])})")
+    info = store.latest_valid(root, on_damaged=lambda c, problems: damaged.append(
+        {"step": c.step, "path": c.path, "problems": problems}))
+    if info is not None:
+        if passed_over is not None:
+            passed_over.extend(damaged)
+        return Path(info.path)
+    if not damaged:
+        raise ExportError(f"{path}: no committed checkpoint (a step_<N> directory with {store.MANIFEST})")
+    raise ExportError(f"{path}: none of the {len(damaged)} checkpoint(s) in {root} verifies (newest, step "
+                      f"{damaged[0]['step']}: damaged: {'; '.join(damaged[0]['problems'])})")
 
 
 def checkpoint_state(ckpt: str, replica: int | None = None, use_global: bool = False) -> tuple[dict, Config, dict]:

@@ -19,7 +19,7 @@ import re
 import time
 
 FILE = "metrics.jsonl"
-BLOCK = 1 << 22      # bytes read at a time where lines are picked out of blocks (``_named``, ``follow``, ``last``)
+BLOCK = 1 << 22      # bytes read at a time where lines are picked out of blocks (``_named``, ``follow``, ``newest_first``)
 
 
 def whole(x) -> bool:
@@ -241,12 +241,10 @@ def _named(f, kinds: tuple[str, ...], end: int | None = None):
             return
 
 
-def _parsed(f, kinds: tuple[str, ...] | None = None):
+def _parsed(f):
     """Each non-blank line of ``f`` as an event, or None where it does not
-    parse as one; with ``kinds``, only the lines that name one of them (the
-    rest are not parsed: ``_named``)."""
-    lines = (raw for _, raw in _named(f, kinds)) if kinds is not None else f
-    for raw in lines:
+    parse as one."""
+    for raw in f:
         if not raw.strip():
             continue
         yield _event(raw)

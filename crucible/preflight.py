@@ -175,12 +175,11 @@ def check_resume_data(run_dir: str | None, resume: bool, cfg: Config, corpus) ->
         return
     from crucible.checkpoint import store
     from crucible.checkpoint.shard import read_plain
-    from crucible.corpus import corpus_change
+    from crucible.corpus import corpus_change, recorded
 
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return
-    now = corpus.fingerprint()
     for info in reversed(store.list_checkpoints(root)):
         try:
             names = store.shard_names(info.path)
@@ -189,7 +188,9 @@ def check_resume_data(run_dir: str | None, resume: bool, cfg: Config, corpus) ->
         except (store.CheckpointCorrupt, OSError, ValueError):
             continue
         for data in saved:
-            why = corpus_change(data.get("corpus") if isinstance(data, dict) else None, now)
+            was = data.get("corpus") if isinstance(data, dict) else None
+            # (the corpus hashed only against a checkpoint that recorded one: fingerprint() is kept)
+            why = corpus_change(was, corpus.fingerprint()) if recorded(was) else None
             if why:
                 raise CheckFailed(f"--resume: checkpoint {info.path}: {why}")
         return

@@ -615,15 +615,9 @@ def fig_throughput(run: Run, path: str) -> None:
     _save(fig, path)
 
 
-def ledger_totals(run: Run) -> dict[int, dict]:
-    """Each replica's ledger over the run's launches (``crucible.ledger``):
-    every stage-0 worker it had and the time between them."""
-    return run.ledger_totals()
-
-
 def fig_goodput(run: Run, path: str) -> None:
     plt = _plt()
-    totals = ledger_totals(run)
+    totals = run.ledger_totals()
     reps = [r for r in run.replica_ids if totals[r]["wall_s"] > 0]
     fig, ax = plt.subplots(figsize=(11, 1.3 + 0.62 * max(len(reps), 1)), layout="constrained")
     xmax = max([totals[r]["wall_s"] for r in reps] or [1.0])
@@ -749,7 +743,7 @@ def _figures(run: "Run", fig_dir: str) -> tuple[dict, dict]:
 
 
 def _replica_rows(run: "Run") -> list[dict]:
-    totals = ledger_totals(run)
+    totals = run.ledger_totals()
     rows = []
     for r in run.replica_ids:
         last, ev = run.last_step(r), run.evals.get(r, [])

@@ -400,15 +400,18 @@ def verify(ckpt_path: str | os.PathLike, on_shard: Callable[[dict], None] | None
     return problems
 
 
-def latest_valid(ckpt_root: str | os.PathLike) -> CkptInfo | None:
+def latest_valid(ckpt_root: str | os.PathLike, on_damaged=None) -> CkptInfo | None:
     """The newest committed checkpoint that passes ``verify``, falling back
-    to older ones (each skipped one is logged with its problems); ``None``
-    when there is none."""
+    to older ones (each skipped one is logged with its problems, or given to
+    ``on_damaged(info, problems)``); ``None`` when there is none."""
     for c in reversed(list_checkpoints(ckpt_root)):
         problems = verify(c.path)
         if not problems:
             return c
-        log.warning("checkpoint %s is damaged, falling back: %s", c.path, "; ".join(problems))
+        if on_damaged is None:
+            log.warning("checkpoint %s is damaged, falling back: %s", c.path, "; ".join(problems))
+        else:
+            on_damaged(c, problems)
     return None
 
 
