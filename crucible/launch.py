@@ -598,14 +598,15 @@ class Launcher:
     def _all_done(self) -> bool:
         return all(w.poll() == 0 for w in self.workers.values())
 
-    def _scan_ends(self) -> None:
+    def _scan_ends(self, partial: bool = False) -> None:
         """Follow metrics.jsonl (``metrics.follow``: each line once) for the two
         events that say how the job ended, job_done and job_stopped, and the
         saves' commits and aborts (kept for ``_watch_checkpoints``); every
         event is tallied for the summary as it comes (a long launch's log is
-        not read again at its end)."""
+        not read again at its end). ``partial``: a last line with no newline
+        too (the log's end, once nothing writes to it)."""
         _, self.scanned = metrics.follow(self.run_dir, None, self.offset if self.scanned is None else self.scanned,
-                                         feed=self._scanned)
+                                         feed=self._scanned, partial=partial)
 
     def _scanned(self, ev: dict) -> None:
         if self.tally is None:
@@ -806,9 +807,7 @@ class Launcher:
         this launch's events (not earlier ones' in the run), tallied as ``_scan_ends`` read them."""
         from crucible.ledger import KEYS
 
-        self._scan_ends()
-        # (and a last line with no newline, which _scan_ends leaves for next time: the log's end now)
-        _, self.scanned = metrics.follow(self.run_dir, None, self.scanned, feed=self._scanned, partial=True)
+        self._scan_ends(partial=True)
         tally = self.tally or Tally()
         ledgers = tally.ledger.totals()   # (each stage-0 worker the replica had, and the time between them)
         lines = []

@@ -649,9 +649,10 @@ class Coordinator:
         self._declare_dead(w, why)
 
     def status(self) -> dict:
-        ledgers = self.metrics.ledgers.totals(now=time.time(), replicas=range(self.m.R))
+        now = time.time()
+        ledgers = self.metrics.ledgers.totals(now=now, replicas=range(self.m.R))
         with self.cv:
-            now, steady = time.time(), self.clock()
+            steady = self.clock()
             reps = []
             for rep in self.m.replicas:
                 tps = None
@@ -693,8 +694,7 @@ def _corpus(req: pb.RegisterRequest) -> dict | None:
     ``Corpus.fingerprint()`` has it; None when it sent none."""
     if not req.HasField("corpus") or not req.corpus.sha256:
         return None
-    c = req.corpus
-    return {"path": c.path, "tokens": int(c.tokens), "train": int(c.train), "dtype": c.dtype, "sha256": c.sha256}
+    return {k: getattr(req.corpus, k) for k in corpora.KEYS}
 
 
 def _check_fields(ev: dict, i: int) -> None:

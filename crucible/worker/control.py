@@ -147,7 +147,9 @@ class ControlClient:
         req = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=replica, stage=stage,
                                  address=address, pid=os.getpid(), host=socket.gethostname(), numel=numel)
         if corpus:
-            req.corpus.CopyFrom(pb.Corpus(**{k: corpus[k] for k in ("path", "tokens", "train", "dtype", "sha256")}))
+            from crucible.corpus import KEYS
+
+            req.corpus.CopyFrom(pb.Corpus(**{k: corpus[k] for k in KEYS}))
         req.rejoin = rejoin
         if rejoin:
             req.secret = self.secret
