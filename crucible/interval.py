@@ -240,12 +240,6 @@ def _fill(d: dict) -> None:
         d["notes"].append("checkpoint cost is 0: any interval the writer sustains is optimal")
 
 
-def _num(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        return None
-    return float(v)
-
-
 def from_run_dir(
     run_dir: str | os.PathLike,
     *,
@@ -337,7 +331,7 @@ class _Log:
     def add(self, ev: dict) -> None:
         i, kind = len(self.outline), ev["event"]
         self.outline.add(ev)
-        t = _num(ev.get("time"))
+        t = metrics.finite(ev.get("time"))
         if kind == "step":
             r = ev.get("replica")
             if t is not None and metrics.whole(r):
@@ -346,7 +340,7 @@ class _Log:
                     ts = self.steps[r] = array.array("d")
                 ts.append(t)
         elif kind == "ckpt_commit":
-            s, p = _num(ev.get("stall_s")), _num(ev.get("persist_s"))
+            s, p = metrics.finite(ev.get("stall_s")), metrics.finite(ev.get("persist_s"))
             if s is not None and s >= 0:
                 self.stalls.append(s)
             if p is not None and p >= 0:

@@ -369,10 +369,7 @@ class Launcher:
         rpc.write_token(self.run_dir, self.token)
         sys.stdout, sys.stderr = TerminalOrLog(sys.stdout, self._output_to_log), \
             TerminalOrLog(sys.stderr, self._output_to_log)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
-                continue          # started under nohup: a hangup is to pass us by (and our children inherit that)
-            signal.signal(sig, self._on_signal)
+        procs.on_stop(self._on_signal)
         R, S = self.cfg.job.replicas, self.cfg.job.stages
         print(f"crucible: run directory {self.run_dir}", flush=True)
         try:

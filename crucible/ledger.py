@@ -63,20 +63,15 @@ No torch here.
 
 from __future__ import annotations
 
-import math
 import threading
+
+from crucible import metrics
 
 # the events ``Ledgers.feed`` reads (the rest pass it by)
 EVENTS = ("coordinator_start", "job_restart", "goodput", "eval", "step_aborted", "step", "snapshot",
           "worker_registered", "fault")
 PARTS = ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering", "eval", "restart")
 KEYS = tuple(p + "_s" for p in PARTS)
-
-
-def _num(x) -> float | None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        return None
-    return float(x)
 
 
 class _Worker:
@@ -101,7 +96,7 @@ class _Worker:
 
     def start(self) -> float | None:
         if self.ledger is not None and self.ledger_t is not None:
-            wall = _num(self.ledger.get("wall_s"))
+            wall = metrics.finite(self.ledger.get("wall_s"))
             return self.ledger_t - wall if wall is not None else self.ledger_t
         if self.registered is not None:
             return self.registered
@@ -112,14 +107,14 @@ class _Worker:
         out = dict.fromkeys(PARTS, 0.0)
         if self.ledger is None and self.untimed is not None:
             for p in PARTS:
-                v = _num(self.untimed.get(p + "_s"))
+                v = metrics.finite(self.untimed.get(p + "_s"))
                 if v is not None:
                     out[p] += v
             return out, None, None
         start = self.start()
         if self.ledger is not None:
             for p in PARTS:
-                v = _num(self.ledger.get(p + "_s"))
+                v = metrics.finite(self.ledger.get(p + "_s"))
                 if v is not None:
                     out[p] += v
         if start is None:
@@ -176,7 +171,7 @@ class Ledgers:
 
     def feed(self, ev: dict) -> None:
         kind, r = ev.get("event"), ev.get("replica")
-        t = _num(ev.get("time"))
+        t = metrics.finite(ev.get("time"))
         with self._lock:
             if kind == "coordinator_start":
                 # a new launch (as metrics.launches): not a restored coordinator, nor a whole-job restart's
@@ -200,7 +195,7 @@ class Ledgers:
                 return
             if kind == "fault":
                 w.dead = True
-                w.last_seen = _num(ev.get("last_seen"))
+                w.last_seen = metrics.finite(ev.get("last_seen"))
                 return
             if kind == "goodput":
                 if t is None:
@@ -214,16 +209,16 @@ class Ledgers:
             if t is None:
                 return
             if kind == "step":
-                c, s = _num(ev.get("compute_s")), _num(ev.get("step_s"))
+                c, s = metrics.finite(ev.get("compute_s")), metrics.finite(ev.get("step_s"))
                 w.tail["compute"] += c or 0.0
                 if w.ledger is None and w.first_step is None:
                     w.first_step = t - (s or 0.0)
             elif kind == "step_aborted":
-                w.tail["lost"] += _num(ev.get("lost_s")) or 0.0
+                w.tail["lost"] += metrics.finite(ev.get("lost_s")) or 0.0
             elif kind == "eval":
-                w.tail["eval"] += _num(ev.get("seconds")) or 0.0
+                w.tail["eval"] += metrics.finite(ev.get("seconds")) or 0.0
             elif kind == "snapshot":
-                w.tail["checkpoint_stall"] += _num(ev.get("stall_s")) or 0.0
+                w.tail["checkpoint_stall"] += metrics.finite(ev.get("stall_s")) or 0.0
             w.seen(t)
 
     def totals(self, now: float | None = None, replicas=()) -> dict[int, dict]:
@@ -263,7 +258,7 @@ class Ledgers:
             if start is None:       # no time to place it by: added as it is
                 for p in PARTS:
                     tot[p] += parts[p]
-                untimed += _num((w.untimed or {}).get("wall_s")) or 0.0
+                untimed += metrics.finite((w.untimed or {}).get("wall_s")) or 0.0
                 continue
             timed.append((start, end, w, parts))
         timed.sort(key=lambda x: x[0])

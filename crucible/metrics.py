@@ -32,10 +32,14 @@ def number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def finite(x) -> float | None:
+    """A field of an event line as a float, or None when it is no finite number."""
+    return float(x) if number(x) and math.isfinite(x) else None
+
+
 def time_of(ev: dict) -> float | None:
     """An event's ``time`` as a float, or None when it is no finite number."""
-    t = ev.get("time")
-    return float(t) if number(t) and math.isfinite(t) else None
+    return finite(ev.get("time"))
 
 
 def launches(events: list[dict]) -> list[float]:

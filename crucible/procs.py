@@ -152,6 +152,17 @@ def started_at(pid: int | None = None) -> float | None:
         return None
 
 
+def on_stop(handler) -> None:
+    """``handler(signum, frame)`` for the signals that ask a process to stop:
+    SIGINT (Ctrl-C), SIGTERM (a preemption notice) and SIGHUP (its terminal
+    hung up), unless SIGHUP is ignored (started under nohup: a hangup is to
+    pass it by, and its children inherit that)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        signal.signal(sig, handler)
+
+
 def has_proc() -> bool:
     return os.path.isdir("/proc/self")
 

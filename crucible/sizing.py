@@ -318,11 +318,7 @@ def host_available() -> tuple[int, str] | None:
     """Memory this host can still give (bytes) and where that was read: the
     kernel's MemAvailable, or a cgroup's limit less its use (less its
     reclaimable page cache) when that is lower. None where neither is known."""
-    best = _meminfo("MemAvailable")
-    for avail, where in _cgroup_room():
-        if best is None or avail < best[0]:
-            best = (avail, where)
-    return best
+    return _lowest(_meminfo("MemAvailable"), _cgroup_room())
 
 
 def _meminfo(key: str) -> tuple[int, str] | None:
@@ -364,10 +360,14 @@ def host_total() -> tuple[int, str] | None:
     compares its own stage with: what the others use now (and their
     allocators keep) is not its concern, only whether it could fit at all
     (the launch's pre-flight compares the whole job with what is available)."""
-    best = _meminfo("MemTotal")
-    for limit, _, where in _cgroup_limits():
-        if best is None or limit < best[0]:
-            best = (limit, where)
+    return _lowest(_meminfo("MemTotal"), ((limit, where) for limit, _, where in _cgroup_limits()))
+
+
+def _lowest(best: tuple[int, str] | None, others) -> tuple[int, str] | None:
+    """The smallest of ``best`` and each (bytes, where) of ``others``."""
+    for n, where in others:
+        if best is None or n < best[0]:
+            best = (n, where)
     return best
 
 

@@ -741,10 +741,7 @@ def serve(cfg: Config, run_dir: str, bind: str, token: str, resume: bool = False
     coord.start(bind)
     stop = threading.Event()
     got: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
-            continue
-        signal.signal(sig, lambda s, _f: (got.append(s), setattr(coord, "signalled", True), stop.set()))
+    procs.on_stop(lambda s, _f: (got.append(s), setattr(coord, "signalled", True), stop.set()))
     while not stop.is_set() and not coord.finished.is_set():
         stop.wait(0.2)
     if coord.finished.is_set():
