@@ -230,10 +230,14 @@ class CheckpointManager:
 
     def prepare(self, resume: bool) -> None:
         """At coordinator start: clean leftovers; with ``resume``, pick the
-        checkpoint to continue from."""
+        checkpoint to continue from. A coordinator that continues from its
+        predecessor's state leaves ``.tmp-*`` alone: its workers' persisters
+        may still be writing the save that was in flight (the end save, at
+        the end of the job), and report those shards to it; what nobody
+        finishes goes after its next commit."""
         self.resume_requested = bool(resume)
         os.makedirs(self.root, exist_ok=True)
-        removed = store.clean_tmp(self.root)
+        removed = [] if self.m.restored else store.clean_tmp(self.root)
         if removed:
             self.metrics.write({"event": "ckpt_clean", "removed": removed})
             log.info("removed leftovers of interrupted saves: %s", ", ".join(removed))
@@ -444,7 +448,10 @@ class CheckpointManager:
         t_end = time.monotonic() + timeout
         with self.cv:
             while time.monotonic() < t_end:
-                end_due = self.enabled and self.early and not self.end_started
+                # (not named yet: the tick names it within 50 ms; a coordinator restored after
+                # the job was done has it to name again, its shards still on their way)
+                end_due = self.enabled and not self.end_started and \
+                    (self.latest_committed_step is None or self.latest_committed_step < self.end_step)
                 if self.pending is None and not self.m.unfinished() and not end_due:
                     return
                 self._wake.set()
