@@ -572,6 +572,23 @@ def all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s in _sections() for f in dataclasses.fields(getattr(cfg, s))]
 
 
+def changes(saved: Any, now: dict) -> list[str]:
+    """What differs between a checkpoint's configuration (``saved``, its
+    manifest's ``config``: a ``to_dict()``) and this job's (``now``), one
+    ``section.key old -> new`` each, in the configuration's order: what a resume with another
+    configuration says, rather than two hashes. Empty when ``saved`` is not
+    such a table (an older checkpoint)."""
+    if not isinstance(saved, dict):
+        return []
+    out = []
+    for key in all_keys():
+        section, _, name = key.partition(".")
+        old, new = (saved.get(section) or {}).get(name, "?"), now.get(section, {}).get(name, "?")
+        if old != new:
+            out.append(f"{key} {json.dumps(old)} -> {json.dumps(new)}")
+    return out
+
+
 def _suggest(key: str, candidates: list[str]) -> str:
     # A right key in the wrong section first, then the closest spelling.
     tail = key.rpartition(".")[2]

@@ -96,7 +96,8 @@ KINDS: dict[str, str] = {
     "ckpt_shard_failed": "a worker's shard of a save failed: step, replica, stage, error, current",
     "ckpt_delete": "retention deleted a checkpoint: step",
     "ckpt_clean": "leftovers of interrupted saves removed at start: removed",
-    "ckpt_resume": "--resume chose a checkpoint: step, path, replicas, vacant (step None: none to resume)",
+    "ckpt_resume": "--resume chose a checkpoint: step, path, replicas, vacant, changed (this job's configuration "
+                   "keys that differ from its own) (step None: none to resume)",
     "ckpt_damaged": "a checkpoint failed verification at --resume: step, path, problems",
     "ckpt_incomplete": "a checkpoint skipped at --resume: a stage has no shard in it: step, stages_missing",
     "ckpt_set_aside": "a checkpoint after the one resumed moved aside: step, path",

@@ -445,7 +445,9 @@ class Launcher:
                 why = "; ".join(e.get("problems", [])) or f"no shard of stage(s) {e.get('stages_missing')}"
                 print(f"crucible: checkpoint step {e['step']} passed over: {why}"[:400], flush=True)
         if resumed and resumed[-1].get("step") is not None:
-            print(f"crucible: resuming from checkpoint step {resumed[-1]['step']}", flush=True)
+            changed = [str(c) for c in resumed[-1].get("changed") or []]
+            note = f" (its configuration differed: {', '.join(changed)})"[:400] if changed else ""
+            print(f"crucible: resuming from checkpoint step {resumed[-1]['step']}{note}", flush=True)
         elif resumed:
             print(f"crucible: --resume: no checkpoint in {self.run_dir}: starting from step 0", flush=True)
 

@@ -110,7 +110,7 @@ from crucible.checkpoint import store
 from crucible.checkpoint.policies import (AnySavePolicy, DecisionContext, EndOfJobPolicy,
                                           PreemptionCheckpointingPolicy, policy_from_config,
                                           save_policy_from_config, select_for_deletion)
-from crucible.config import CheckpointConfig, Config
+from crucible.config import CheckpointConfig, Config, changes as config_changes
 from crucible.coordinator.membership import Membership, Refused
 from crucible.slots import slot_name
 
@@ -230,10 +230,14 @@ class CheckpointManager:
 
     def prepare(self, resume: bool) -> None:
         """At coordinator start: clean leftovers; with ``resume``, pick the
-        checkpoint to continue from."""
+        checkpoint to continue from. A coordinator that continues from its
+        predecessor's state leaves ``.tmp-*`` alone: its workers' persisters
+        may still be writing the save that was in flight (the end save, at
+        the end of the job), and report those shards to it; what nobody
+        finishes goes after its next commit."""
         self.resume_requested = bool(resume)
         os.makedirs(self.root, exist_ok=True)
-        removed = store.clean_tmp(self.root)
+        removed = [] if self.m.restored else store.clean_tmp(self.root)
         if removed:
             self.metrics.write({"event": "ckpt_clean", "removed": removed})
             log.info("removed leftovers of interrupted saves: %s", ", ".join(removed))
@@ -287,9 +291,11 @@ class CheckpointManager:
 
     def _resume_from(self, chosen: store.CkptInfo) -> None:
         m = store.read_manifest(chosen.path)
+        changed = []
         if m.get("config_hash") != self.job_cfg.digest():
-            log.warning("resuming from %s written with another configuration (hash %s, now %s)", chosen.path,
-                        m.get("config_hash"), self.job_cfg.digest())
+            changed = config_changes(m.get("config"), self.job_cfg.to_dict())
+            log.warning("resuming from %s written with another configuration (hash %s, now %s)%s", chosen.path,
+                        m.get("config_hash"), self.job_cfg.digest(), ": " + ", ".join(changed) if changed else "")
         self.resume_dir, self.resume_manifest = chosen.path, m
         self.latest_committed_step = chosen.step
         corpus = None if self.job_cfg.data.allow_new_corpus else self._trained_on(chosen, m)
@@ -297,7 +303,7 @@ class CheckpointManager:
             self.m.resume_at({int(r): int(info.get("step", chosen.step))
                               for r, info in (m.get("replicas") or {}).items()}, corpus=corpus)
         self.metrics.write({"event": "ckpt_resume", "step": chosen.step, "path": chosen.path,
-                            "replicas": m.get("replicas"), "vacant": m.get("vacant", [])})
+                            "replicas": m.get("replicas"), "vacant": m.get("vacant", []), "changed": changed})
         log.info("resuming from %s (step %d)", chosen.path, chosen.step)
         done = store.nothing_left(chosen, self.job_cfg.train.steps, m)
         if done:    # (a coordinator started by hand: `launch` and `check` refuse this; here the job ends at once)
@@ -444,7 +450,10 @@ class CheckpointManager:
         t_end = time.monotonic() + timeout
         with self.cv:
             while time.monotonic() < t_end:
-                end_due = self.enabled and self.early and not self.end_started
+                # (not named yet: the tick names it within 50 ms; a coordinator restored after
+                # the job was done has it to name again, its shards still on their way)
+                end_due = self.enabled and not self.end_started and \
+                    (self.latest_committed_step is None or self.latest_committed_step < self.end_step)
                 if self.pending is None and not self.m.unfinished() and not end_due:
                     return
                 self._wake.set()

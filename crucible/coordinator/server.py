@@ -239,6 +239,8 @@ class Coordinator:
                             "restored": self.m.restored, "version": crucible_version(), "config": self.cfg.to_dict()})
         threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
         self.ckpt.start()
+        with self.cv:       # (restored after the job was done: no replica_done comes again)
+            self._check_finished()
         self.health.set(True)
         log.info("coordinator %s up at %s (incarnation %d)", self.run_dir, adv, self.incarnation)
         return self.port
