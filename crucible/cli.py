@@ -350,6 +350,8 @@ def _coordinator(args) -> int:
         exits.write_error(str(e))
         print(f"crucible coordinator: {e}", file=sys.stderr, flush=True)
         return exits.ERROR
+    except rpc.BindError as e:   # (a port in use: a usage error naming the flag)
+        raise UsageError(f"--bind {e}") from None
     except Exception as e:  # noqa: BLE001
         return _fatal("coordinator", e)
 
@@ -380,6 +382,8 @@ def _worker(args) -> int:
                       args.device).run()
     except ConfigError:           # (sizing.TooBig: its stage does not fit here; one line, exit status 2)
         raise
+    except rpc.BindError as e:   # (a port in use: a usage error naming the flag)
+        raise UsageError(f"--bind {e}") from None
     except Exception as e:  # noqa: BLE001
         return _fatal("worker", e)
 

@@ -64,15 +64,16 @@ def is_host(value: str) -> bool:
     return re.fullmatch(rf"{_HOST}|{_V6}|\[{_V6}\]", value) is not None
 
 
-def bind_problem(host: str) -> str | None:
+def bind_problem(host: str, port: int = 0) -> str | None:
     """Why a server on this machine cannot bind ``host`` (a name that does not
-    resolve, an address of another machine), or None: a socket is bound to
-    port 0 of each address it resolves to until one binds."""
+    resolve, an address of another machine; with a ``port``, one taken), or
+    None: a socket is bound to that port of each address it resolves to until
+    one binds."""
     import socket
 
     name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
-        infos = socket.getaddrinfo(name or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(name or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         return f"does not resolve ({getattr(e, 'strerror', None) or e})"
     why = "no address"

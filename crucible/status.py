@@ -19,12 +19,16 @@ class StatusClient:
         self.channel = rpc.make_channel(address)
         self.stub = pbg.CoordinatorStub(self.channel)
         self.md = rpc.metadata(token)
+        self.refused = False          # the last call got UNAUTHENTICATED: it answers, but not to this token
 
     def get(self, timeout: float = 3.0) -> dict | None:
         try:
-            return json.loads(self.stub.Status(pb.StatusRequest(), metadata=self.md, timeout=timeout).json)
-        except grpc.RpcError:
+            st = json.loads(self.stub.Status(pb.StatusRequest(), metadata=self.md, timeout=timeout).json)
+        except grpc.RpcError as e:
+            self.refused = e.code() == grpc.StatusCode.UNAUTHENTICATED
             return None
+        self.refused = False
+        return st
 
 
 def resolve(run_dir: str | None, coordinator: str | None) -> tuple[str, str]:
@@ -162,6 +166,27 @@ def no_answer(addr: str, run_dir: str | None, ends: Ends | None = None) -> str:
             f"the end ({resume})")
 
 
+def refused(addr: str, run_dir: str | None) -> str:
+    """Why a coordinator that answers refused our token: where the token came
+    from ($CRUCIBLE_TOKEN first, else the run directory's token file), or why
+    there was none (the file is its owner's alone, mode 0600). Not "does not
+    answer": nothing is wrong with the job."""
+    head = f"crucible status: coordinator at {addr} refused the token"
+    if os.environ.get(rpc.TOKEN_ENV):
+        instead = f" Unset it to use {os.path.join(run_dir, 'token')}" if run_dir else ""
+        return f"{head} in ${rpc.TOKEN_ENV} (another job's?{instead})"
+    if not run_dir:
+        return f"{head}: none given (set ${rpc.TOKEN_ENV} to the job's token, or give --run-dir)"
+    path = os.path.join(run_dir, "token")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        return f"{head}: none given: cannot read {path}: {e.strerror} (run status as the job's owner, or set " \
+               f"${rpc.TOKEN_ENV} to the job's token)"
+    return f"{head} in {path} (another job's?)"
+
+
 def _fmt(v, spec=".3f", none="-"):
     return none if v is None else format(v, spec)
 
@@ -209,6 +234,9 @@ def main(args) -> int:
     ends = Ends()
     while True:
         st = client.get(timeout=3.0 if args.watch else 10.0)
+        if st is None and client.refused:
+            print(refused(addr, args.run_dir), file=sys.stderr, flush=True)
+            return 1                  # (the same token is refused every time: no use watching)
         if st is None:
             print(no_answer(addr, args.run_dir, ends), file=sys.stderr, flush=True)
             if not args.watch:

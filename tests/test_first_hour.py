@@ -1,0 +1,117 @@
+"""A new user's first hour: mistakes a user makes (a port already taken, a
+token from the wrong place, another user's run directory) get one line that
+names the cause, never a traceback or a wrong one.
+
+Real users are not root: the test that needs one makes its own (root only,
+with useradd and runuser; skipped otherwise) and runs `crucible` as it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from conftest import ROOT, TINY, child_env, crucible_cmd, kill_group, run_bounded
+
+USER = "crucible-test"
+
+
+@pytest.fixture
+def coordinator():
+    """A coordinator alone (no workers: no torch, up in a second or two) that
+    answers `status`; yields (run_dir, address). Its folder is one every user
+    may enter (pytest's tmp_path is under a folder of root's alone)."""
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="crucible-first-hour-"))
+    os.chmod(tmp_path, 0o755)
+    run = tmp_path / "run"
+    log = open(tmp_path / "coordinator.log", "wb")
+    proc = subprocess.Popen(crucible_cmd("coordinator", "--run-dir", str(run), "--bind", "127.0.0.1:0",
+                                         "--replicas", "1", "--stages", "2", *TINY),
+                            cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        addr_file = run / "coordinator.addr"
+        t_end = time.monotonic() + 30
+        while not (addr_file.exists() and addr_file.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < t_end, (tmp_path / "coordinator.log").read_text()
+            time.sleep(0.1)
+        yield str(run), addr_file.read_text().strip()
+    finally:
+        kill_group(proc.pid, proc)
+        log.close()
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _status(run_dir: str, env: dict, runas: list[str] = ()) -> tuple[int, str]:
+    code, out, err, _ = run_bounded([*runas, *crucible_cmd("status", "--run-dir", run_dir)], timeout=30, env=env)
+    return code, (out + err).strip()
+
+
+def test_status_with_a_wrong_token_says_it_was_refused(coordinator):
+    """$CRUCIBLE_TOKEN of another job overrides the run directory's token: the
+    coordinator answered UNAUTHENTICATED and status said it "does not
+    answer", sending the user after a job that runs fine."""
+    run, addr = coordinator
+    code, out = _status(run, dict(child_env(), CRUCIBLE_TOKEN="0" * 32))
+    assert code == 1
+    assert out == f"crucible status: coordinator at {addr} refused the token in $CRUCIBLE_TOKEN (another job's? " \
+                  f"Unset it to use {run}/token)", out
+    assert _status(run, child_env())[0] == 0          # (its own token: the table)
+
+
+def _user_can_run_crucible() -> bool:
+    """Root, with useradd and runuser, and a Python this test's user may run
+    (a venv under /root may not be)."""
+    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("runuser"):
+        return False
+    try:
+        pwd.getpwnam(USER)
+    except KeyError:
+        if subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
+                          capture_output=True, timeout=30).returncode != 0:
+            return False
+    probe = subprocess.run(["runuser", "-u", USER, "--", *crucible_cmd("--version")], cwd=ROOT,
+                           env=child_env(), capture_output=True, timeout=60)
+    return probe.returncode == 0
+
+
+def test_status_of_another_users_job_names_the_unreadable_token(coordinator):
+    """The token file is its owner's alone (0600): another user's `status` sent
+    no token, and was told the coordinator "does not answer"."""
+    if not _user_can_run_crucible():
+        pytest.skip(f"needs root, useradd, runuser, and a Python that user {USER} can run")
+    run, addr = coordinator
+    code, out = _status(run, child_env(), ["runuser", "-u", USER, "--"])
+    assert code == 1
+    assert out == f"crucible status: coordinator at {addr} refused the token: none given: cannot read " \
+                  f"{run}/token: Permission denied (run status as the job's owner, or set $CRUCIBLE_TOKEN to " \
+                  f"the job's token)", out
+
+
+@pytest.mark.parametrize("cmd", ["coordinator", "worker"])
+def test_a_bind_port_in_use_is_one_line(cmd, tmp_path):
+    """A --bind whose port another process holds: a grpc traceback ending in
+    "RuntimeError: Failed to bind ...; set GRPC_VERBOSITY=debug", exit 1.
+    Now the flag, the address and the OS's reason, exit 2 (a usage error)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        bind = f"127.0.0.1:{held.getsockname()[1]}"
+        if cmd == "coordinator":
+            argv = crucible_cmd("coordinator", "--run-dir", str(tmp_path / "run"), "--bind", bind,
+                                "--replicas", "1", "--stages", "2", *TINY)
+        else:      # (it binds before it dials: no coordinator needed)
+            argv = crucible_cmd("worker", "--coordinator", "127.0.0.1:9", "--replica", "0", "--stage", "0",
+                                "--bind", bind)
+        code, out, err, _ = run_bounded(argv, timeout=60, env=dict(child_env(), CRUCIBLE_TOKEN="x"))
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == f"crucible: --bind {bind}: cannot be bound on this machine " \
+                                           f"(Address already in use)", err
