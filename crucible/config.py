@@ -291,8 +291,10 @@ class Config:
             try:
                 with open(path, "rb") as f:
                     tree = tomllib.load(f)
-            except (OSError, tomllib.TOMLDecodeError) as e:
+            except OSError as e:
                 raise ConfigError(f"cannot read config file {path}: {e}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"cannot read config file {path}: {e}{_toml_line(path, e)}") from None
             except UnicodeDecodeError as e:
                 raise ConfigError(f"cannot read config file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} "
                                   f"at offset {e.start}); TOML files are UTF-8") from None
@@ -587,6 +589,19 @@ def _split_override(text: str) -> tuple[str, str]:
     if not sep or not key.strip():
         raise ConfigError(f"override '{text}' must look like section.key=value")
     return key.strip(), value.strip()
+
+
+def _toml_line(path: str, e: Exception) -> str:
+    """The line a TOML error is at, quoted: tomllib names its number only
+    ("Cannot overwrite a value (at line 3, column 11)"), not the key."""
+    m = re.search(r"at line (\d+), column", str(e))
+    lineno = getattr(e, "lineno", None) or (int(m.group(1)) if m else None)   # (3.14's TOMLDecodeError has it)
+    try:
+        with open(path, "rb") as f:
+            line = f.read().decode("utf-8", errors="replace").splitlines()[lineno - 1].strip()
+    except (OSError, IndexError, TypeError):
+        return ""
+    return f": {line if len(line) <= 80 else line[:77] + '...'!r}" if line else ""
 
 
 def _coerce(key: str, ftype: Any, value: Any) -> Any:
