@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     if extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
+    _expand_home(args)
     from crucible import exits
     from crucible.config import ConfigError
     from crucible.tls import TlsError
@@ -236,6 +237,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"crucible: {exits.last_line(e)}", file=sys.stderr)
             return exits.ERROR
         return exits.quiet_after_broken_pipe()       # (`crucible status --watch | head`: quietly, as other tools)
+
+
+# The arguments that are paths on this host.
+_PATHS = ("run_dir", "config", "out", "dir", "ckpt", "model", "tls_dir", "tls_ca", "tls_cert", "tls_key")
+
+
+def _expand_home(args) -> None:
+    """A leading ``~`` in a path argument is the home directory, as in
+    ``data.path``: no shell expands it in ``--run-dir=~/runs/a`` (nor in a
+    script that quotes it), and the run directory was a folder named ``~``
+    in the current one."""
+    for name in _PATHS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, os.path.expanduser(value))
 
 
 def _reader_gone() -> bool:

@@ -115,3 +115,24 @@ def test_a_bind_port_in_use_is_one_line(cmd, tmp_path):
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == f"crucible: --bind {bind}: cannot be bound on this machine " \
                                            f"(Address already in use)", err
+
+
+def test_a_run_dir_under_tilde_is_in_the_home_directory(tmp_path):
+    """`--run-dir=~/runs/a` (no shell expands a ~ after `=`, nor a quoted one):
+    the job trained in a folder named `~` of the current directory. A leading
+    ~ of a path argument is the home directory, as in data.path."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(child_env(), HOME=str(home))
+    proc = subprocess.Popen(crucible_cmd("launch", "--no-check", "--run-dir=~/runs/a", "--replicas", "1",
+                                         "--stages", "2", "--steps", "2", *TINY),
+                            cwd=tmp_path, env=dict(env, PYTHONPATH=ROOT), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc.pid, proc)
+    assert proc.returncode == 0, out
+    assert f"crucible: run directory {home}/runs/a" in out, out
+    assert (home / "runs" / "a" / "metrics.jsonl").exists()
+    assert not (tmp_path / "~").exists()
