@@ -136,3 +136,26 @@ def test_a_run_dir_under_tilde_is_in_the_home_directory(tmp_path):
     assert f"crucible: run directory {home}/runs/a" in out, out
     assert (home / "runs" / "a" / "metrics.jsonl").exists()
     assert not (tmp_path / "~").exists()
+
+
+def test_report_of_another_users_run_says_where_it_cannot_write(tmp_path):
+    """Another user's run directory is readable, not writable: `report` said
+    only "[Errno 13] Permission denied: 'RUN/report'", exit 1. Now it names
+    the run directory, before anything is read, and that --out writes
+    elsewhere (exit 2, as a bad --out)."""
+    if not _user_can_run_crucible():
+        pytest.skip(f"needs root, useradd, runuser, and a Python that user {USER} can run")
+    base = pathlib.Path(tempfile.mkdtemp(prefix="crucible-first-hour-"))
+    try:
+        os.chmod(base, 0o755)
+        run = base / "run"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("")
+        code, out, err, _ = run_bounded(["runuser", "-u", USER, "--", *crucible_cmd("report", str(run))],
+                                        timeout=60)
+        assert code == 2, out + err
+        assert err.strip() == f"crucible report: {run}: cannot write in it: {run}: Permission denied; --out F " \
+                              f"writes the report elsewhere", err
+        assert os.listdir(run) == ["metrics.jsonl"]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
