@@ -159,3 +159,21 @@ def test_report_of_another_users_run_says_where_it_cannot_write(tmp_path):
         assert os.listdir(run) == ["metrics.jsonl"]
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_data_in_a_folder_the_user_may_not_enter_is_not_called_missing():
+    """data.path in another user's home (a folder of mode 0700): the file
+    exists, but os.path.exists says False, and the check said "no such file
+    or folder", sending the user to look for a typo."""
+    if not _user_can_run_crucible():
+        pytest.skip(f"needs root, useradd, runuser, and a Python that user {USER} can run")
+    private = pathlib.Path(tempfile.mkdtemp(prefix="crucible-first-hour-"))      # (0700, root's)
+    try:
+        corpus = private / "corpus.txt"
+        corpus.write_text("hello world\n" * 1000)
+        code, out, err, _ = run_bounded(["runuser", "-u", USER, "--", *crucible_cmd(
+            "check", "--quiet", "--replicas", "1", "--stages", "2", *TINY, f"data.path={corpus}")], timeout=120)
+        assert code == 1, out + err
+        assert err.strip() == f"crucible: data.path '{corpus}': cannot read: Permission denied", err
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
