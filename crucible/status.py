@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -149,15 +150,16 @@ def no_answer(addr: str, run_dir: str | None, ends: Ends | None = None) -> str:
     if launching:
         return launching
     last = ends.last
-    resume = (f"`crucible launch --run-dir {run_dir} --resume` with the job's options goes on from its newest "
+    q = shlex.quote(run_dir)          # (commands to paste: a run directory with a space stays one word)
+    resume = (f"`crucible launch --run-dir {q} --resume` with the job's options goes on from its newest "
               f"checkpoint{f', step {ends.commit}' if ends.commit is not None else ''}; "
-              f"`crucible ckpt list {run_dir}` lists them")
+              f"`crucible ckpt list {q}` lists them")
     if last.get("event") == "job_done":
         steps = last.get("steps")      # (one per replica)
         steps = set(steps) if isinstance(steps, list) and steps and all(map(metrics.whole, steps)) else set()
         at = f" at step {steps.pop()}" if len(steps) == 1 else ""
         return f"crucible status: {run_dir}: the job finished{at}; its coordinator has exited " \
-               f"(`crucible report {run_dir}` shows the run)"
+               f"(`crucible report {q}` shows the run)"
     if last.get("event") == "job_stopped":
         sig = last.get("signal")
         by = f" by {sig}" if isinstance(sig, str) else ""
