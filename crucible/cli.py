@@ -335,6 +335,12 @@ def _launch(args) -> int:
 
     cfg = _job_config(args)
     cfg.validate_here()           # net.bind, before anything starts
+    port = cfg.metrics.prometheus_port
+    if port > 0:                  # (its coordinator serves /metrics here: a port in use stopped it after the start)
+        from crucible.config import bind_problem
+
+        problem = bind_problem(cfg.net.bind, port)
+        cfg._need(problem is None, "metrics.prometheus_port", f"{problem}; choose a free port, or 0 for any")
     _setup_tls(args, cfg)
     return Launcher(args, args.overrides).run()
 
@@ -343,6 +349,7 @@ def _coordinator(args) -> int:
     _setup_logging("coordinator")
     from crucible import exits, rpc
     from crucible.checkpoint.store import CannotResume
+    from crucible.config import ConfigError
     from crucible.coordinator.server import serve
     from crucible.procs import die_with_parent
 
@@ -368,6 +375,8 @@ def _coordinator(args) -> int:
         return exits.ERROR
     except rpc.BindError as e:   # (a port in use: a usage error naming the flag)
         raise UsageError(f"--bind {e}") from None
+    except ConfigError:          # (metrics.prometheus_port in use: one line naming the key, exit status 2)
+        raise
     except Exception as e:  # noqa: BLE001
         return _fatal("coordinator", e)
 

@@ -177,3 +177,29 @@ def test_data_in_a_folder_the_user_may_not_enter_is_not_called_missing():
         assert err.strip() == f"crucible: data.path '{corpus}': cannot read: Permission denied", err
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+def test_a_prometheus_port_in_use_is_refused_before_the_launch_starts(tmp_path):
+    """metrics.prometheus_port taken by another process: the launch started,
+    wrote its run directory, and its coordinator died of it ("failed: the
+    coordinator exited with 1: crucible.config.ConfigError: ..."). It is a
+    configuration error now, before anything is written; a coordinator
+    started by hand says the same key in one line, exit 2."""
+    run = tmp_path / "run"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code, out, err, _ = run_bounded(crucible_cmd("launch", "--no-check", "--run-dir", str(run), "--replicas", "1",
+                                                     "--stages", "2", *TINY, f"metrics.prometheus_port={port}"),
+                                        timeout=60)
+        assert code == 2, out + err
+        assert err.strip() == "crucible: bad value for 'metrics.prometheus_port': cannot be bound on this machine " \
+                              f"(Address already in use); choose a free port, or 0 for any (got {port})", err
+        assert not run.exists()
+        code, out, err, _ = run_bounded(crucible_cmd("coordinator", "--run-dir", str(run), "--bind", "127.0.0.1:0",
+                                                     "--replicas", "1", "--stages", "2", *TINY,
+                                                     f"metrics.prometheus_port={port}"), timeout=60)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == f"crucible: metrics.prometheus_port: cannot serve /metrics on " \
+                                           f"127.0.0.1:{port}: [Errno 98] Address already in use", err
