@@ -2,11 +2,13 @@
 token from the wrong place, another user's run directory) get one line that
 names the cause, never a traceback or a wrong one.
 
-Real users are not root: the test that needs one makes its own (root only,
-with useradd and runuser; skipped otherwise) and runs `crucible` as it."""
+Real users are not root: the tests that need one make their own (root only,
+with useradd and runuser; skipped otherwise; made once, left for the next
+run) and run `crucible` as it."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import pwd
@@ -66,6 +68,7 @@ def test_status_with_a_wrong_token_says_it_was_refused(coordinator):
     assert _status(run, child_env())[0] == 0          # (its own token: the table)
 
 
+@functools.cache
 def _user_can_run_crucible() -> bool:
     """Root, with useradd and runuser, and a Python this test's user may run
     (a venv under /root may not be)."""
