@@ -586,7 +586,8 @@ def _refuse_if_up(run_dir: str, shown: str) -> None:
     active = [j for j in query_jobs(old.names()).values() if j.active]
     if pid or active:
         raise SystemExit(f"crucible slurm: {run_dir} is up already ({len(active)} jobs in the queue, "
-                         f"supervisor {pid or 'not running'}): `crucible slurm down --run-dir {shlex.quote(shown)}` first")
+                         f"supervisor {pid or 'not running'}): "
+                         f"`crucible slurm down --run-dir {shlex.quote(shown)}` first")
 
 
 def _prepare_run_dir(run_dir: str, resume: bool) -> None:
