@@ -15,6 +15,7 @@ import pwd
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -51,8 +52,9 @@ def coordinator():
         shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def _status(run_dir: str, env: dict, runas: list[str] = ()) -> tuple[int, str]:
-    code, out, err, _ = run_bounded([*runas, *crucible_cmd("status", "--run-dir", run_dir)], timeout=30, env=env)
+def _status(run_dir: str, env: dict, crucible: tuple[str, ...] = ()) -> tuple[int, str]:
+    argv = [*crucible, "status", "--run-dir", run_dir] if crucible else crucible_cmd("status", "--run-dir", run_dir)
+    code, out, err, _ = run_bounded(argv, timeout=30, env=env)
     return code, (out + err).strip()
 
 
@@ -69,29 +71,46 @@ def test_status_with_a_wrong_token_says_it_was_refused(coordinator):
 
 
 @functools.cache
-def _user_can_run_crucible() -> bool:
-    """Root, with useradd and runuser, and a Python this test's user may run
-    (a venv under /root may not be)."""
+def _as_user() -> tuple[str, ...] | None:
+    """The command that runs `crucible` as this test's user, or None where
+    that cannot be (not root, no useradd/runuser). A venv's interpreter may
+    be one other users cannot run (pyenv's, under /root): then the system's
+    Python of the same version, with this venv's packages and this checkout
+    first on its path (the same compiled extensions load)."""
     if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("runuser"):
-        return False
+        return None
     try:
         pwd.getpwnam(USER)
     except KeyError:
         if subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
                           capture_output=True, timeout=30).returncode != 0:
-            return False
-    probe = subprocess.run(["runuser", "-u", USER, "--", *crucible_cmd("--version")], cwd=ROOT,
-                           env=child_env(), capture_output=True, timeout=60)
-    return probe.returncode == 0
+            return None
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p.endswith("site-packages"))])
+    for python in dict.fromkeys([sys.executable, *(shutil.which(version, path=d) for d in ("/usr/local/bin",
+                                                                                          "/usr/bin"))]):
+        if python is None:
+            continue
+        cmd = ("runuser", "-u", USER, "--", "env", f"PYTHONPATH={path}", python, "-m", "crucible")
+        probe = subprocess.run([*cmd, "--version"], cwd=ROOT, env=child_env(), capture_output=True, timeout=120)
+        if probe.returncode == 0:
+            return cmd
+    return None
+
+
+def _user_cmd() -> tuple[str, ...]:
+    cmd = _as_user()
+    if cmd is None:
+        pytest.skip(f"needs root, useradd, runuser, and a Python that user {USER} can run")
+    return cmd
 
 
 def test_status_of_another_users_job_names_the_unreadable_token(coordinator):
     """The token file is its owner's alone (0600): another user's `status` sent
     no token, and was told the coordinator "does not answer"."""
-    if not _user_can_run_crucible():
-        pytest.skip(f"needs root, useradd, runuser, and a Python that user {USER} can run")
+    as_user = _user_cmd()
     run, addr = coordinator
-    code, out = _status(run, child_env(), ["runuser", "-u", USER, "--"])
+    code, out = _status(run, child_env(), as_user)
     assert code == 1
     assert out == f"crucible status: coordinator at {addr} refused the token: none given: cannot read " \
                   f"{run}/token: Permission denied (run status as the job's owner, or set $CRUCIBLE_TOKEN to " \
@@ -146,15 +165,14 @@ def test_report_of_another_users_run_says_where_it_cannot_write(tmp_path):
     only "[Errno 13] Permission denied: 'RUN/report'", exit 1. Now it names
     the run directory, before anything is read, and that --out writes
     elsewhere (exit 2, as a bad --out)."""
-    if not _user_can_run_crucible():
-        pytest.skip(f"needs root, useradd, runuser, and a Python that user {USER} can run")
+    as_user = _user_cmd()
     base = pathlib.Path(tempfile.mkdtemp(prefix="crucible-first-hour-"))
     try:
         os.chmod(base, 0o755)
         run = base / "run"
         run.mkdir()
         (run / "metrics.jsonl").write_text("")
-        code, out, err, _ = run_bounded(["runuser", "-u", USER, "--", *crucible_cmd("report", str(run))],
+        code, out, err, _ = run_bounded([*as_user, "report", str(run)],
                                         timeout=60)
         assert code == 2, out + err
         assert err.strip() == f"crucible report: {run}: cannot write in it: {run}: Permission denied; --out F " \
@@ -168,14 +186,13 @@ def test_data_in_a_folder_the_user_may_not_enter_is_not_called_missing():
     """data.path in another user's home (a folder of mode 0700): the file
     exists, but os.path.exists says False, and the check said "no such file
     or folder", sending the user to look for a typo."""
-    if not _user_can_run_crucible():
-        pytest.skip(f"needs root, useradd, runuser, and a Python that user {USER} can run")
+    as_user = _user_cmd()
     private = pathlib.Path(tempfile.mkdtemp(prefix="crucible-first-hour-"))      # (0700, root's)
     try:
         corpus = private / "corpus.txt"
         corpus.write_text("hello world\n" * 1000)
-        code, out, err, _ = run_bounded(["runuser", "-u", USER, "--", *crucible_cmd(
-            "check", "--quiet", "--replicas", "1", "--stages", "2", *TINY, f"data.path={corpus}")], timeout=120)
+        code, out, err, _ = run_bounded([*as_user, "check", "--quiet", "--replicas", "1", "--stages", "2",
+                                         *TINY, f"data.path={corpus}"], timeout=120)
         assert code == 1, out + err
         assert err.strip() == f"crucible: data.path '{corpus}': cannot read: Permission denied", err
     finally:
