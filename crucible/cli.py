@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     if extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
+    _expand_home(args)
     from crucible import exits
     from crucible.config import ConfigError
     from crucible.tls import TlsError
@@ -236,6 +237,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"crucible: {exits.last_line(e)}", file=sys.stderr)
             return exits.ERROR
         return exits.quiet_after_broken_pipe()       # (`crucible status --watch | head`: quietly, as other tools)
+
+
+# The arguments that are paths on this host.
+_PATHS = ("run_dir", "config", "out", "dir", "ckpt", "model", "tls_dir", "tls_ca", "tls_cert", "tls_key")
+
+
+def _expand_home(args) -> None:
+    """A leading ``~`` in a path argument is the home directory, as in
+    ``data.path``: no shell expands it in ``--run-dir=~/runs/a`` (nor in a
+    script that quotes it), and the run directory was a folder named ``~``
+    in the current one."""
+    for name in _PATHS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, os.path.expanduser(value))
 
 
 def _reader_gone() -> bool:
@@ -319,6 +335,12 @@ def _launch(args) -> int:
 
     cfg = _job_config(args)
     cfg.validate_here()           # net.bind, before anything starts
+    port = cfg.metrics.prometheus_port
+    if port > 0:                  # (its coordinator serves /metrics here: a port in use stopped it after the start)
+        from crucible.config import bind_problem
+
+        problem = bind_problem(cfg.net.bind, port)
+        cfg._need(problem is None, "metrics.prometheus_port", f"{problem}; choose a free port, or 0 for any")
     _setup_tls(args, cfg)
     return Launcher(args, args.overrides).run()
 
@@ -327,6 +349,7 @@ def _coordinator(args) -> int:
     _setup_logging("coordinator")
     from crucible import exits, rpc
     from crucible.checkpoint.store import CannotResume
+    from crucible.config import ConfigError
     from crucible.coordinator.server import serve
     from crucible.procs import die_with_parent
 
@@ -350,6 +373,10 @@ def _coordinator(args) -> int:
         exits.write_error(str(e))
         print(f"crucible coordinator: {e}", file=sys.stderr, flush=True)
         return exits.ERROR
+    except rpc.BindError as e:   # (a port in use: a usage error naming the flag)
+        raise UsageError(f"--bind {e}") from None
+    except ConfigError:          # (metrics.prometheus_port in use: one line naming the key, exit status 2)
+        raise
     except Exception as e:  # noqa: BLE001
         return _fatal("coordinator", e)
 
@@ -380,6 +407,8 @@ def _worker(args) -> int:
                       args.device).run()
     except ConfigError:           # (sizing.TooBig: its stage does not fit here; one line, exit status 2)
         raise
+    except rpc.BindError as e:   # (a port in use: a usage error naming the flag)
+        raise UsageError(f"--bind {e}") from None
     except Exception as e:  # noqa: BLE001
         return _fatal("worker", e)
 

@@ -64,15 +64,16 @@ def is_host(value: str) -> bool:
     return re.fullmatch(rf"{_HOST}|{_V6}|\[{_V6}\]", value) is not None
 
 
-def bind_problem(host: str) -> str | None:
+def bind_problem(host: str, port: int = 0) -> str | None:
     """Why a server on this machine cannot bind ``host`` (a name that does not
-    resolve, an address of another machine), or None: a socket is bound to
-    port 0 of each address it resolves to until one binds."""
+    resolve, an address of another machine; with a ``port``, one taken), or
+    None: a socket is bound to that port of each address it resolves to until
+    one binds."""
     import socket
 
     name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
-        infos = socket.getaddrinfo(name or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(name or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         return f"does not resolve ({getattr(e, 'strerror', None) or e})"
     why = "no address"
@@ -290,8 +291,10 @@ class Config:
             try:
                 with open(path, "rb") as f:
                     tree = tomllib.load(f)
-            except (OSError, tomllib.TOMLDecodeError) as e:
+            except OSError as e:
                 raise ConfigError(f"cannot read config file {path}: {e}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"cannot read config file {path}: {e}{_toml_line(path, e)}") from None
             except UnicodeDecodeError as e:
                 raise ConfigError(f"cannot read config file {path}: not UTF-8 text (byte {e.object[e.start]:#04x} "
                                   f"at offset {e.start}); TOML files are UTF-8") from None
@@ -603,6 +606,19 @@ def _split_override(text: str) -> tuple[str, str]:
     if not sep or not key.strip():
         raise ConfigError(f"override '{text}' must look like section.key=value")
     return key.strip(), value.strip()
+
+
+def _toml_line(path: str, e: Exception) -> str:
+    """The line a TOML error is at, quoted: tomllib names its number only
+    ("Cannot overwrite a value (at line 3, column 11)"), not the key."""
+    m = re.search(r"at line (\d+), column", str(e))
+    lineno = getattr(e, "lineno", None) or (int(m.group(1)) if m else None)   # (3.14's TOMLDecodeError has it)
+    try:
+        with open(path, "rb") as f:
+            line = f.read().decode("utf-8", errors="replace").splitlines()[lineno - 1].strip()
+    except (OSError, IndexError, TypeError):
+        return ""
+    return f": {line if len(line) <= 80 else line[:77] + '...'!r}" if line else ""
 
 
 def _coerce(key: str, ftype: Any, value: Any) -> Any:

@@ -94,6 +94,19 @@ def _read_files(paths: list[str], max_bytes: int, skip_unreadable: bool = False)
     return np.frombuffer(b"".join(parts)[:max_bytes], dtype=np.uint8)
 
 
+def _stat_problem(path: str) -> str | None:
+    """Why ``path`` cannot be looked at, or None. Not os.path.exists: it is
+    False for a file in a folder this user may not enter (another user's
+    home), which is no "no such file"."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return "no such file or folder"
+    except OSError as e:
+        return f"cannot read: {e.strerror or e}"
+    return None
+
+
 def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
     """All tokens of the corpus, as uint8 (bytes) or uint16 (.bin). Raises
     ValueError naming ``data.path`` (and the file) for a source that does not
@@ -102,8 +115,8 @@ def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
     path = os.path.expanduser(path)
     if not path:
         toks = _read_files(_stdlib_files(), max_bytes, skip_unreadable=True)
-    elif not os.path.exists(path):
-        raise ValueError(f"data.path {path!r}: no such file or folder")
+    elif missing := _stat_problem(path):
+        raise ValueError(f"data.path {path!r}: {missing}")
     elif what := _not_regular(path):
         raise ValueError(f"data.path {path!r}: {what}, not a file or a folder of files")
     elif os.path.isdir(path):

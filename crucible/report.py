@@ -845,6 +845,13 @@ def main(args) -> int:
     if problem:           # before anything is written (the figures go first, next to it)
         print(f"crucible report: --out {args.out}: {problem}", file=sys.stderr)
         return 2
+    if not args.out and os.path.isdir(args.run_dir):
+        from crucible.files import dir_problem
+
+        problem = dir_problem(args.run_dir, make=True)   # (another user's run: readable, not writable)
+        if problem:
+            print(f"crucible report: {args.run_dir}: {problem}; --out F writes the report elsewhere", file=sys.stderr)
+            return 2
     try:
         summary = build(args.run_dir, args.out)
     except (FileNotFoundError, metrics.Unreadable) as e:

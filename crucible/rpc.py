@@ -248,6 +248,23 @@ def stream_stream(method: str, request_cls, reply_cls, fn: Callable, serializer:
                                                  response_serializer=serializer or reply_cls.SerializeToString)
 
 
+class BindError(OSError):
+    """A server's address that cannot be bound (a port in use, an address of
+    another machine), with the OS's reason: one line naming it, not grpc's
+    "Failed to bind" and a traceback."""
+
+    def __init__(self, bind: str):
+        from crucible.config import bind_problem
+
+        try:
+            host, port = split_hostport(bind)
+            why = bind_problem(host, port) or "gRPC could not bind it"
+        except ValueError as e:
+            why = str(e)
+        super().__init__(f"{bind}: {why}")
+        self.bind = bind
+
+
 def make_server(service: str, handlers: dict, token: str, bind: str, max_workers: int,
                 max_mb: int = 64, health=None) -> tuple[grpc.Server, int]:
     """Start a server for `service` (full name, e.g. crucible.v1.Stage) on `bind`
@@ -271,12 +288,15 @@ def make_server(service: str, handlers: dict, token: str, bind: str, max_workers
 
         health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     files = tls_files()
-    if files is not None:
-        port = server.add_secure_port(bind, tls.server_credentials(files))
-    else:
-        port = server.add_insecure_port(bind)
+    try:
+        if files is not None:
+            port = server.add_secure_port(bind, tls.server_credentials(files))
+        else:
+            port = server.add_insecure_port(bind)
+    except RuntimeError:          # (grpc's "Failed to bind ...; set GRPC_VERBOSITY=debug": the OS's reason is ours)
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind {bind}")
+        raise BindError(bind)
     server.start()
     return server, port
 

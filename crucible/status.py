@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -19,12 +20,16 @@ class StatusClient:
         self.channel = rpc.make_channel(address)
         self.stub = pbg.CoordinatorStub(self.channel)
         self.md = rpc.metadata(token)
+        self.refused = False          # the last call got UNAUTHENTICATED: it answers, but not to this token
 
     def get(self, timeout: float = 3.0) -> dict | None:
         try:
-            return json.loads(self.stub.Status(pb.StatusRequest(), metadata=self.md, timeout=timeout).json)
-        except grpc.RpcError:
+            st = json.loads(self.stub.Status(pb.StatusRequest(), metadata=self.md, timeout=timeout).json)
+        except grpc.RpcError as e:
+            self.refused = e.code() == grpc.StatusCode.UNAUTHENTICATED
             return None
+        self.refused = False
+        return st
 
 
 def resolve(run_dir: str | None, coordinator: str | None) -> tuple[str, str]:
@@ -145,21 +150,43 @@ def no_answer(addr: str, run_dir: str | None, ends: Ends | None = None) -> str:
     if launching:
         return launching
     last = ends.last
-    resume = (f"`crucible launch --run-dir {run_dir} --resume` with the job's options goes on from its newest "
+    q = shlex.quote(run_dir)          # (commands to paste: a run directory with a space stays one word)
+    resume = (f"`crucible launch --run-dir {q} --resume` with the job's options goes on from its newest "
               f"checkpoint{f', step {ends.commit}' if ends.commit is not None else ''}; "
-              f"`crucible ckpt list {run_dir}` lists them")
+              f"`crucible ckpt list {q}` lists them")
     if last.get("event") == "job_done":
         steps = last.get("steps")      # (one per replica)
         steps = set(steps) if isinstance(steps, list) and steps and all(map(metrics.whole, steps)) else set()
         at = f" at step {steps.pop()}" if len(steps) == 1 else ""
         return f"crucible status: {run_dir}: the job finished{at}; its coordinator has exited " \
-               f"(`crucible report {run_dir}` shows the run)"
+               f"(`crucible report {q}` shows the run)"
     if last.get("event") == "job_stopped":
         sig = last.get("signal")
         by = f" by {sig}" if isinstance(sig, str) else ""
         return f"crucible status: {run_dir}: the job was stopped{by} before its last step ({resume})"
     return (f"{line()}; nothing holds its coordinator.lock: it may be restarting, or the job stopped before "
             f"the end ({resume})")
+
+
+def refused(addr: str, run_dir: str | None) -> str:
+    """Why a coordinator that answers refused our token: where the token came
+    from ($CRUCIBLE_TOKEN first, else the run directory's token file), or why
+    there was none (the file is its owner's alone, mode 0600). Not "does not
+    answer": nothing is wrong with the job."""
+    head = f"crucible status: coordinator at {addr} refused the token"
+    if os.environ.get(rpc.TOKEN_ENV):
+        instead = f" Unset it to use {os.path.join(run_dir, 'token')}" if run_dir else ""
+        return f"{head} in ${rpc.TOKEN_ENV} (another job's?{instead})"
+    if not run_dir:
+        return f"{head}: none given (set ${rpc.TOKEN_ENV} to the job's token, or give --run-dir)"
+    path = os.path.join(run_dir, "token")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        return f"{head}: none given: cannot read {path}: {e.strerror} (run status as the job's owner, or set " \
+               f"${rpc.TOKEN_ENV} to the job's token)"
+    return f"{head} in {path} (another job's?)"
 
 
 def _fmt(v, spec=".3f", none="-"):
@@ -209,6 +236,9 @@ def main(args) -> int:
     ends = Ends()
     while True:
         st = client.get(timeout=3.0 if args.watch else 10.0)
+        if st is None and client.refused:
+            print(refused(addr, args.run_dir), file=sys.stderr, flush=True)
+            return 1                  # (the same token is refused every time: no use watching)
         if st is None:
             print(no_answer(addr, args.run_dir, ends), file=sys.stderr, flush=True)
             if not args.watch:

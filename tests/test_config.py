@@ -88,6 +88,20 @@ def test_toml_errors_name_the_key(tmp_path):
         Config.load(str(p))
 
 
+def test_a_duplicate_key_in_toml_shows_its_line(tmp_path):
+    """tomllib says where (line and column), not which key: "Cannot overwrite
+    a value (at line 3, column 11)". The line itself names it."""
+    p = tmp_path / "c.toml"
+    p.write_text("[train]\nsteps = 10\n  steps = 11\n")
+    with pytest.raises(ConfigError) as e:
+        Config.load(str(p))
+    assert str(e.value) == f"cannot read config file {p}: Cannot overwrite a value (at line 3, column 13): " \
+                           f"'steps = 11'", e.value
+    p.write_text("[train]\nsteps = 10\n[train]\n")
+    with pytest.raises(ConfigError, match=r"Cannot declare \('train',\) twice \(at line 3, column 7\): '\[train\]'$"):
+        Config.load(str(p))
+
+
 def test_every_key_is_settable():
     cfg = Config()
     for key in all_keys():

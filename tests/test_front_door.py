@@ -462,6 +462,23 @@ def test_status_of_a_finished_job_says_it_finished(tmp_path):
                            f"(`crucible report {run}` shows the run)\n"), done.stderr
 
 
+def test_status_quotes_a_run_dir_with_a_space_in_the_commands_it_suggests(tmp_path):
+    """`crucible report /runs/my run` pasted from status's line is two
+    arguments: the commands status suggests quote the run directory."""
+    from crucible.status import no_answer
+
+    run = _ended_run(tmp_path, START, {"event": "job_done", "steps": [40]})
+    spaced = run.rename(tmp_path / "my run")
+    assert no_answer("127.0.0.1:1", str(spaced)) == \
+        f"crucible status: {spaced}: the job finished at step 40; its coordinator has exited " \
+        f"(`crucible report '{spaced}'` shows the run)"
+    with open(spaced / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(START) + "\n" + json.dumps({"event": "job_stopped", "signal": "SIGTERM"}) + "\n")
+    line = no_answer("127.0.0.1:1", str(spaced))
+    assert f"`crucible launch --run-dir '{spaced}' --resume`" in line and f"`crucible ckpt list '{spaced}'`" in line, \
+        line
+
+
 @pytest.mark.parametrize("events, says", [
     ([START, {"event": "ckpt_commit", "step": 8}, {"event": "job_stopped", "signal": "SIGTERM", "steps": {"0": 12}},
       {"event": "ckpt_commit", "step": 14, "final": True}],

@@ -586,7 +586,8 @@ def _refuse_if_up(run_dir: str, shown: str) -> None:
     active = [j for j in query_jobs(old.names()).values() if j.active]
     if pid or active:
         raise SystemExit(f"crucible slurm: {run_dir} is up already ({len(active)} jobs in the queue, "
-                         f"supervisor {pid or 'not running'}): `crucible slurm down --run-dir {shown}` first")
+                         f"supervisor {pid or 'not running'}): "
+                         f"`crucible slurm down --run-dir {shlex.quote(shown)}` first")
 
 
 def _prepare_run_dir(run_dir: str, resume: bool) -> None:
@@ -672,8 +673,9 @@ def cmd_up(args) -> int:
         p = subprocess.Popen([sys.executable, "-m", "crucible", "slurm", "supervise", "--run-dir", run_dir],
                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True, close_fds=True)
+    q = shlex.quote(args.run_dir)
     print(f"crucible slurm: supervisor pid {p.pid} (log {sup_log}); `crucible slurm status --run-dir "
-          f"{args.run_dir}`, `crucible slurm down --run-dir {args.run_dir}`", flush=True)
+          f"{q}`, `crucible slurm down --run-dir {q}`", flush=True)
     return 0
 
 

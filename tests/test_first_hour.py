@@ -1,0 +1,225 @@
+"""A new user's first hour: mistakes a user makes (a port already taken, a
+token from the wrong place, another user's run directory) get one line that
+names the cause, never a traceback or a wrong one.
+
+Real users are not root: the tests that need one make their own (root only,
+with useradd and runuser; skipped otherwise; made once, left for the next
+run) and run `crucible` as it."""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from conftest import ROOT, TINY, child_env, crucible_cmd, kill_group, run_bounded
+
+USER = "crucible-test"
+
+
+@pytest.fixture
+def coordinator():
+    """A coordinator alone (no workers: no torch, up in a second or two) that
+    answers `status`; yields (run_dir, address). Its folder is one every user
+    may enter (pytest's tmp_path is under a folder of root's alone)."""
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="crucible-first-hour-"))
+    os.chmod(tmp_path, 0o755)
+    run = tmp_path / "run"
+    log = open(tmp_path / "coordinator.log", "wb")
+    proc = subprocess.Popen(crucible_cmd("coordinator", "--run-dir", str(run), "--bind", "127.0.0.1:0",
+                                         "--replicas", "1", "--stages", "2", *TINY),
+                            cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        addr_file = run / "coordinator.addr"
+        t_end = time.monotonic() + 30
+        while not (addr_file.exists() and addr_file.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < t_end, (tmp_path / "coordinator.log").read_text()
+            time.sleep(0.1)
+        yield str(run), addr_file.read_text().strip()
+    finally:
+        kill_group(proc.pid, proc)
+        log.close()
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _status(run_dir: str, env: dict, crucible: tuple[str, ...] = ()) -> tuple[int, str]:
+    argv = [*crucible, "status", "--run-dir", run_dir] if crucible else crucible_cmd("status", "--run-dir", run_dir)
+    code, out, err, _ = run_bounded(argv, timeout=30, env=env)
+    return code, (out + err).strip()
+
+
+def test_status_with_a_wrong_token_says_it_was_refused(coordinator):
+    """$CRUCIBLE_TOKEN of another job overrides the run directory's token: the
+    coordinator answered UNAUTHENTICATED and status said it "does not
+    answer", sending the user after a job that runs fine."""
+    run, addr = coordinator
+    code, out = _status(run, dict(child_env(), CRUCIBLE_TOKEN="0" * 32))
+    assert code == 1
+    assert out == f"crucible status: coordinator at {addr} refused the token in $CRUCIBLE_TOKEN (another job's? " \
+                  f"Unset it to use {run}/token)", out
+    assert _status(run, child_env())[0] == 0          # (its own token: the table)
+
+
+@functools.cache
+def _as_user() -> tuple[str, ...] | None:
+    """The command that runs `crucible` as this test's user, or None where
+    that cannot be (not root, no useradd/runuser). A venv's interpreter may
+    be one other users cannot run (pyenv's, under /root): then the system's
+    Python of the same version, with this venv's packages and this checkout
+    first on its path (the same compiled extensions load)."""
+    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("runuser"):
+        return None
+    try:
+        pwd.getpwnam(USER)
+    except KeyError:
+        if subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
+                          capture_output=True, timeout=30).returncode != 0:
+            return None
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p.endswith("site-packages"))])
+    for python in dict.fromkeys([sys.executable, *(shutil.which(version, path=d) for d in ("/usr/local/bin",
+                                                                                          "/usr/bin"))]):
+        if python is None:
+            continue
+        cmd = ("runuser", "-u", USER, "--", "env", f"PYTHONPATH={path}", python, "-m", "crucible")
+        probe = subprocess.run([*cmd, "--version"], cwd=ROOT, env=child_env(), capture_output=True, timeout=120)
+        if probe.returncode == 0:
+            return cmd
+    return None
+
+
+def _user_cmd() -> tuple[str, ...]:
+    cmd = _as_user()
+    if cmd is None:
+        pytest.skip(f"needs root, useradd, runuser, and a Python that user {USER} can run")
+    return cmd
+
+
+def test_status_of_another_users_job_names_the_unreadable_token(coordinator):
+    """The token file is its owner's alone (0600): another user's `status` sent
+    no token, and was told the coordinator "does not answer"."""
+    as_user = _user_cmd()
+    run, addr = coordinator
+    code, out = _status(run, child_env(), as_user)
+    assert code == 1
+    assert out == f"crucible status: coordinator at {addr} refused the token: none given: cannot read " \
+                  f"{run}/token: Permission denied (run status as the job's owner, or set $CRUCIBLE_TOKEN to " \
+                  f"the job's token)", out
+
+
+@pytest.mark.parametrize("cmd", ["coordinator", "worker"])
+def test_a_bind_port_in_use_is_one_line(cmd, tmp_path):
+    """A --bind whose port another process holds: a grpc traceback ending in
+    "RuntimeError: Failed to bind ...; set GRPC_VERBOSITY=debug", exit 1.
+    Now the flag, the address and the OS's reason, exit 2 (a usage error)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        bind = f"127.0.0.1:{held.getsockname()[1]}"
+        if cmd == "coordinator":
+            argv = crucible_cmd("coordinator", "--run-dir", str(tmp_path / "run"), "--bind", bind,
+                                "--replicas", "1", "--stages", "2", *TINY)
+        else:      # (it binds before it dials: no coordinator needed)
+            argv = crucible_cmd("worker", "--coordinator", "127.0.0.1:9", "--replica", "0", "--stage", "0",
+                                "--bind", bind)
+        code, out, err, _ = run_bounded(argv, timeout=60, env=dict(child_env(), CRUCIBLE_TOKEN="x"))
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == f"crucible: --bind {bind}: cannot be bound on this machine " \
+                                           f"(Address already in use)", err
+
+
+def test_a_run_dir_under_tilde_is_in_the_home_directory(tmp_path):
+    """`--run-dir=~/runs/a` (no shell expands a ~ after `=`, nor a quoted one):
+    the job trained in a folder named `~` of the current directory. A leading
+    ~ of a path argument is the home directory, as in data.path."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(child_env(), HOME=str(home))
+    proc = subprocess.Popen(crucible_cmd("launch", "--no-check", "--run-dir=~/runs/a", "--replicas", "1",
+                                         "--stages", "2", "--steps", "2", *TINY),
+                            cwd=tmp_path, env=dict(env, PYTHONPATH=ROOT), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc.pid, proc)
+    assert proc.returncode == 0, out
+    assert f"crucible: run directory {home}/runs/a" in out, out
+    assert (home / "runs" / "a" / "metrics.jsonl").exists()
+    assert not (tmp_path / "~").exists()
+
+
+def test_report_of_another_users_run_says_where_it_cannot_write(tmp_path):
+    """Another user's run directory is readable, not writable: `report` said
+    only "[Errno 13] Permission denied: 'RUN/report'", exit 1. Now it names
+    the run directory, before anything is read, and that --out writes
+    elsewhere (exit 2, as a bad --out)."""
+    as_user = _user_cmd()
+    base = pathlib.Path(tempfile.mkdtemp(prefix="crucible-first-hour-"))
+    try:
+        os.chmod(base, 0o755)
+        run = base / "run"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("")
+        code, out, err, _ = run_bounded([*as_user, "report", str(run)],
+                                        timeout=60)
+        assert code == 2, out + err
+        assert err.strip() == f"crucible report: {run}: cannot write in it: {run}: Permission denied; --out F " \
+                              f"writes the report elsewhere", err
+        assert os.listdir(run) == ["metrics.jsonl"]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_data_in_a_folder_the_user_may_not_enter_is_not_called_missing():
+    """data.path in another user's home (a folder of mode 0700): the file
+    exists, but os.path.exists says False, and the check said "no such file
+    or folder", sending the user to look for a typo."""
+    as_user = _user_cmd()
+    private = pathlib.Path(tempfile.mkdtemp(prefix="crucible-first-hour-"))      # (0700, root's)
+    try:
+        corpus = private / "corpus.txt"
+        corpus.write_text("hello world\n" * 1000)
+        code, out, err, _ = run_bounded([*as_user, "check", "--quiet", "--replicas", "1", "--stages", "2",
+                                         *TINY, f"data.path={corpus}"], timeout=120)
+        assert code == 1, out + err
+        assert err.strip() == f"crucible: data.path '{corpus}': cannot read: Permission denied", err
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def test_a_prometheus_port_in_use_is_refused_before_the_launch_starts(tmp_path):
+    """metrics.prometheus_port taken by another process: the launch started,
+    wrote its run directory, and its coordinator died of it ("failed: the
+    coordinator exited with 1: crucible.config.ConfigError: ..."). It is a
+    configuration error now, before anything is written; a coordinator
+    started by hand says the same key in one line, exit 2."""
+    run = tmp_path / "run"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code, out, err, _ = run_bounded(crucible_cmd("launch", "--no-check", "--run-dir", str(run), "--replicas", "1",
+                                                     "--stages", "2", *TINY, f"metrics.prometheus_port={port}"),
+                                        timeout=60)
+        assert code == 2, out + err
+        assert err.strip() == "crucible: bad value for 'metrics.prometheus_port': cannot be bound on this machine " \
+                              f"(Address already in use); choose a free port, or 0 for any (got {port})", err
+        assert not run.exists()
+        code, out, err, _ = run_bounded(crucible_cmd("coordinator", "--run-dir", str(run), "--bind", "127.0.0.1:0",
+                                                     "--replicas", "1", "--stages", "2", *TINY,
+                                                     f"metrics.prometheus_port={port}"), timeout=60)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == f"crucible: metrics.prometheus_port: cannot serve /metrics on " \
+                                           f"127.0.0.1:{port}: [Errno 98] Address already in use", err
