@@ -263,6 +263,7 @@ class DebugConfig:
     stall_outer: str = ""            # "r1s1:30": that worker sleeps 30 s inside each outer round (fault tests)
     dump_final: bool = False         # write run_dir/debug/final_r{r}s{s}.pt (model, optimizer, outer state) at the end
     persist_delay_s: float = 0.0     # stretch every shard write by this much (checkpoint fault tests)
+    commit_delay_s: float = 0.0      # the coordinator holds each commit this long, every shard in (fault tests)
     # On a GPU: deterministic kernels only (torch.use_deterministic_algorithms,
     # CUBLAS_WORKSPACE_CONFIG), for the bitwise GPU tests; slower. A CPU is deterministic already.
     deterministic: bool = False
@@ -471,6 +472,7 @@ class Config:
         need(c.persister in ("process", "thread"), "checkpoint.persister", "must be process or thread")
         need(c.preemption_timeout_s > 0, "checkpoint.preemption_timeout_s", "must be > 0")
         need(self.debug.persist_delay_s >= 0, "debug.persist_delay_s", "must be >= 0")
+        need(self.debug.commit_delay_s >= 0, "debug.commit_delay_s", "must be >= 0")
         need(_stall_ok(self.debug.stall_outer), "debug.stall_outer", "must look like r1s1:30 (a worker, seconds >= 0)")
         if c.preserve:
             from crucible.checkpoint.policies import parse_preserve_spec

@@ -682,6 +682,61 @@ def test_a_failed_persist_is_reported_at_once_and_surfaces_on_the_next_save(tmp_
         ck.close()
 
 
+def test_a_worker_reports_its_end_shard_again_until_the_end_save_is_committed(tmp_path):
+    """The coordinator that took the end save's shards may die before its commit;
+    the one restarted in its place knows nothing of them. A worker whose shard
+    of it was accepted waits for the commit before it exits, reporting the
+    shard again meanwhile; a refusal (the save was aborted) ends the wait."""
+    def worker(where):
+        w = _stage_worker(where, n_layer=2, step=6)
+        w.cfg.checkpoint.persister = "thread"
+        w.cfg.train.steps = 6
+        w.cfg.fault.heartbeat_interval_s = 0.05
+        return w
+
+    w, sent = worker(tmp_path / "a"), []
+
+    def coordinators(req):     # the first takes it and dies; the next takes it again, then commits
+        sent.append((req.ckpt_step, req.name, req.bytes, req.checksum))
+        if len(sent) == 3:
+            store.commit(os.path.join(w.run_dir, "checkpoints"), 6,
+                         [{"name": req.name, "bytes": req.bytes, "checksum": req.checksum}])
+        return True
+
+    ck = _parts_checkpointer(w, send_shard=coordinators)
+    ck.save(6)
+    ck.close()
+    assert len(sent) == 3 and len(set(sent)) == 1 and sent[0][0] == 6
+    assert store.verify(store.step_dir(os.path.join(w.run_dir, "checkpoints"), 6)) == []
+
+    w, answers = worker(tmp_path / "b"), [True, False]
+    ck = _parts_checkpointer(w, send_shard=lambda req: answers.pop(0))
+    ck.save(6)
+    t0 = time.monotonic()
+    ck.close()
+    assert answers == [] and time.monotonic() - t0 < 5
+
+
+def test_a_shard_reported_again_while_its_save_commits_is_taken(tmp_path, monkeypatch):
+    """(A worker waiting for the end save asks again): taken while the commit is
+    written, refused once the save is committed."""
+    c = _coordinator(tmp_path, **{"train.steps": 12})
+    c.ckpt.prepare(resume=False)
+    for wid in sorted(c.workers):
+        assert _report(c, wid, 12).accepted          # before the end save is named: kept for it
+    rp = c.ckpt.early["r0s0.shard"]
+    again = pb.ShardReport(worker_id="r0s0-x", ckpt_step=12, name="r0s0.shard", bytes=rp["bytes"],
+                           checksum=rp["checksum"], replica_step=12, outer_round=3)
+    during = []
+    commit = store.commit
+    monkeypatch.setattr(store, "commit", lambda *a, **kw: (during.append(c.ckpt.report_shard(again, None).accepted),
+                                                           commit(*a, **kw))[1])
+    c.ckpt._tick()                                   # the end save is named, every shard in
+    c.ckpt._tick()                                   # committed
+    assert during == [True] and c.ckpt.latest_committed_step == 12
+    assert not c.ckpt.report_shard(again, None).accepted
+
+
 def test_manager_waits_for_the_step_rate_and_retries_an_aborted_save_soon(tmp_path):
     """No save is named before the steps have moved for a second (the margin
     needs the rate), and an aborted save does not hold the next one back by

@@ -75,7 +75,11 @@ arrives first: such shards are kept until the save is named), so a completed
 job always leaves a committed checkpoint of its last step, however long ago
 the previous save was. It is asked before the save policy: it is a save of
 its own kind (a fixed step, shards that come unasked, finished replicas
-included). ``drain`` (when the job is done) waits for it.
+included). ``drain`` (when the job is done) waits for it. A worker waits for
+its commit too before it says done, reporting its shard again meanwhile
+(taken again while it commits): a coordinator killed after the last shard
+came and before the commit is restarted knowing none of them, and gets them
+again.
 
 Membership. The manager reads the coordinator's membership
 (``crucible.coordinator.membership``) through its methods only, under the
@@ -379,6 +383,9 @@ class CheckpointManager:
                 return pb.ShardAck(accepted=False)
             if not _HEX64.match(req.checksum) or req.bytes <= 0 or req.outer_round < 0:
                 raise ValueError("a shard report needs bytes > 0, a hex sha256 checksum and an outer_round >= 0")
+            if p is not None and p.committing and p.step == req.ckpt_step and \
+                    (p.reports.get(name) or {}).get("checksum") == req.checksum:
+                return pb.ShardAck(accepted=True)    # (a worker waiting for the end save asks again)
             if not current:
                 return pb.ShardAck(accepted=self._early_end_shard(req, w, name))
             expected = req.worker_id in p.required
@@ -731,6 +738,10 @@ class CheckpointManager:
         reports = _consistent_reports(p)
         with self.cv:
             extra = self._manifest_extra(p, reports)
+        if self.job_cfg.debug.commit_delay_s > 0:    # (fault tests: a kill between the last shard and the commit)
+            log.warning("checkpoint of step %d: every shard in; holding the commit for %ss (debug.commit_delay_s)",
+                        p.step, self.job_cfg.debug.commit_delay_s)
+            time.sleep(self.job_cfg.debug.commit_delay_s)
         t0 = time.monotonic()
         try:
             store.commit(self.root, p.step, [{k: rp[k] for k in ("name", "bytes", "checksum")} for rp in reports],

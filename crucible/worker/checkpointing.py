@@ -14,6 +14,7 @@ it needs from its worker as narrow callables; it never sees the Worker::
         route_state=lambda: route.state,     # "training" | "paused" | ... | None (no route yet)
         report=ctl.report,                   # events for metrics.jsonl
         send_shard=ctl.report_shard,         # ReportShard(pb.ShardReport) -> accepted
+        stopped=ctl.stop.is_set,             # the worker is told to stop (the end wait gives up)
         on_stall=lambda s: ledger.add("checkpoint_stall", s),
         pin=device.type == "cuda")           # pin the snapshot region
 
@@ -53,7 +54,12 @@ target.
 The end of the job (``train.steps``) is a cut every worker knows without
 being told: stage 0 marks the COMMIT of the last step, every stage snapshots
 after it (and the outer round it closes) and reports the shard; the
-coordinator commits them as the job's end save.
+coordinator commits them as the job's end save. The worker then waits for
+that commit before it says done and exits (``close``): a coordinator killed
+after the last shard came but before its commit is restarted without the
+shards its predecessor took, and each worker reports its own again (it still
+has its name, size and checksum); the wait ends at the commit, when the
+coordinator refuses the shard (it aborted the save), or at a stop.
 
 How (two phases, at most one save in flight; ``crucible.checkpoint.snapshot``):
 the *snapshot* copies the parts' tensors into a reused shared region on the
@@ -178,12 +184,14 @@ class WorkerCheckpointer:
                  route_state: Callable[[], str | None] = lambda: None,
                  report: Callable[[dict], None] = lambda event: None,
                  send_shard: Callable[[pb.ShardReport], bool] = lambda req: False,
+                 stopped: Callable[[], bool] = lambda: False,
                  on_stall: Callable[[float], None] = lambda seconds: None,
                  pin: bool = False):
         self.cfg, self.run_dir, self.replica, self.stage = cfg, run_dir, int(replica), int(stage)
         self.parts = dict(parts)
         self.step, self.set_step, self.route_state = step, set_step, route_state
         self.report, self.send_shard, self.on_stall, self.pin = report, send_shard, on_stall, pin
+        self.stopped = stopped
         self.enabled = bool(cfg.checkpoint.enable_checkpointing)
         self.async_ = bool(cfg.checkpoint.async_checkpointing)
         self.root = os.path.join(run_dir, "checkpoints")
@@ -205,6 +213,7 @@ class WorkerCheckpointer:
         self.last_wait_s = 0.0
         self.last_persist_s = 0.0
         self.saves = 0
+        self.end_report: pb.ShardReport | None = None   # this worker's shard of the end save, accepted
 
     @property
     def outer_round(self) -> int:
@@ -352,7 +361,8 @@ class WorkerCheckpointer:
                              persist_s=self.last_persist_s, error=err)
         if info is not None:
             req.bytes, req.checksum = int(info["bytes"]), info["checksum"]
-        self.send_shard(req)
+        if self.send_shard(req) and not err and ckpt_step == self.cfg.train.steps:
+            self.end_report = req
 
     def _send_async(self, req: pb.ShardReport) -> None:
         threading.Thread(target=self.send_shard, args=(req,), daemon=True, name="ckpt-report").start()
@@ -507,12 +517,15 @@ class WorkerCheckpointer:
     # ---- end ---------------------------------------------------------------------------
 
     def close(self, timeout: float = 120.0) -> None:
-        """Finish the save in flight (its error surfaces here), write the debug
-        dump of the final state if asked, release the region and the persister."""
+        """Finish the save in flight (its error surfaces here), wait for the end
+        save's commit, write the debug dump of the final state if asked, release
+        the region and the persister."""
         try:
             self._finish_previous(timeout)
         except TimeoutError as e:
             log.error("%s", e)
+        else:
+            self._await_end_commit()
         if self.cfg.debug.dump_final and self.step() >= self.cfg.train.steps:
             self.dump_final()
         if self._thread is not None and self._idle.is_set():
@@ -522,6 +535,36 @@ class WorkerCheckpointer:
         if self._snap is not None and self._idle.is_set():
             self._snap.close()
             self._snap = None
+
+    def _await_end_commit(self) -> None:
+        """This worker's shard of the end save was accepted: wait until the save is
+        committed (``step_<N>`` exists) before the worker says done and exits. The
+        coordinator that took the shard may die before its commit; the one restarted
+        in its place knows nothing of the shards it took, so the shard is reported
+        again every heartbeat interval (to the same coordinator: answered as taken
+        while the save is collected or committed). A refusal (the save was aborted,
+        or this report came too late), a coordinator out of reach for the report's
+        deadline, or a stop ends the wait."""
+        req, self.end_report = self.end_report, None
+        if req is None or self.step() < self.cfg.train.steps:
+            return
+        final = store.step_dir(self.root, req.ckpt_step)
+        interval = float(self.cfg.fault.heartbeat_interval_s)
+        t0 = time.monotonic()
+        ask_at = t0 + interval
+        while not os.path.isdir(final):
+            if self.stopped():
+                return
+            if time.monotonic() >= ask_at:
+                if not self.send_shard(req) and not os.path.isdir(final):
+                    log.warning("%s: the end save (step %d) is not committed, and the coordinator no longer "
+                                "takes its shard", self.name, req.ckpt_step)
+                    return
+                ask_at = time.monotonic() + interval
+            time.sleep(0.05)
+        if time.monotonic() - t0 > 1.0:
+            log.info("%s: the end save (step %d) committed after %.1fs", self.name, req.ckpt_step,
+                     time.monotonic() - t0)
 
     def dump_final(self) -> None:
         """``debug/final_r{R}s{S}.pt``: the stage's training state and step, for tests."""

@@ -281,7 +281,7 @@ class Worker:
         return WorkerCheckpointer(
             cfg, self.run_dir, self.replica, self.stage, parts, step=lambda: self.step, set_step=set_step,
             route_state=self.links.route_state,
-            report=self.ctl.report, send_shard=self.ctl.report_shard,
+            report=self.ctl.report, send_shard=self.ctl.report_shard, stopped=self.ctl.stop.is_set,
             on_stall=lambda s: self.ledger.add("checkpoint_stall", s), pin=self.device.type == "cuda")
 
     def _committed(self, step: int, snapshot: bool) -> None:
