@@ -585,6 +585,31 @@ def test_a_report_with_a_malformed_field_is_refused_whole(tmp_path):
     assert [e["event"] for e in lines] == ["marker", "step"]
 
 
+def test_a_report_nested_too_deep_is_invalid_argument(tmp_path):
+    """An event of thousands of nested brackets (a worker's, or anyone's with
+    the token: parsed before the sender is asked for) was INTERNAL, with a
+    RecursionError's traceback in the coordinator's log; one a little less
+    deep was written, for a reader of metrics.jsonl with less stack to
+    spare to fail on. Both are INVALID_ARGUMENT, and so is a number of more
+    than 4300 digits, naming the event; nothing of the batch is written."""
+    c, ids = _coordinator(tmp_path)
+    wid, secret = ids[(0, 1)], _secret(c, ids[(0, 1)])
+    marker = json.dumps({"event": "marker"})
+    try:
+        for bad in ("[" * 20000 + "]" * 20000, '{"event": "x", "a": ' + "[" * 900 + "]" * 900 + "}",
+                    '{"event": "x", "n": ' + "9" * 5000 + "}"):
+            for who, events in (({"worker_id": wid, "secret": secret}, [marker, bad]), ({}, [bad])):
+                with pytest.raises(ValueError, match=f"event {len(events) - 1} is (nested more than|not JSON)"):
+                    c.Report(pb.ReportRequest(events_json=events, source="src", seq=0, **who), None)
+        ok = json.dumps({"event": "x", "a": [[{"b": [1]}]]})
+        assert c.Report(pb.ReportRequest(worker_id=wid, secret=secret, events_json=[marker, ok], source="src",
+                                         seq=0), None).accepted == 2
+    finally:
+        c.stop()
+    assert [json.loads(line)["event"] for line in open(tmp_path / "metrics.jsonl") if '"src":"src"' in line] \
+        == ["marker", "x"]
+
+
 def test_an_unregistered_workers_error_naming_no_slot_is_not_found(tmp_path):
     """Before registering, only a worker_error of an existing slot is taken: one
     whose replica or stage is a list, an object, a bool or a string is

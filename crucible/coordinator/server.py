@@ -102,6 +102,7 @@ log = logging.getLogger("crucible.coordinator")
 SERVICE = "crucible.v1.Coordinator"
 MAX_EVENTS_PER_REPORT = 1000
 MAX_EVENT_BYTES = 64 << 10
+MAX_EVENT_DEPTH = 32     # lists and objects within an event (every real one is a few deep)
 STATE_FILE = "coordinator.state.json"
 PROBE_ATTEMPTS = 2     # a probe that fails other than refused is tried again before a worker is dead
 MONITOR_TICK_S = 0.1
@@ -418,8 +419,14 @@ class Coordinator:
                 raise ValueError(f"event {i} is {len(raw)} bytes (max {MAX_EVENT_BYTES})")
             try:
                 ev = json.loads(raw)
-            except json.JSONDecodeError as e:
+                deep = _depth(ev) > MAX_EVENT_DEPTH
+            except ValueError as e:     # (JSONDecodeError; a number of more than 4300 digits)
                 raise ValueError(f"event {i} is not JSON: {e}") from None
+            except RecursionError:      # (thousands of nested brackets: it was INTERNAL, with a traceback)
+                deep = True
+            if deep:
+                # (one that loads here may not load in a reader of metrics.jsonl with less stack to spare)
+                raise ValueError(f"event {i} is nested more than {MAX_EVENT_DEPTH} deep")
             if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
                 raise ValueError(f"event {i} must be a JSON object with a string 'event' field")
             if ev["event"] in KINDS and ev["event"] not in REPORTED:
@@ -697,6 +704,17 @@ def _corpus(req: pb.RegisterRequest) -> dict | None:
     if not req.HasField("corpus") or not req.corpus.sha256:
         return None
     return {k: getattr(req.corpus, k) for k in corpora.KEYS}
+
+
+def _depth(value) -> int:
+    """How deep lists and objects nest in a parsed JSON value (without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def _check_fields(ev: dict, i: int) -> None:
