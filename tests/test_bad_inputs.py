@@ -208,6 +208,27 @@ def test_hellos_from_a_future_epoch_cannot_hold_the_worker(job):
     assert not job.events("fault"), job.events("fault")
 
 
+def test_a_refusal_that_echoes_a_huge_field_still_travels(job):
+    """A refusal quoting what it refuses (a tensor of 100,000 dimensions, an
+    address of 100,000 characters) made a status message over gRPC's 16 KiB
+    header limit: the caller got RESOURCE_EXHAUSTED "Stream removed" instead
+    of INVALID_ARGUMENT, and the worker logged 300 kB in one line. The
+    message is cut to rpc.MAX_DETAILS."""
+    frame = _forward(torch.zeros(2, 32, 32))
+    frame.tensor.shape[:] = [1] * 100_000
+    err = _pipe(job, [frame])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()[:300]
+    assert "invalid shape" in err.details() and len(err.details()) < rpc.MAX_DETAILS + 100
+    with rpc.make_channel(job.address()) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pbg.CoordinatorStub(ch).Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=-1,
+                                                                stage=-1, address="x" * 100_000),
+                                             metadata=rpc.metadata(job.token()), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()[:300]
+    assert "must be host:port" in e.value.details()
+    assert_still_training(job)
+
+
 def test_a_call_without_the_workers_secret_is_refused(job):
     """The job's token alone does not speak for a worker: a forged leave (its
     slot given up), "done" or pulse, a forged report (the replica done, the
