@@ -560,6 +560,54 @@ def test_every_call_that_speaks_for_a_worker_needs_its_secret(tmp_path):
         c.stop()
 
 
+def test_a_workers_newer_route_watch_ends_its_older_one(tmp_path):
+    """Thirty WatchRoutes of one worker at once (a worker that leaks its
+    watches as it reconnects): each held one of the server's twenty threads
+    for as long as it stayed open, so the worker's heartbeats and everyone
+    else's queued behind them (healthy workers evicted for silence). A newer
+    watch now ends the older ones: beats and Status answer at once, and the
+    newest watch still gets the routes."""
+    from crucible._pb import crucible_pb2_grpc as pbg
+
+    c, ids = _coordinator(tmp_path)
+    c.start("127.0.0.1:0")
+    wid, other = ids[(1, 1)], ids[(0, 0)]
+    md = rpc.metadata("t")
+    try:
+        with rpc.make_channel(f"127.0.0.1:{c.port}") as ch:
+            stub = pbg.CoordinatorStub(ch)
+            watches = [stub.WatchRoutes(pb.WatchRequest(worker_id=wid, secret=_secret(c, wid)), metadata=md,
+                                        timeout=30) for _ in range(30)]
+            time.sleep(1.0)
+            for who in (wid, other):
+                stub.Heartbeat(pb.HeartbeatRequest(worker_id=who, secret=_secret(c, who), state="alive"),
+                               metadata=md, timeout=2)
+            assert json.loads(stub.Status(pb.StatusRequest(), metadata=md, timeout=2).json)["epoch"] == c.epoch
+            updates: dict[int, list] = {i: [] for i in range(30)}
+            ended: set[int] = set()
+
+            def drain(i):
+                try:
+                    for u in watches[i]:
+                        updates[i].append(u.epoch)
+                    ended.add(i)
+                except grpc.RpcError:
+                    pass              # (cancelled: the one still open)
+
+            readers = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(30)]
+            for t in readers:
+                t.start()
+            for t in readers:
+                t.join(3)
+            assert len(ended) == 29, sorted(ended)       # ended (OK) by the newer ones
+            (kept,) = set(range(30)) - ended
+            assert updates[kept] and updates[kept][-1] == c.epoch
+            for w in watches:
+                w.cancel()
+    finally:
+        c.stop()
+
+
 def test_a_report_with_a_malformed_field_is_refused_whole(tmp_path):
     """A field the coordinator acts on with the wrong type is INVALID_ARGUMENT
     for the whole batch, before any of it is taken: a retry of the batch, put

@@ -139,6 +139,7 @@ class Coordinator:
         self.port = 0
         self.restart_requested = False
         self._probing: set[tuple[int, int]] = set()
+        self._watches: dict[str, int] = {}     # worker id -> its newest WatchRoutes (the one kept)
         self.links = LinkRates()     # each boundary's throughput, for status
         self.suspicions = SuspicionBook(cfg.job.stages, cfg.fault.suspicion_limit, cfg.fault.suspicion_window_s)
         self._evidence_probe_at: dict[str, float] = {}     # isolated: when each silent worker was last probed
@@ -392,16 +393,23 @@ class Coordinator:
         return self.stopping.is_set() or self.restart_requested or self.signalled
 
     def WatchRoutes(self, req: pb.WatchRequest, context):
+        """One watch per worker (a worker keeps one, and watches again only
+        once it has lost it): a newer one ends the older. Each holds one of
+        the server's threads, which heartbeats need too: a worker that leaked
+        its watches took them all, and nobody's beat got through."""
         with self.cv:
             w = self.member(req.worker_id)
             self._own(w, req.secret, "WatchRoutes")
+            mine = self._watches[w.worker_id] = self._watches.get(w.worker_id, 0) + 1
+            self.cv.notify_all()
         sent = -1
         while context.is_active() and not self.stopping.is_set():
             with self.cv:
+                if self._watches.get(w.worker_id) != mine:
+                    return
                 if self.epoch == sent:
                     self.cv.wait(timeout=1.0)
-                    if self.epoch == sent:
-                        continue
+                    continue
                 update, sent = self._route_update(w), self.epoch
             yield update
 
