@@ -658,6 +658,25 @@ def test_a_report_nested_too_deep_is_invalid_argument(tmp_path):
         == ["marker", "x"]
 
 
+def test_a_heartbeat_with_a_step_out_of_range_is_invalid_argument(tmp_path):
+    """A stage 0's beat moves its replica's step: one of 2**62 (a buggy worker,
+    with its own secret) was taken, and status showed that step until the
+    next step event (for ever, had the replica been paused); a negative one
+    was taken too. Both are INVALID_ARGUMENT now, and nothing changes."""
+    c, ids = _coordinator(tmp_path)
+    wid, secret = ids[(0, 0)], _secret(c, ids[(0, 0)])
+    try:
+        before = c.m.replicas[0].step
+        for step in (2**62, -1):
+            with pytest.raises(ValueError, match=f"step {step} is out of range"):
+                c.Heartbeat(pb.HeartbeatRequest(worker_id=wid, secret=secret, state="alive", step=step), None)
+        assert c.m.replicas[0].step == before
+        c.Heartbeat(pb.HeartbeatRequest(worker_id=wid, secret=secret, state="alive", step=3), None)
+        assert c.m.replicas[0].step == max(before, 3)
+    finally:
+        c.stop()
+
+
 def test_an_unregistered_workers_error_naming_no_slot_is_not_found(tmp_path):
     """Before registering, only a worker_error of an existing slot is taken: one
     whose replica or stage is a list, an object, a bool or a string is

@@ -102,6 +102,7 @@ log = logging.getLogger("crucible.coordinator")
 SERVICE = "crucible.v1.Coordinator"
 MAX_EVENTS_PER_REPORT = 1000
 MAX_EVENT_BYTES = 64 << 10
+MAX_STEP = 2**53        # a step past this is no worker's (nor exact as a JSON number in every reader)
 MAX_EVENT_DEPTH = 32     # lists and objects within an event (every real one is a few deep)
 STATE_FILE = "coordinator.state.json"
 PROBE_ATTEMPTS = 2     # a probe that fails other than refused is tried again before a worker is dead
@@ -351,6 +352,8 @@ class Coordinator:
     def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         if self.leaving:
             raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "this coordinator is leaving; the next one takes over")
+        if not 0 <= req.step <= MAX_STEP:     # (a stage 0's beat moves its replica's step: status showed 4.6e18)
+            raise ValueError(f"step {req.step} is out of range (0 to {MAX_STEP})")
         with self.cv:
             w = self.member(req.worker_id)
             self._own(w, req.secret, "Heartbeat")
