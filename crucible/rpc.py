@@ -169,21 +169,35 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
+MAX_DETAILS = 1000     # characters of a status message (percent-encoded: gRPC refuses a header over 16 KiB)
+
+
+def details(message: str) -> str:
+    """A status message short enough to travel. One that echoes a request's
+    field back (a shape of 100,000 dimensions) went over gRPC's header limit:
+    the caller got RESOURCE_EXHAUSTED "Stream removed", not the status."""
+    if len(message) <= MAX_DETAILS:
+        return message
+    head, tail = MAX_DETAILS * 4 // 5, MAX_DETAILS // 5       # (the reason may come after the quote)
+    return f"{message[:head]} [... {len(message) - head - tail} characters ...] {message[-tail:]}"
+
+
 def _parse(cls, raw: bytes, context, method: str):
     try:
         msg = cls.FromString(raw)
     except (DecodeError, RuntimeWarning, ValueError, TypeError) as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: request is not a valid {cls.__name__}: {e}")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      details(f"{method}: request is not a valid {cls.__name__}: {e}"))
     return msg
 
 
 def _fail(context, method: str, exc: BaseException):
     if isinstance(exc, RpcFault):
-        context.abort(exc.code, exc.message)
+        context.abort(exc.code, details(exc.message))
     if isinstance(exc, ValueError):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {exc}")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, details(f"{method}: {exc}"))
     log.exception("%s failed", method)
-    context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error: {type(exc).__name__}: {exc}")
+    context.abort(grpc.StatusCode.INTERNAL, details(f"{method}: internal error: {type(exc).__name__}: {exc}"))
 
 
 def _is_abort(exc: BaseException) -> bool:

@@ -178,6 +178,57 @@ def test_streams_that_never_say_hello_cannot_hold_the_worker(job):
     assert not job.events("fault"), job.events("fault")
 
 
+def test_hellos_from_a_future_epoch_cannot_hold_the_worker(job):
+    """Twenty Pipe streams whose HELLO names an epoch far ahead of the
+    route's: each waits (seconds) for that epoch to arrive over WatchRoutes.
+    They held a server thread each, uncounted, so the worker's 16 were all
+    taken and its Probe went unanswered (the coordinator evicts a worker whose
+    probe fails). Until a HELLO is taken its stream counts against
+    MAX_UNANNOUNCED: the rest are RESOURCE_EXHAUSTED at once, the worker
+    answers probes all along, and the waiting ones end FAILED_PRECONDITION."""
+    from crucible.worker.dataplane import MAX_UNANNOUNCED
+
+    md = rpc.metadata(job.token())
+    hello = pb.Frame(kind=pb.Frame.HELLO, epoch=2 ** 64 - 1, src_replica=0, src_stage=0)
+    with rpc.make_channel(_worker_addr(job, 1)) as ch:
+        stub = pbg.StageStub(ch)
+        calls = [stub.Pipe(iter([hello]), metadata=md, timeout=30) for _ in range(20)]
+        time.sleep(0.5)
+        for _ in range(3):
+            assert stub.Probe(pb.ProbeRequest(), metadata=md, timeout=2).stage == 1
+            time.sleep(0.5)
+        codes = []
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                list(call)
+            codes.append(e.value.code())
+    waited = codes.count(grpc.StatusCode.FAILED_PRECONDITION)
+    assert waited + codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 20 and 1 <= waited <= MAX_UNANNOUNCED, codes
+    assert_still_training(job)
+    assert not job.events("fault"), job.events("fault")
+
+
+def test_a_refusal_that_echoes_a_huge_field_still_travels(job):
+    """A refusal quoting what it refuses (a tensor of 100,000 dimensions, an
+    address of 100,000 characters) made a status message over gRPC's 16 KiB
+    header limit: the caller got RESOURCE_EXHAUSTED "Stream removed" instead
+    of INVALID_ARGUMENT, and the worker logged 300 kB in one line. The
+    message is cut to rpc.MAX_DETAILS."""
+    frame = _forward(torch.zeros(2, 32, 32))
+    frame.tensor.shape[:] = [1] * 100_000
+    err = _pipe(job, [frame])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()[:300]
+    assert "invalid shape" in err.details() and len(err.details()) < rpc.MAX_DETAILS + 100
+    with rpc.make_channel(job.address()) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pbg.CoordinatorStub(ch).Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, replica=-1,
+                                                                stage=-1, address="x" * 100_000),
+                                             metadata=rpc.metadata(job.token()), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()[:300]
+    assert "must be host:port" in e.value.details()
+    assert_still_training(job)
+
+
 def test_a_call_without_the_workers_secret_is_refused(job):
     """The job's token alone does not speak for a worker: a forged leave (its
     slot given up), "done" or pulse, a forged report (the replica done, the

@@ -560,6 +560,54 @@ def test_every_call_that_speaks_for_a_worker_needs_its_secret(tmp_path):
         c.stop()
 
 
+def test_a_workers_newer_route_watch_ends_its_older_one(tmp_path):
+    """Thirty WatchRoutes of one worker at once (a worker that leaks its
+    watches as it reconnects): each held one of the server's twenty threads
+    for as long as it stayed open, so the worker's heartbeats and everyone
+    else's queued behind them (healthy workers evicted for silence). A newer
+    watch now ends the older ones: beats and Status answer at once, and the
+    newest watch still gets the routes."""
+    from crucible._pb import crucible_pb2_grpc as pbg
+
+    c, ids = _coordinator(tmp_path)
+    c.start("127.0.0.1:0")
+    wid, other = ids[(1, 1)], ids[(0, 0)]
+    md = rpc.metadata("t")
+    try:
+        with rpc.make_channel(f"127.0.0.1:{c.port}") as ch:
+            stub = pbg.CoordinatorStub(ch)
+            watches = [stub.WatchRoutes(pb.WatchRequest(worker_id=wid, secret=_secret(c, wid)), metadata=md,
+                                        timeout=30) for _ in range(30)]
+            time.sleep(1.0)
+            for who in (wid, other):
+                stub.Heartbeat(pb.HeartbeatRequest(worker_id=who, secret=_secret(c, who), state="alive"),
+                               metadata=md, timeout=2)
+            assert json.loads(stub.Status(pb.StatusRequest(), metadata=md, timeout=2).json)["epoch"] == c.epoch
+            updates: dict[int, list] = {i: [] for i in range(30)}
+            ended: set[int] = set()
+
+            def drain(i):
+                try:
+                    for u in watches[i]:
+                        updates[i].append(u.epoch)
+                    ended.add(i)
+                except grpc.RpcError:
+                    pass              # (cancelled: the one still open)
+
+            readers = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(30)]
+            for t in readers:
+                t.start()
+            for t in readers:
+                t.join(3)
+            assert len(ended) == 29, sorted(ended)       # ended (OK) by the newer ones
+            (kept,) = set(range(30)) - ended
+            assert updates[kept] and updates[kept][-1] == c.epoch
+            for w in watches:
+                w.cancel()
+    finally:
+        c.stop()
+
+
 def test_a_report_with_a_malformed_field_is_refused_whole(tmp_path):
     """A field the coordinator acts on with the wrong type is INVALID_ARGUMENT
     for the whole batch, before any of it is taken: a retry of the batch, put
@@ -583,6 +631,50 @@ def test_a_report_with_a_malformed_field_is_refused_whole(tmp_path):
         c.stop()
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"src":"src"' in line]
     assert [e["event"] for e in lines] == ["marker", "step"]
+
+
+def test_a_report_nested_too_deep_is_invalid_argument(tmp_path):
+    """An event of thousands of nested brackets (a worker's, or anyone's with
+    the token: parsed before the sender is asked for) was INTERNAL, with a
+    RecursionError's traceback in the coordinator's log; one a little less
+    deep was written, for a reader of metrics.jsonl with less stack to
+    spare to fail on. Both are INVALID_ARGUMENT, and so is a number of more
+    than 4300 digits, naming the event; nothing of the batch is written."""
+    c, ids = _coordinator(tmp_path)
+    wid, secret = ids[(0, 1)], _secret(c, ids[(0, 1)])
+    marker = json.dumps({"event": "marker"})
+    try:
+        for bad in ("[" * 20000 + "]" * 20000, '{"event": "x", "a": ' + "[" * 900 + "]" * 900 + "}",
+                    '{"event": "x", "n": ' + "9" * 5000 + "}"):
+            for who, events in (({"worker_id": wid, "secret": secret}, [marker, bad]), ({}, [bad])):
+                with pytest.raises(ValueError, match=f"event {len(events) - 1} is (nested more than|not JSON)"):
+                    c.Report(pb.ReportRequest(events_json=events, source="src", seq=0, **who), None)
+        ok = json.dumps({"event": "x", "a": [[{"b": [1]}]]})
+        assert c.Report(pb.ReportRequest(worker_id=wid, secret=secret, events_json=[marker, ok], source="src",
+                                         seq=0), None).accepted == 2
+    finally:
+        c.stop()
+    assert [json.loads(line)["event"] for line in open(tmp_path / "metrics.jsonl") if '"src":"src"' in line] \
+        == ["marker", "x"]
+
+
+def test_a_heartbeat_with_a_step_out_of_range_is_invalid_argument(tmp_path):
+    """A stage 0's beat moves its replica's step: one of 2**62 (a buggy worker,
+    with its own secret) was taken, and status showed that step until the
+    next step event (for ever, had the replica been paused); a negative one
+    was taken too. Both are INVALID_ARGUMENT now, and nothing changes."""
+    c, ids = _coordinator(tmp_path)
+    wid, secret = ids[(0, 0)], _secret(c, ids[(0, 0)])
+    try:
+        before = c.m.replicas[0].step
+        for step in (2**62, -1):
+            with pytest.raises(ValueError, match=f"step {step} is out of range"):
+                c.Heartbeat(pb.HeartbeatRequest(worker_id=wid, secret=secret, state="alive", step=step), None)
+        assert c.m.replicas[0].step == before
+        c.Heartbeat(pb.HeartbeatRequest(worker_id=wid, secret=secret, state="alive", step=3), None)
+        assert c.m.replicas[0].step == max(before, 3)
+    finally:
+        c.stop()
 
 
 def test_an_unregistered_workers_error_naming_no_slot_is_not_found(tmp_path):

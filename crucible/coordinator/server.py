@@ -102,6 +102,8 @@ log = logging.getLogger("crucible.coordinator")
 SERVICE = "crucible.v1.Coordinator"
 MAX_EVENTS_PER_REPORT = 1000
 MAX_EVENT_BYTES = 64 << 10
+MAX_STEP = 2**53        # a step past this is no worker's (nor exact as a JSON number in every reader)
+MAX_EVENT_DEPTH = 32     # lists and objects within an event (every real one is a few deep)
 STATE_FILE = "coordinator.state.json"
 PROBE_ATTEMPTS = 2     # a probe that fails other than refused is tried again before a worker is dead
 MONITOR_TICK_S = 0.1
@@ -138,6 +140,7 @@ class Coordinator:
         self.port = 0
         self.restart_requested = False
         self._probing: set[tuple[int, int]] = set()
+        self._watches: dict[str, int] = {}     # worker id -> its newest WatchRoutes (the one kept)
         self.links = LinkRates()     # each boundary's throughput, for status
         self.suspicions = SuspicionBook(cfg.job.stages, cfg.fault.suspicion_limit, cfg.fault.suspicion_window_s)
         self._evidence_probe_at: dict[str, float] = {}     # isolated: when each silent worker was last probed
@@ -349,6 +352,8 @@ class Coordinator:
     def Heartbeat(self, req: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         if self.leaving:
             raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "this coordinator is leaving; the next one takes over")
+        if not 0 <= req.step <= MAX_STEP:     # (a stage 0's beat moves its replica's step: status showed 4.6e18)
+            raise ValueError(f"step {req.step} is out of range (0 to {MAX_STEP})")
         with self.cv:
             w = self.member(req.worker_id)
             self._own(w, req.secret, "Heartbeat")
@@ -391,16 +396,23 @@ class Coordinator:
         return self.stopping.is_set() or self.restart_requested or self.signalled
 
     def WatchRoutes(self, req: pb.WatchRequest, context):
+        """One watch per worker (a worker keeps one, and watches again only
+        once it has lost it): a newer one ends the older. Each holds one of
+        the server's threads, which heartbeats need too: a worker that leaked
+        its watches took them all, and nobody's beat got through."""
         with self.cv:
             w = self.member(req.worker_id)
             self._own(w, req.secret, "WatchRoutes")
+            mine = self._watches[w.worker_id] = self._watches.get(w.worker_id, 0) + 1
+            self.cv.notify_all()
         sent = -1
         while context.is_active() and not self.stopping.is_set():
             with self.cv:
+                if self._watches.get(w.worker_id) != mine:
+                    return
                 if self.epoch == sent:
                     self.cv.wait(timeout=1.0)
-                    if self.epoch == sent:
-                        continue
+                    continue
                 update, sent = self._route_update(w), self.epoch
             yield update
 
@@ -418,8 +430,14 @@ class Coordinator:
                 raise ValueError(f"event {i} is {len(raw)} bytes (max {MAX_EVENT_BYTES})")
             try:
                 ev = json.loads(raw)
-            except json.JSONDecodeError as e:
+                deep = _depth(ev) > MAX_EVENT_DEPTH
+            except ValueError as e:     # (JSONDecodeError; a number of more than 4300 digits)
                 raise ValueError(f"event {i} is not JSON: {e}") from None
+            except RecursionError:      # (thousands of nested brackets: it was INTERNAL, with a traceback)
+                deep = True
+            if deep:
+                # (one that loads here may not load in a reader of metrics.jsonl with less stack to spare)
+                raise ValueError(f"event {i} is nested more than {MAX_EVENT_DEPTH} deep")
             if not isinstance(ev, dict) or not isinstance(ev.get("event"), str):
                 raise ValueError(f"event {i} must be a JSON object with a string 'event' field")
             if ev["event"] in KINDS and ev["event"] not in REPORTED:
@@ -697,6 +715,17 @@ def _corpus(req: pb.RegisterRequest) -> dict | None:
     if not req.HasField("corpus") or not req.corpus.sha256:
         return None
     return {k: getattr(req.corpus, k) for k in corpora.KEYS}
+
+
+def _depth(value) -> int:
+    """How deep lists and objects nest in a parsed JSON value (without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def _check_fields(ev: dict, i: int) -> None:

@@ -48,7 +48,7 @@ K = pb.Frame
 SEND_QUEUE = 64          # frames queued for one stream before the producer waits
 PIPE_READY_WAIT_S = 5.0   # how long a Pipe waits for a worker that is just registering
 HELLO_WAIT_S = 10.0       # how long a Pipe may stay open without its first frame (at least net's RPC timeout)
-MAX_UNANNOUNCED = 4       # Pipe streams open at once without their first frame (a predecessor sends it at once)
+MAX_UNANNOUNCED = 4       # Pipe streams open at once without a HELLO taken (a predecessor sends it at once)
 
 
 @dataclass
@@ -272,7 +272,7 @@ class StageService:
             if item is None:
                 return
             if isinstance(item, tuple):
-                code, msg = item
+                code, msg = item[0], rpc.details(item[1])
                 log.warning("closing upstream stream from %s: %s %s", peer, code.name, msg)
                 context.abort(code, msg)
             yield item
@@ -290,7 +290,6 @@ class StageService:
             if links is None:
                 raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "worker is still building its stage")
             first = self._first_frame(frames, stream)
-            self._announced(stream)
             if first is None:
                 return
             hello, data = first
@@ -299,7 +298,10 @@ class StageService:
                 # whatever else is wrong with the frame.
                 self.decoder.decode_up(hello, data)
                 raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION, "first frame on a Pipe must be HELLO")
+            # (a HELLO of an epoch ahead of ours waits for it, seconds: until it is
+            # taken, the stream still counts against MAX_UNANNOUNCED)
             self.check_sender(hello)
+            self._announced(stream)
             stream.epoch, stream.src_stage = hello.epoch, hello.src_stage
             links.attach_upstream(stream)
             self._pump(frames, stream)
@@ -319,8 +321,8 @@ class StageService:
             stream.finish(None)
 
     def _announced(self, stream: "UpstreamStream") -> None:
-        """The stream is past its first frame (or over): it no longer counts
-        against MAX_UNANNOUNCED. Once per stream."""
+        """The stream's HELLO is taken (or the stream is over): it no longer
+        counts against MAX_UNANNOUNCED. Once per stream."""
         with self._lock:
             if not stream.announced:
                 stream.announced = True
@@ -396,7 +398,7 @@ class UpstreamStream:
         self.epoch = 0
         self.src_stage = -1
         self.closed = False
-        self.announced = False     # past its first frame (StageService._announced)
+        self.announced = False     # its HELLO taken, or over (StageService._announced)
 
     def send(self, frame) -> None:
         """Queue a frame (an ``Outgoing``, or a Frame: serialized here)."""
