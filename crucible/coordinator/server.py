@@ -657,11 +657,7 @@ class Coordinator:
             steady = self.clock()
             reps = []
             for rep in self.m.replicas:
-                tps = None
-                if len(rep.tokens) >= 2:
-                    span = rep.tokens[-1][0] - rep.tokens[0][0]
-                    if span > 0:
-                        tps = sum(n for _, n in list(rep.tokens)[1:]) / span
+                tps = tokens_per_s(rep.tokens, now, ongoing=rep.state != "done")
                 reps.append({"id": rep.id, "state": rep.state, "step": rep.step, "loss": rep.loss,
                              "epoch": self.m.route_epoch[rep.id],
                              "eval_loss": rep.eval_loss, "tokens_per_s": tps, "route": list(self.m.routes[rep.id]),
@@ -689,6 +685,24 @@ class Coordinator:
                 "checkpoint": self.ckpt.status(),
                 "isolated": self.m.isolated,
             }
+
+
+def tokens_per_s(tokens, now: float, ongoing: bool = True) -> float | None:
+    """The rate of a replica's last steps (``(stamp, tokens)`` of each), from
+    their stamps. ``ongoing`` (not done): once no step has come for a few of
+    those steps' time (at least 2 s: reports come in batches), the span runs
+    on to now, so a replica that stopped stepping (paused, waiting in an
+    outer round) falls towards 0 rather than showing its last rate."""
+    if len(tokens) < 2:
+        return None
+    first, last = tokens[0][0], tokens[-1][0]
+    span = last - first
+    if span <= 0:
+        return None
+    if ongoing:
+        grace = max(2.0, 3.0 * span / (len(tokens) - 1))
+        span = max(span, now - first - grace)
+    return sum(n for _, n in list(tokens)[1:]) / span
 
 
 def _corpus(req: pb.RegisterRequest) -> dict | None:
