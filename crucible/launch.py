@@ -810,8 +810,11 @@ class Launcher:
         tally = self.tally or Tally()
         ledgers = tally.ledger.totals()   # (each stage-0 worker the replica had, and the time between them)
         lines = []
+        resumed = getattr(getattr(self, "args", None), "resume", False) is True
         for r in sorted(tally.steps):
-            line = f"r{r}: {tally.steps[r]} steps, loss {_fmt(tally.losses[r])}"
+            # (a resumed launch's steps go on from its checkpoint's, its ledger is its own: said)
+            since = f" (this launch: from step {tally.first[r]})" if resumed and tally.first.get(r) else ""
+            line = f"r{r}: {tally.steps[r]} steps{since}, loss {_fmt(tally.losses[r])}"
             if metrics.number(tally.losses.get(f"eval{r}")):
                 line += f", held-out {tally.losses[f'eval{r}']:.3f}"
             g = ledgers.get(r)
@@ -828,7 +831,7 @@ class Launcher:
 class Tally:
     """What the launcher's summary says of a launch, from its events fed in
     the order they were written: each replica's last step and loss (and
-    held-out loss), its time ledger, the faults. An event without what is
+    held-out loss), the step it began at, its time ledger, the faults. An event without what is
     read from it (a worker's report the coordinator takes as it is: no
     replica, a loss that is not a number) is passed over."""
 
@@ -836,6 +839,7 @@ class Tally:
         from crucible.ledger import Ledgers
 
         self.steps, self.losses, self.ledger, self.faults = {}, {}, Ledgers(), 0
+        self.first: dict[int, int] = {}       # replica -> its first step in the launch
 
     def feed(self, ev: dict) -> None:
         kind, r = ev.get("event"), ev.get("replica")
@@ -845,6 +849,7 @@ class Tally:
         elif not metrics.whole(r):
             return
         elif kind == "step" and metrics.whole(ev.get("step")):
+            self.first.setdefault(r, ev["step"])
             self.steps[r] = ev["step"] + 1
             self.losses[r] = ev.get("loss")
         elif kind == "eval":
