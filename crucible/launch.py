@@ -397,7 +397,10 @@ class Launcher:
             return code
         finally:
             if self.stopping or self.failure:   # a final checkpoint before everything stops
-                preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint)
+                # (the signal the launcher got, where the coordinator takes it: its job_stopped, and
+                # with it `status` and the report, then name the one the launcher says it was stopped by)
+                sig = self.stopping if self.stopping in (signal.SIGINT, signal.SIGHUP) else signal.SIGTERM
+                preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint, sig=sig)
             self._stop_all()
             if self.mps is not None:
                 self.mps.stop()
@@ -889,9 +892,9 @@ class TerminalOrLog:
         return getattr(self._stream, name)
 
 
-def preempt(coord_proc, worker_procs, ckpt_cfg, out=None) -> None:
+def preempt(coord_proc, worker_procs, ckpt_cfg, out=None, sig: int = signal.SIGTERM) -> None:
     """The launcher's side of a preemption notice (SIGTERM/SIGINT): only the
-    coordinator is signalled; it takes a final checkpoint and then tells the
+    coordinator is signalled (``sig``); it takes a final checkpoint and then tells the
     workers to stop, so they exit on their own after the commit. Waits for the
     coordinator (``preemption_timeout_s`` plus a margin) and the workers; the
     launcher stops whatever is left afterwards."""
@@ -901,7 +904,7 @@ def preempt(coord_proc, worker_procs, ckpt_cfg, out=None) -> None:
         return
     print("crucible: stopping: taking a final checkpoint first", file=out, flush=True)
     try:
-        coord_proc.popen.send_signal(signal.SIGTERM)
+        coord_proc.popen.send_signal(sig)
     except ProcessLookupError:
         return
     try:

@@ -471,3 +471,27 @@ def test_a_launch_whose_output_reader_goes_away_stops_with_a_final_checkpoint(tm
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def test_a_sigint_to_the_launcher_alone_is_the_signal_status_names(tmp_path):
+    """`kill -INT` of the launcher (not its group): it said "interrupted by
+    SIGINT" while it sent the coordinator SIGTERM, whose job_stopped then made
+    `crucible status` say "the job was stopped by SIGTERM". It passes its
+    own signal on."""
+    from conftest import Job
+
+    run_dir = tmp_path / "run"
+    over = [o for o in TINY if not o.startswith("checkpoint.")] + ["checkpoint.minimum_interval_s=0.5"]
+    job = Job(str(run_dir), ["--replicas", "1", "--stages", "2", "--steps", "100000"], over)
+    try:
+        job.wait_for(lambda st: st["replicas"][0]["step"] >= 1, 120, "a step")
+        job.proc.send_signal(signal.SIGINT)                 # the launcher only
+        assert job.wait(120) == 130, job.output()
+    finally:
+        job.kill()
+    assert "interrupted by SIGINT" in job.output()
+    stopped = [e for e in job.events("job_stopped")]
+    assert [e["signal"] for e in stopped] == ["SIGINT"], stopped
+    out = subprocess.run(crucible_cmd("status", "--run-dir", str(run_dir)), capture_output=True, text=True,
+                         env=child_env(), cwd=ROOT, timeout=60)
+    assert "stopped by SIGINT" in out.stderr, out.stderr
