@@ -481,6 +481,7 @@ class Coordinator:
             if rep.tokens and t < rep.tokens[-1][0]:
                 rep.tokens.clear()
             rep.tokens.append((t, int(ev.get("tokens", 0))))
+            rep.stepped_at = self.clock()
         elif kind == "eval" and w.stage == 0:
             rep.eval_loss = ev.get("loss")
         elif kind == "worker_error":
@@ -657,7 +658,8 @@ class Coordinator:
             steady = self.clock()
             reps = []
             for rep in self.m.replicas:
-                tps = tokens_per_s(rep.tokens, now, ongoing=rep.state != "done")
+                idle = steady - rep.stepped_at if rep.stepped_at is not None and rep.state != "done" else 0.0
+                tps = tokens_per_s(rep.tokens, idle)
                 reps.append({"id": rep.id, "state": rep.state, "step": rep.step, "loss": rep.loss,
                              "epoch": self.m.route_epoch[rep.id],
                              "eval_loss": rep.eval_loss, "tokens_per_s": tps, "route": list(self.m.routes[rep.id]),
@@ -687,22 +689,21 @@ class Coordinator:
             }
 
 
-def tokens_per_s(tokens, now: float, ongoing: bool = True) -> float | None:
+def tokens_per_s(tokens, idle_s: float = 0.0) -> float | None:
     """The rate of a replica's last steps (``(stamp, tokens)`` of each), from
-    their stamps. ``ongoing`` (not done): once no step has come for a few of
-    those steps' time (at least 2 s: reports come in batches), the span runs
-    on to now, so a replica that stopped stepping (paused, waiting in an
-    outer round) falls towards 0 rather than showing its last rate."""
+    their stamps. ``idle_s``: how long since the last of them came (by this
+    coordinator's clock: a worker's stamps may be another host's); once that
+    is more than a few of those steps' time (at least 2 s: reports come in
+    batches), the span runs on by it, so a replica that stopped stepping
+    (paused, waiting in an outer round) falls towards 0 rather than showing
+    its last rate."""
     if len(tokens) < 2:
         return None
-    first, last = tokens[0][0], tokens[-1][0]
-    span = last - first
+    span = tokens[-1][0] - tokens[0][0]
     if span <= 0:
         return None
-    if ongoing:
-        grace = max(2.0, 3.0 * span / (len(tokens) - 1))
-        span = max(span, now - first - grace)
-    return sum(n for _, n in list(tokens)[1:]) / span
+    grace = max(2.0, 3.0 * span / (len(tokens) - 1))
+    return sum(n for _, n in list(tokens)[1:]) / (span + max(0.0, idle_s - grace))
 
 
 def _corpus(req: pb.RegisterRequest) -> dict | None:
