@@ -397,7 +397,10 @@ class Launcher:
             return code
         finally:
             if self.stopping or self.failure:   # a final checkpoint before everything stops
-                preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint)
+                # (the signal the launcher got, where the coordinator takes it: its job_stopped, and
+                # with it `status` and the report, then name the one the launcher says it was stopped by)
+                sig = self.stopping if self.stopping in (signal.SIGINT, signal.SIGHUP) else signal.SIGTERM
+                preempt(self.coord, list(self.workers.values()), self.cfg.checkpoint, sig=sig)
             self._stop_all()
             if self.mps is not None:
                 self.mps.stop()
@@ -810,8 +813,11 @@ class Launcher:
         tally = self.tally or Tally()
         ledgers = tally.ledger.totals()   # (each stage-0 worker the replica had, and the time between them)
         lines = []
+        resumed = getattr(getattr(self, "args", None), "resume", False) is True
         for r in sorted(tally.steps):
-            line = f"r{r}: {tally.steps[r]} steps, loss {_fmt(tally.losses[r])}"
+            # (a resumed launch's steps go on from its checkpoint's, its ledger is its own: said)
+            since = f" (this launch: from step {tally.first[r]})" if resumed and tally.first.get(r) else ""
+            line = f"r{r}: {tally.steps[r]} steps{since}, loss {_fmt(tally.losses[r])}"
             if metrics.number(tally.losses.get(f"eval{r}")):
                 line += f", held-out {tally.losses[f'eval{r}']:.3f}"
             g = ledgers.get(r)
@@ -828,7 +834,7 @@ class Launcher:
 class Tally:
     """What the launcher's summary says of a launch, from its events fed in
     the order they were written: each replica's last step and loss (and
-    held-out loss), its time ledger, the faults. An event without what is
+    held-out loss), the step it began at, its time ledger, the faults. An event without what is
     read from it (a worker's report the coordinator takes as it is: no
     replica, a loss that is not a number) is passed over."""
 
@@ -836,6 +842,7 @@ class Tally:
         from crucible.ledger import Ledgers
 
         self.steps, self.losses, self.ledger, self.faults = {}, {}, Ledgers(), 0
+        self.first: dict[int, int] = {}       # replica -> its first step in the launch
 
     def feed(self, ev: dict) -> None:
         kind, r = ev.get("event"), ev.get("replica")
@@ -845,6 +852,7 @@ class Tally:
         elif not metrics.whole(r):
             return
         elif kind == "step" and metrics.whole(ev.get("step")):
+            self.first.setdefault(r, ev["step"])
             self.steps[r] = ev["step"] + 1
             self.losses[r] = ev.get("loss")
         elif kind == "eval":
@@ -884,9 +892,9 @@ class TerminalOrLog:
         return getattr(self._stream, name)
 
 
-def preempt(coord_proc, worker_procs, ckpt_cfg, out=None) -> None:
+def preempt(coord_proc, worker_procs, ckpt_cfg, out=None, sig: int = signal.SIGTERM) -> None:
     """The launcher's side of a preemption notice (SIGTERM/SIGINT): only the
-    coordinator is signalled; it takes a final checkpoint and then tells the
+    coordinator is signalled (``sig``); it takes a final checkpoint and then tells the
     workers to stop, so they exit on their own after the commit. Waits for the
     coordinator (``preemption_timeout_s`` plus a margin) and the workers; the
     launcher stops whatever is left afterwards."""
@@ -896,7 +904,7 @@ def preempt(coord_proc, worker_procs, ckpt_cfg, out=None) -> None:
         return
     print("crucible: stopping: taking a final checkpoint first", file=out, flush=True)
     try:
-        coord_proc.popen.send_signal(signal.SIGTERM)
+        coord_proc.popen.send_signal(sig)
     except ProcessLookupError:
         return
     try:

@@ -363,6 +363,23 @@ def test_the_summary_ledger_sums_every_stage0_worker_of_a_replica(tmp_path):
     assert out.splitlines()[1] == "  r1: 400 steps, loss 2.500; goodput 20% of 40s (compute 8.0s, lost 4.0s, paused 1.0s)", out
 
 
+def test_a_resumed_launchs_summary_says_where_its_steps_began(tmp_path):
+    """After `--resume` from step 351 and 28 more steps, the summary said
+    "r0: 379 steps ...; goodput 20% of 10s": the steps counted from the run's
+    start, the ledger this launch's alone, and nothing said which."""
+    import argparse
+
+    from crucible.launch import Launcher
+
+    lines = [{"event": "step", "replica": 0, "step": s, "loss": 2.5} for s in range(351, 379)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    la = Launcher.__new__(Launcher)
+    la.run_dir, la.offset, la.args = str(tmp_path), 0, argparse.Namespace(resume=True)
+    assert la._summary("finished").splitlines()[1] == "  r0: 379 steps (this launch: from step 351), loss 2.500"
+    la.tally, la.scanned, la.args = None, None, argparse.Namespace(resume=False)
+    assert la._summary("finished").splitlines()[1] == "  r0: 379 steps, loss 2.500"
+
+
 def test_the_resume_hint_repeats_the_options_as_the_user_gave_them(tmp_path):
     """`crucible launch --steps 40 train.lr=1e-3` stopped: the command printed
     to go on from its checkpoint said `train.steps=40` for the user's
@@ -454,3 +471,27 @@ def test_a_launch_whose_output_reader_goes_away_stops_with_a_final_checkpoint(tm
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def test_a_sigint_to_the_launcher_alone_is_the_signal_status_names(tmp_path):
+    """`kill -INT` of the launcher (not its group): it said "interrupted by
+    SIGINT" while it sent the coordinator SIGTERM, whose job_stopped then made
+    `crucible status` say "the job was stopped by SIGTERM". It passes its
+    own signal on."""
+    from conftest import Job
+
+    run_dir = tmp_path / "run"
+    over = [o for o in TINY if not o.startswith("checkpoint.")] + ["checkpoint.minimum_interval_s=0.5"]
+    job = Job(str(run_dir), ["--replicas", "1", "--stages", "2", "--steps", "100000"], over)
+    try:
+        job.wait_for(lambda st: st["replicas"][0]["step"] >= 1, 120, "a step")
+        job.proc.send_signal(signal.SIGINT)                 # the launcher only
+        assert job.wait(120) == 130, job.output()
+    finally:
+        job.kill()
+    assert "interrupted by SIGINT" in job.output()
+    stopped = [e for e in job.events("job_stopped")]
+    assert [e["signal"] for e in stopped] == ["SIGINT"], stopped
+    out = subprocess.run(crucible_cmd("status", "--run-dir", str(run_dir)), capture_output=True, text=True,
+                         env=child_env(), cwd=ROOT, timeout=60)
+    assert "stopped by SIGINT" in out.stderr, out.stderr

@@ -885,10 +885,37 @@ def test_tokens_per_second_is_timed_by_when_the_steps_were_taken(tmp_path):
     was shown as millions of tokens/s. The workers' stamps time it."""
     c, ids = _coordinator(tmp_path)
     try:
-        t0 = time.time() - 10.0
+        t0 = time.time() - 4.0
         batch = [json.dumps({"event": "step", "step": i, "tokens": 256, "time": t0 + i}) for i in range(5)]
         c.Report(pb.ReportRequest(worker_id=ids[(0, 0)], events_json=batch, secret=_secret(c, ids[(0, 0)])), None)
-        assert c.status()["replicas"][0]["tokens_per_s"] == pytest.approx(256.0)
+        assert c.status()["replicas"][0]["tokens_per_s"] == pytest.approx(256.0, rel=0.01)
+    finally:
+        c.stop()
+
+
+def test_tokens_per_second_falls_while_a_replica_takes_no_step(tmp_path):
+    """A replica that stopped stepping (paused for a lost stage 0, or waiting
+    in an outer round for a replica that came back behind it) kept showing the
+    rate of its last 64 steps: `r0 training step 330/3000 ... 4783 tok/s`
+    for the 11 s it took none (the progress line, status, Prometheus). The
+    rate runs on once no step has come for a few steps' time, by the
+    coordinator's clock (the steps' stamps are their worker's: here 1000 s
+    behind, another host's, which changes nothing); a done replica keeps the
+    rate it trained at."""
+    c, ids = _coordinator(tmp_path)
+    try:
+        t0 = time.time() - 1000.0           # 5 steps a second apart
+        for r in range(2):
+            batch = [json.dumps({"event": "step", "step": i, "tokens": 256, "time": t0 + i}) for i in range(5)]
+            c.Report(pb.ReportRequest(worker_id=ids[(r, 0)], events_json=batch, secret=_secret(c, ids[(r, 0)])),
+                     None)
+        assert [r["tokens_per_s"] for r in c.status()["replicas"]] == [pytest.approx(256.0)] * 2   # (just came)
+        for r in (0, 1):                    # their last step's report came 30 s ago
+            c.m.replicas[r].stepped_at -= 30.0
+        c.m.replicas[1].state = "done"
+        reps = c.status()["replicas"]
+        assert reps[0]["tokens_per_s"] < 256.0 * 4 / 30.0       # (1024 tokens in over 30 s)
+        assert reps[1]["tokens_per_s"] == pytest.approx(256.0)
     finally:
         c.stop()
 

@@ -146,6 +146,7 @@ class ReplicaInfo:
     loss: float | None = None
     eval_loss: float | None = None
     tokens: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+    stepped_at: float | None = None   # when its last step's report came (the coordinator's SteadyClock)
 
 
 class Membership:

@@ -14,7 +14,7 @@ Read from the coordinator's state at each scrape (gauges)::
     crucible_replica_step{replica}              committed steps
     crucible_replica_loss{replica}              latest training loss
     crucible_replica_eval_loss{replica}         latest held-out loss
-    crucible_replica_tokens_per_second{replica} over the last 64 steps
+    crucible_replica_tokens_per_second{replica} over the last 64 steps (and up to now: status's tokens_per_s)
     crucible_replica_goodput{replica}           committed compute / wall time (stage 0's ledger)
     crucible_replica_state{replica,state}       1 for the replica's state (waiting|training|paused|done)
     crucible_workers{state}                     slots by worker state (alive|dead|joining|done|vacant)

@@ -499,6 +499,7 @@ class Coordinator:
             if rep.tokens and t < rep.tokens[-1][0]:
                 rep.tokens.clear()
             rep.tokens.append((t, int(ev.get("tokens", 0))))
+            rep.stepped_at = self.clock()
         elif kind == "eval" and w.stage == 0:
             rep.eval_loss = ev.get("loss")
         elif kind == "worker_error":
@@ -675,11 +676,8 @@ class Coordinator:
             steady = self.clock()
             reps = []
             for rep in self.m.replicas:
-                tps = None
-                if len(rep.tokens) >= 2:
-                    span = rep.tokens[-1][0] - rep.tokens[0][0]
-                    if span > 0:
-                        tps = sum(n for _, n in list(rep.tokens)[1:]) / span
+                idle = steady - rep.stepped_at if rep.stepped_at is not None and rep.state != "done" else 0.0
+                tps = tokens_per_s(rep.tokens, idle)
                 reps.append({"id": rep.id, "state": rep.state, "step": rep.step, "loss": rep.loss,
                              "epoch": self.m.route_epoch[rep.id],
                              "eval_loss": rep.eval_loss, "tokens_per_s": tps, "route": list(self.m.routes[rep.id]),
@@ -707,6 +705,23 @@ class Coordinator:
                 "checkpoint": self.ckpt.status(),
                 "isolated": self.m.isolated,
             }
+
+
+def tokens_per_s(tokens, idle_s: float = 0.0) -> float | None:
+    """The rate of a replica's last steps (``(stamp, tokens)`` of each), from
+    their stamps. ``idle_s``: how long since the last of them came (by this
+    coordinator's clock: a worker's stamps may be another host's); once that
+    is more than a few of those steps' time (at least 2 s: reports come in
+    batches), the span runs on by it, so a replica that stopped stepping
+    (paused, waiting in an outer round) falls towards 0 rather than showing
+    its last rate."""
+    if len(tokens) < 2:
+        return None
+    span = tokens[-1][0] - tokens[0][0]
+    if span <= 0:
+        return None
+    grace = max(2.0, 3.0 * span / (len(tokens) - 1))
+    return sum(n for _, n in list(tokens)[1:]) / (span + max(0.0, idle_s - grace))
 
 
 def _corpus(req: pb.RegisterRequest) -> dict | None:
