@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import ROOT, child_env, crucible_cmd
-from crucible import rpc
+from crucible import procs, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible.checkpoint import store
 from crucible.checkpoint.shard import read_shard, write_shard
@@ -91,6 +91,51 @@ def test_a_killed_persister_fails_that_save_and_the_next_one_works(tmp_path):
         assert len(started) == 2
         read_shard(tmp_path / "c" / "r0s0.shard", info["checksum"])
     finally:
+        snap.close()
+
+
+@pytest.mark.parametrize("when", ["writing", "idle"])
+def test_a_stopped_persister_is_killed_and_the_next_save_works(tmp_path, when):
+    """A persister SIGSTOPped during a write (or between saves, before it has
+    read a request larger than a pipe holds) used to hold that save for ever,
+    and every later one waited 30 s on the training thread for it, then was
+    skipped: no checkpoint was committed again. It is killed within a few
+    seconds: that save fails, the next one starts a fresh child."""
+    started, out = [], {}
+    snap = Snapshotter("process", on_persister_start=started.append)
+    many = {f"t{i}": torch.full((2,), float(i)) for i in range(1000)}   # a header larger than a pipe's buffer
+    try:
+        if when == "writing":
+            run = lambda: _persist_while_signalled(tmp_path, snap, started, (signal.SIGSTOP,), delay_s=3.0)  # noqa: E731
+        else:
+            snap.persist(snap.snapshot(many), str(tmp_path / "a"), "r0s0.shard")
+            os.kill(started[-1], signal.SIGSTOP)
+            header = snap.snapshot(many)
+            run = lambda: snap.persist(header, str(tmp_path / "b"), "r0s0.shard")  # noqa: E731
+
+        def persist():
+            try:
+                out["info"] = run()
+            except PersistError as e:
+                out["error"] = e
+
+        t0 = time.monotonic()
+        t = threading.Thread(target=persist, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "the save waited for a stopped persister for ever"
+        assert "stopped (SIGSTOP)" in str(out.get("error")), out
+        assert time.monotonic() - t0 < 10 and not (tmp_path / "b" / "r0s0.shard").exists()
+        assert procs.state(started[0]) in (None, "Z"), "the stopped persister was left behind"
+        info = snap.persist(snap.snapshot(_state()), str(tmp_path / "c"), "r0s0.shard")
+        assert len(started) == 2
+        read_shard(tmp_path / "c" / "r0s0.shard", info["checksum"])
+    finally:
+        for pid in started:      # (a persister the code under test left stopped)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         snap.close()
 
 

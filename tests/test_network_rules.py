@@ -1,11 +1,14 @@
 """The rules behind the network faults, in milliseconds (no processes):
 isolation (a majority silent at once evicts nobody), broken links (repeated
 contradicted suspicions), HELLO tags, skipped and abandoned outer rounds, the
-late application of a skipped round, and the timeouts that must nest.
+late application of a skipped round, and the timeouts that must nest (one
+test stops a small process of its own: a worker's outer call across a stop).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import pytest
@@ -546,6 +549,97 @@ def test_a_worker_told_to_stop_leaves_its_outer_round_without_a_traceback():
             cli.outer_exchange(0, 0, b"", "diloco", 4, 1, timeout=30)
     finally:
         cli.channel.close()
+
+
+_STOPPED_CALLER = """
+import sys, time
+from crucible.worker import control
+control.OUTER_CALL_S = 1.0
+cli = control.ControlClient(sys.argv[1], "t")
+cli.worker_id, cli.heartbeat_timeout = "r0s0-x", 0.5
+print("calling", flush=True)
+try:
+    print("reply", cli.outer_exchange(0, 3, b"x", "diloco", 4, 15, timeout=30).round, flush=True)
+except control.CoordinatorUnreachable as e:
+    print("unreachable", e, flush=True)
+"""
+
+
+def test_an_outer_call_that_spanned_a_stop_of_its_worker_asks_before_skipping(tmp_path):
+    """A worker stopped (SIGSTOP, the whole job or VM paused) while an outer
+    call waits wakes to that call failing (its deadline, or a keepalive ping
+    unanswered) and a long silence since the coordinator last answered: it
+    used to take that for a coordinator out of reach and skip the round (then
+    abandoned for every replica), though the coordinator, woken with it,
+    answered at once. It asks the coordinator's health service first: it
+    answers, so the call is made again. A worker that was not stopped judges
+    as before: a coordinator that answers nothing is out of reach at once."""
+    import subprocess
+    import sys
+    import time
+    from concurrent import futures
+
+    import grpc
+
+    from conftest import ROOT, child_env
+    from crucible import health, rpc
+    from crucible.coordinator.server import SERVICE
+    from crucible.worker import control
+    from crucible.worker.control import ControlClient, CoordinatorUnreachable
+
+    calls, arrived = [], threading.Event()
+
+    def exchange(req, context):
+        calls.append(req.round)
+        arrived.set()
+        if len(calls) == 1:
+            time.sleep(2.0)                # the caller is stopped meanwhile, past the call's deadline
+        return pb.OuterReply(round=req.round, contributors=[0])
+
+    server, port = rpc.make_server(SERVICE, {"OuterExchange": rpc.unary("OuterExchange", pb.OuterRequest,
+                                                                        pb.OuterReply, exchange)},
+                                   "t", "127.0.0.1:0", max_workers=4, health=health.Health(SERVICE, True))
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_CALLER, f"127.0.0.1:{port}"], cwd=ROOT,
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "calling"
+        assert arrived.wait(30), "the call never came"
+        os.killpg(proc.pid, signal.SIGSTOP)
+        time.sleep(2.5)
+        os.killpg(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=30)
+        assert out.splitlines()[-1] == "reply 3" and calls == [3, 3], out
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        server.stop(0)
+
+    # Not stopped: a coordinator whose calls go unanswered is out of reach at the first failure.
+    def silent(raw, context):
+        time.sleep(3.0)
+        return b""
+
+    mute = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    for name, method in ((SERVICE, "OuterExchange"), ("grpc.health.v1.Health", "Check")):
+        mute.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {
+            method: grpc.unary_unary_rpc_method_handler(silent)}),))
+    port = mute.add_insecure_port("127.0.0.1:0")
+    mute.start()
+    cli = ControlClient(f"127.0.0.1:{port}", "t")
+    cli.worker_id, cli.heartbeat_timeout = "r0s0-x", 0.5
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CoordinatorUnreachable, match="DEADLINE_EXCEEDED"):
+            cli.outer_exchange(0, 3, b"x", "diloco", 4, 15, timeout=1.0)
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        cli.channel.close()
+        mute.stop(0)
+    assert control.OUTER_CALL_S == 60.0
 
 
 # ---- a Pipe that arrives while its worker is registering ---------------------------------------

@@ -20,7 +20,9 @@ Where the write runs:
   checkpoint, and the next save starts a fresh child. The child dies with its
   parent (``PR_SET_PDEATHSIG`` and EOF on its stdin), so it never outlives it,
   and ignores SIGTERM and SIGINT (a signal to the whole process group must not
-  cut the shard its worker is still finishing).
+  cut the shard its worker is still finishing). A child that stays stopped
+  (SIGSTOP) while it has a request is killed (``STOPPED_POLLS``): its write
+  would never end, and every later save waits for it first.
 * ``ThreadPersister``: the same write on a thread of the training process
   (other platforms, ``checkpoint.persister = thread``).
 
@@ -34,13 +36,19 @@ import base64
 import json
 import mmap
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+from .. import procs
 from . import shard
+
+POLL_S = 0.5          # how often a worker waiting for its persister looks at the child's state
+STOPPED_POLLS = 6     # seen stopped (SIGSTOP) this many polls in a row: killed (a whole job frozen and
+                      # woken together is seen stopped in one poll at most)
 
 
 class PersistError(RuntimeError):
@@ -134,16 +142,22 @@ class ProcessPersister:
             req = {"id": self._seq, "prefix": base64.b64encode(prefix).decode("ascii"), "data_bytes": data_bytes,
                    "dir": str(directory), "name": name, "delay_s": delay_s}
             proc = self.proc
+        stopped = False
         try:
-            proc.stdin.write((json.dumps(req) + "\n").encode())
-            proc.stdin.flush()
-            line = proc.stdout.readline()
+            stopped = not self._send(proc, (json.dumps(req) + "\n").encode())
+            line = b"" if stopped else self._answer(proc)
+            stopped = stopped or line is None
         except (OSError, ValueError):
             line = b""
         if not line:
+            if stopped:
+                proc.kill()
             code = proc.wait()
             with self._lock:
                 self._reap()
+            if stopped:
+                raise PersistError(f"persister process {proc.pid} was stopped (SIGSTOP) for "
+                                   f"{POLL_S * STOPPED_POLLS:.0f}s while writing {name}: killed")
             why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             raise PersistError(f"persister process {proc.pid} died ({why}) while writing {name}")
         try:
@@ -155,6 +169,33 @@ class ProcessPersister:
         if not rep.get("ok"):
             raise PersistError(f"persister could not write {name}: {rep.get('error')}")
         return {"name": rep["name"], "bytes": int(rep["bytes"]), "checksum": rep["checksum"]}
+
+    @staticmethod
+    def _stuck(proc, polls: int) -> int:
+        """The polls in a row `proc` has been seen stopped, this one counted."""
+        return polls + 1 if procs.state(proc.pid) == "T" else 0
+
+    def _send(self, proc, data: bytes) -> bool:
+        """Write a request, a pipe's atomic size at a time (a header of many
+        tensors outgrows the pipe, and a stopped child reads none of it).
+        False: the child stayed stopped."""
+        fd, polls = proc.stdin.fileno(), 0
+        view = memoryview(data)
+        while view:
+            if select.select([], [fd], [], POLL_S)[1]:
+                view = view[os.write(fd, view[:select.PIPE_BUF]):]
+                polls = 0
+            elif (polls := self._stuck(proc, polls)) >= STOPPED_POLLS:
+                return False
+        return True
+
+    def _answer(self, proc) -> bytes | None:
+        """The child's answer line (b"" if it died); None if it stayed stopped."""
+        polls = 0
+        while not select.select([proc.stdout], [], [], POLL_S)[0]:
+            if (polls := self._stuck(proc, polls)) >= STOPPED_POLLS:
+                return None
+        return proc.stdout.readline()
 
     def _reap(self) -> None:
         p, self.proc = self.proc, None

@@ -8,8 +8,11 @@ The coordinator may be out of reach (it is cut off, or this worker is) while
 the data plane works: nothing of the training loop waits on it for long.
 ``last_ok`` is when it last answered; an outer round that hears nothing from
 it for ``fault.heartbeat_timeout_s`` raises ``CoordinatorUnreachable`` (the
-worker skips the round, see ``crucible/coordinator/outer.py``), and a call
-refused because this worker was declared dead ends the worker (exit status 3).
+worker skips the round, see ``crucible/coordinator/outer.py``; when this
+process was itself stopped while the call waited (``StopWatch``) it asks the
+coordinator's health service first: the silence may have been ours), and a
+call refused because this worker was declared dead ends the worker (exit
+status 3).
 Silence is not the same as a refused connection: a coordinator whose host
 refuses connections is down, not cut off, and is being restarted (by the
 launcher, Slurm, Kubernetes); its rounds are redone when it is back
@@ -29,6 +32,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -48,7 +52,44 @@ log = logging.getLogger("crucible.control")
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND,
              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 MAX_BATCH = 500
+OUTER_CALL_S = 60.0     # the longest one outer call waits (the coordinator answers "ask again" after 20 s)
 MAX_PENDING = 100_000
+
+
+class StopWatch:
+    """Notices this process being stopped (SIGSTOP, the whole job or its VM
+    paused): a thread that wakes every ``TICK_S``; waking more than ``GAP_S``
+    late is a stop (or a host too loaded to run it). One per process."""
+
+    TICK_S = 0.25
+    GAP_S = 1.0
+    _one: StopWatch | None = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self.last = time.monotonic()
+        self.woke = -math.inf            # when it last woke late
+        threading.Thread(target=self._run, daemon=True, name="stop-watch").start()
+
+    @classmethod
+    def get(cls) -> StopWatch:
+        with cls._lock:
+            if cls._one is None:
+                cls._one = StopWatch()
+            return cls._one
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.TICK_S)
+            now = time.monotonic()
+            if now - self.last > self.TICK_S + self.GAP_S:
+                self.woke = now
+            self.last = now
+
+    def stopped_since(self, t: float) -> bool:
+        """Was this process stopped since monotonic time ``t``, or is it waking
+        from a stop (the thread has not run yet)?"""
+        return self.woke >= t or time.monotonic() - self.last > self.TICK_S + self.GAP_S
 
 
 class RoundGone(Exception):
@@ -352,11 +393,13 @@ class ControlClient:
         backoff = Backoff()
         t_end = time.monotonic() + timeout
         heard = 0.0
+        stops = StopWatch.get()
         while True:
             req.worker_id, req.secret = self.worker_id, self.secret
+            t_call = time.monotonic()
             try:
                 call = self.stub.OuterExchange.future(req, metadata=self.md,
-                                                      timeout=max(1.0, min(60.0, t_end - time.monotonic())))
+                                                      timeout=max(1.0, min(OUTER_CALL_S, t_end - time.monotonic())))
                 reply = self._result(call, round_)
                 self.last_ok = time.monotonic()
                 return reply
@@ -371,6 +414,12 @@ class ControlClient:
                     heard = time.monotonic()     # its host answered: down and restarting, not cut off
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not asked_again \
                         and time.monotonic() - max(self.last_ok, heard) > self.heartbeat_timeout:
+                    if stops.stopped_since(t_call) and self._answers():
+                        # The call spanned a stop of this process (SIGSTOP, the whole job or
+                        # its VM paused): it ended at our waking, by its deadline or an
+                        # unanswered keepalive ping, and the silence was ours.
+                        backoff.reset()
+                        continue
                     raise CoordinatorUnreachable(f"no answer from the coordinator for "
                                                  f"{time.monotonic() - self.last_ok:.1f}s ({code.name})") from None
                 if code == grpc.StatusCode.INVALID_ARGUMENT and req.payload:
@@ -392,6 +441,28 @@ class ControlClient:
                     backoff.reset()
                     continue
                 backoff.wait()
+
+    def _answers(self) -> bool:
+        """Does the coordinator answer now (its health service, asked for up to
+        heartbeat_timeout)? Any answer counts, a refusal included. A check may
+        go out on the connection the failed call's keepalive is closing
+        ("Stream removed"): it is asked again, on the next one."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        t_end = time.monotonic() + self.heartbeat_timeout
+        while (left := t_end - time.monotonic()) > 0:
+            try:
+                stub.Check(health_pb2.HealthCheckRequest(), metadata=self.md, timeout=left, wait_for_ready=True)
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    time.sleep(min(0.05, max(0.0, t_end - time.monotonic())))
+                    continue
+            self.last_ok = time.monotonic()
+            log.info("the coordinator answers: the silence was this process's own (stopped while a call waited); "
+                     "asking again")
+            return True
+        return False
 
     def _result(self, call, round_: int):
         """A call's reply; a stop (the job ends, our own SIGTERM) cancels it at
