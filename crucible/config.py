@@ -80,6 +80,8 @@ def bind_problem(host: str, port: int = 0) -> str | None:
     for family, kind, proto, _, addr in infos:
         try:
             with socket.socket(family, kind, proto) as sock:
+                if port:     # (as the servers bind: a port a closed connection left in TIME_WAIT is free)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 sock.bind(addr)
             return None
         except OSError as e:
@@ -582,13 +584,17 @@ def changes(saved: Any, now: dict) -> list[str]:
     manifest's ``config``: a ``to_dict()``) and this job's (``now``), one
     ``section.key old -> new`` each, in the configuration's order: what a resume with another
     configuration says, rather than two hashes. Empty when ``saved`` is not
-    such a table (an older checkpoint)."""
+    such a table (an older checkpoint). A key the checkpoint does not have
+    (added since it was written) counts as its default: it is no change
+    unless this job sets it otherwise."""
     if not isinstance(saved, dict):
         return []
-    out = []
+    defaults, out = Config().to_dict(), []
     for key in all_keys():
         section, _, name = key.partition(".")
-        old, new = (saved.get(section) or {}).get(name, "?"), now.get(section, {}).get(name, "?")
+        was = saved.get(section)
+        was = was if isinstance(was, dict) else {}
+        old, new = was.get(name, defaults[section][name]), (now.get(section) or {}).get(name, "?")
         if old != new:
             out.append(f"{key} {json.dumps(old)} -> {json.dumps(new)}")
     return out
@@ -617,7 +623,7 @@ def _toml_line(path: str, e: Exception) -> str:
     lineno = getattr(e, "lineno", None) or (int(m.group(1)) if m else None)   # (3.14's TOMLDecodeError has it)
     try:
         with open(path, "rb") as f:
-            line = f.read().decode("utf-8", errors="replace").splitlines()[lineno - 1].strip()
+            line = f.read().decode("utf-8", errors="replace").split("\n")[lineno - 1].strip()
     except (OSError, IndexError, TypeError):
         return ""
     return f": {line if len(line) <= 80 else line[:77] + '...'!r}" if line else ""

@@ -146,12 +146,16 @@ class Job:
         self.dump_stacks()
         pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{self.output()}")
 
+    def pids(self) -> dict:
+        """The launcher's pids.json: {process name: pid} ("coordinator", "r0s1", ...)."""
+        with open(os.path.join(self.run_dir, "pids.json")) as f:
+            return json.load(f)
+
     def dump_stacks(self) -> None:
         """Every process of the job writes its threads' stacks to its log
         (SIGUSR1, crucible.cli): what a stuck one was doing, for the failure."""
         try:
-            with open(os.path.join(self.run_dir, "pids.json")) as f:
-                pids = json.load(f)
+            pids = self.pids()
         except (OSError, ValueError):
             return
         for name, pid in pids.items():

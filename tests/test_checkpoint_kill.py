@@ -97,8 +97,7 @@ def test_sigkill_persister_at_20_random_moments(tmp_path):
             time.sleep(0.1)
         # Replica 1 loses its last stage and pauses: later checkpoints hold its frozen state (r1s0's
         # shard, at the step it stopped at) and mark r1s1 vacant; replica 0 goes on.
-        with open(os.path.join(job.run_dir, "pids.json")) as f:
-            os.kill(json.load(f)["r1s1"], signal.SIGKILL)
+        os.kill(job.pids()["r1s1"], signal.SIGKILL)
         t_end = time.monotonic() + 90
         while True:
             assert time.monotonic() < t_end and job.proc.poll() is None, f"no checkpoint of the paused replica\n" \

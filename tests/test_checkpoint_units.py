@@ -748,7 +748,8 @@ def test_a_worker_reports_its_end_shard_again_until_the_end_save_is_committed(tm
                          [{"name": req.name, "bytes": req.bytes, "checksum": req.checksum}])
         return True
 
-    ck = _parts_checkpointer(w, send_shard=coordinators)
+    deadline = time.monotonic() + 60        # (a wait that never ends is a failure, not a hang)
+    ck = _parts_checkpointer(w, send_shard=coordinators, stopped=lambda: time.monotonic() > deadline)
     ck.save(6)
     ck.close()
     assert len(sent) == 3 and len(set(sent)) == 1 and sent[0][0] == 6

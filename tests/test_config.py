@@ -198,3 +198,21 @@ def test_a_worker_device_with_a_non_ascii_digit_is_refused_in_one_line():
 
     with pytest.raises(DeviceError, match="must be cpu, cuda or cuda:N"):
         resolve("cuda:²", 0, 0, 1)
+
+
+def test_changes_at_resume_name_the_keys_and_no_key_added_since():
+    """What a resume with another configuration prints: each key that differs.
+    A key the checkpoint does not have (added to Crucible since: every resume
+    of an older checkpoint said `debug.commit_delay_s "?" -> 0.0`) is its
+    default, no change; a section that is no table does not raise."""
+    from crucible.config import changes
+
+    now = Config.load(None, {"train.steps": 14}).to_dict()
+    saved = Config.load(None, {"train.steps": 8}).to_dict()
+    del saved["debug"]["commit_delay_s"]
+    assert changes(saved, now) == ["train.steps 8 -> 14"]
+    saved["debug"] = "junk"
+    assert changes(saved, now) == ["train.steps 8 -> 14"]
+    now["debug"]["commit_delay_s"] = 2.0
+    assert changes(saved, now) == ["train.steps 8 -> 14", "debug.commit_delay_s 0.0 -> 2.0"]
+    assert changes("junk", now) == []

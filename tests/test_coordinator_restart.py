@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-import json
 import os
 import random
 import signal
@@ -61,11 +60,6 @@ def _assert_bitwise(a, b, where: str) -> None:
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
-def _coordinator_pid(job) -> int:
-    with open(os.path.join(job.run_dir, "pids.json")) as f:
-        return json.load(f)["coordinator"]
-
-
 def test_five_coordinator_kills_change_nothing(start_job):
     calm = start_job(ARGS, OVERRIDES, name="calm")
     assert calm.wait(300) == 0, calm.output()
@@ -77,7 +71,7 @@ def test_five_coordinator_kills_change_nothing(start_job):
     for i, at in enumerate((6, 14, 22, 30, 38)):
         job.wait_for(lambda st: min(r["step"] for r in st["replicas"]) >= at, 120, f"step {at}")
         time.sleep(rng.uniform(0.0, 0.4))
-        pid = _coordinator_pid(job)
+        pid = job.pids()["coordinator"]
         os.kill(pid, signal.SIGKILL)
         kills.append(time.time())
         # the launcher brings up a new coordinator; wait until it answers

@@ -130,8 +130,7 @@ def test_whole_replica_killed(job):
 def test_coordinator_killed_and_restarted(job):
     st = wait_healthy(job)
     inc = st["incarnation"]
-    with open(os.path.join(job.run_dir, "pids.json")) as f:
-        coord_pid = json.load(f)["coordinator"]
+    coord_pid = job.pids()["coordinator"]
     os.kill(coord_pid, signal.SIGKILL)
     st = job.wait_for(lambda s: s if s["incarnation"] == inc + 1 and healthy(s) else None, 60,
                       "a new coordinator with every worker back")
@@ -172,8 +171,7 @@ def test_a_worker_the_restored_state_knows_by_an_older_id_rejoins_with_its_secre
     the one on disk renamed, with the launcher stopped while it is edited."""
     st = wait_healthy(job)
     inc, victim = st["incarnation"], worker(st, 0, 1)
-    with open(os.path.join(job.run_dir, "pids.json")) as f:
-        pids = json.load(f)
+    pids = job.pids()
     path = os.path.join(job.run_dir, "coordinator.state.json")
     older = victim["worker_id"].rsplit("-", 1)[0] + "-older000"
     t0 = time.time()

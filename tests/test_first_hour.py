@@ -3,8 +3,7 @@ token from the wrong place, another user's run directory) get one line that
 names the cause, never a traceback or a wrong one.
 
 Real users are not root: the tests that need one make their own (root only,
-with useradd and runuser; skipped otherwise; made once, left for the next
-run) and run `crucible` as it."""
+with useradd and runuser; skipped otherwise; removed after) and run `crucible` as it."""
 
 from __future__ import annotations
 
@@ -70,6 +69,16 @@ def test_status_with_a_wrong_token_says_it_was_refused(coordinator):
     assert _status(run, child_env())[0] == 0          # (its own token: the table)
 
 
+_MADE: list[str] = []      # the users this module made (removed after it)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_the_users_made():
+    yield
+    while _MADE:
+        subprocess.run(["userdel", _MADE.pop()], capture_output=True, timeout=30)
+
+
 @functools.cache
 def _as_user() -> tuple[str, ...] | None:
     """The command that runs `crucible` as this test's user, or None where
@@ -85,6 +94,7 @@ def _as_user() -> tuple[str, ...] | None:
         if subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
                           capture_output=True, timeout=30).returncode != 0:
             return None
+        _MADE.append(USER)
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p.endswith("site-packages"))])
     for python in dict.fromkeys([sys.executable, *(shutil.which(version, path=d) for d in ("/usr/local/bin",

@@ -12,11 +12,6 @@ from conftest import ROOT, TINY, child_env, crucible_cmd
 from crucible.version import version
 
 
-def _pids(job) -> dict:
-    with open(os.path.join(job.run_dir, "pids.json")) as f:
-        return json.load(f)
-
-
 def _gone(pids, timeout=15.0) -> list[int]:
     t_end = time.monotonic() + timeout
     alive = list(pids)
@@ -57,7 +52,7 @@ def test_status_json_and_sigterm_leaves_no_orphan(start_job):
     out = subprocess.run(crucible_cmd("status", "--run-dir", job.run_dir), capture_output=True, text=True,
                          env=child_env(), cwd=ROOT, timeout=30)
     assert out.returncode == 0 and "route" in out.stdout
-    pids = list(_pids(job).values())
+    pids = list(job.pids().values())
     job.proc.send_signal(signal.SIGTERM)
     assert job.proc.wait(timeout=30) == 143  # stopped by SIGTERM: 128 + 15
     assert _gone(pids) == [], "processes left after SIGTERM"
@@ -72,7 +67,7 @@ def test_status_json_and_sigterm_leaves_no_orphan(start_job):
 def test_sigkill_of_the_launcher_takes_its_children(start_job):
     job = start_job(["--replicas", "1", "--stages", "2", "--steps", "100000"], TINY)
     job.wait_for(lambda st: st["replicas"][0]["step"] >= 1, 90, "training")
-    pids = [p for n, p in _pids(job).items() if n != "launcher"]
+    pids = [p for n, p in job.pids().items() if n != "launcher"]
     os.kill(job.proc.pid, signal.SIGKILL)  # only the launcher, not its group
     job.proc.wait(timeout=10)
     assert _gone(pids) == [], "children outlived a SIGKILLed launcher"
@@ -108,13 +103,13 @@ def test_kill_validates_its_target(tmp_path):
 def test_no_respawn_launch_exits_when_every_worker_is_dead(start_job):
     job = start_job(["--replicas", "1", "--stages", "2", "--steps", "100000", "--respawn-delay", "-1"], TINY)
     job.wait_for(lambda st: st["replicas"][0]["step"] >= 1, 90, "training")
-    workers = {n: p for n, p in _pids(job).items() if n.startswith("r")}
+    workers = {n: p for n, p in job.pids().items() if n.startswith("r")}
     assert len(workers) == 2
     for pid in workers.values():
         os.kill(pid, signal.SIGKILL)
     assert job.proc.wait(timeout=30) == 1, job.output()
     assert "no respawn" in job.output()
-    assert _gone([p for n, p in _pids(job).items() if n != "launcher"]) == []
+    assert _gone([p for n, p in job.pids().items() if n != "launcher"]) == []
 
 
 def test_no_respawn_job_that_finishes_without_a_worker_is_finished(start_job):

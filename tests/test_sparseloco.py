@@ -1,6 +1,5 @@
 """SparseLoCo outer-sync math (crucible.compress.sparseloco)."""
 
-import math
 import struct
 import time
 from fractions import Fraction

@@ -417,7 +417,9 @@ class CheckpointManager:
         """Under the lock: a shard of no pending save. One of the end save that
         came before the save was named is kept for it; any other (of an aborted
         or finished save) is refused."""
-        if req.ckpt_step == self.end_step and not self.end_started and req.replica_step == self.end_step:
+        committed = self.latest_committed_step is not None and self.latest_committed_step >= self.end_step
+        if req.ckpt_step == self.end_step and not self.end_started and not committed and \
+                req.replica_step == self.end_step:
             self.early[name] = self._shard_entry(req, w)
             self._wake.set()
             return True

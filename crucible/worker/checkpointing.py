@@ -557,11 +557,13 @@ class WorkerCheckpointer:
                 return
             if time.monotonic() >= ask_at:
                 if not self.send_shard(req) and not os.path.isdir(final):
-                    log.warning("%s: the end save (step %d) is not committed, and the coordinator no longer "
-                                "takes its shard", self.name, req.ckpt_step)
+                    # (committed, and this host does not see it yet: a shared file system's
+                    # caches; or aborted: the coordinator says which in its log)
+                    log.info("%s: the coordinator no longer takes this shard of the end save (step %d): "
+                             "committed or aborted", self.name, req.ckpt_step)
                     return
                 ask_at = time.monotonic() + interval
-            time.sleep(0.05)
+            time.sleep(0.2)
         if time.monotonic() - t0 > 1.0:
             log.info("%s: the end save (step %d) committed after %.1fs", self.name, req.ckpt_step,
                      time.monotonic() - t0)

@@ -244,8 +244,10 @@ class ControlClient:
 
     def report_shard(self, req: pb.ShardReport, deadline_s: float = 30.0) -> bool:
         """Tell the coordinator a checkpoint shard is written (or failed):
-        retried while the coordinator is unreachable, for ``deadline_s``.
-        Whether it was accepted; False when not delivered."""
+        retried while the coordinator is unreachable, for ``deadline_s``, but
+        not once the worker is told to stop (a SIGTERM, the coordinator's
+        stop: it exits, and a coordinator that is gone would hold that exit
+        for the deadline). Whether it was accepted; False when not delivered."""
         delay, t_end = 0.1, time.monotonic() + deadline_s
         while True:
             req.worker_id, req.secret = self.worker_id, self.secret
@@ -253,7 +255,7 @@ class ControlClient:
                 return self.stub.ReportShard(req, metadata=self.md, timeout=10).accepted
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                        and time.monotonic() < t_end:
+                        and time.monotonic() < t_end and not self.stop.is_set():
                     time.sleep(delay)
                     delay = min(2 * delay, 2.0)
                     continue
