@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 
-from conftest import ROOT, TINY, child_env, crucible_cmd
+from conftest import ROOT, TINY, child_env, crucible_cmd, kill_group
 from crucible.version import version
 
 
@@ -461,11 +461,7 @@ def test_a_launch_whose_output_reader_goes_away_stops_with_a_final_checkpoint(tm
         events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
         assert [e for e in events if e["event"] == "ckpt_commit" and e.get("final")], "no final checkpoint"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_group(proc.pid, proc)
 
 
 def test_a_sigint_to_the_launcher_alone_is_the_signal_status_names(tmp_path):

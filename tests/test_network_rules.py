@@ -581,7 +581,7 @@ def test_an_outer_call_that_spanned_a_stop_of_its_worker_asks_before_skipping(tm
 
     import grpc
 
-    from conftest import ROOT, child_env
+    from conftest import ROOT, child_env, kill_group
     from crucible import health, rpc
     from crucible.coordinator.server import SERVICE
     from crucible.worker import control
@@ -611,11 +611,7 @@ def test_an_outer_call_that_spanned_a_stop_of_its_worker_asks_before_skipping(tm
         out, _ = proc.communicate(timeout=30)
         assert out.splitlines()[-1] == "reply 3" and calls == [3, 3], out
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_group(proc.pid, proc)
         server.stop(0)
 
     # Not stopped: a coordinator whose calls go unanswered is out of reach at the first failure.
