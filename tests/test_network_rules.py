@@ -71,6 +71,34 @@ def test_a_majority_silent_at_once_evicts_nobody_until_heard_again():
     assert sorted((w.replica, w.stage) for w in evict) == [(1, 0), (1, 2)]
 
 
+def test_a_worker_still_quiet_at_reconnection_gets_a_full_timeout():
+    """A coordinator starved of CPU (a cgroup quota of 1% of a core) reads its
+    beats in bursts: isolated, then a majority heard again while one healthy
+    worker's beats are still unread, quiet for 1.9 s of 2. The reconnection
+    promised it a full timeout from then; it was evicted 0.2 s later."""
+    m, ids = _full()
+    for w in ids.values():
+        w.last_seen = 10.0
+    assert m.judge(11.5, T) == ([], "isolated")
+    late = ids[(0, 2)]
+    late.last_seen = 10.6                 # quiet for 1.9 s at the reconnection below
+    for w in ids.values():
+        if w is not late:
+            w.last_seen = 12.5
+    assert m.judge(12.5, T) == ([], "reconnected")
+
+    def beat(t):
+        for w in ids.values():
+            if w is not late:
+                w.last_seen = t
+    beat(12.7)
+    assert m.judge(12.7, T) == ([], None)
+    beat(14.4)
+    assert m.judge(14.4, T) == ([], None)         # within a timeout of the reconnection
+    beat(14.6)
+    assert m.judge(14.6, T) == ([late], None)     # still silent a full timeout after it: dead
+
+
 def test_isolation_needs_two_live_workers():
     m = Membership(1, 1)
     w, _ = m.register(0, 0, "h:1", 1, "h", False, 0, 0.0)

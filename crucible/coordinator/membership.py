@@ -46,8 +46,9 @@ coordinator itself is cut off from the network, not that most of the job
 died in the same two seconds. The coordinator is then *isolated*: silence
 evicts nobody (positive evidence still does: a probe refused by the worker's
 host, a replacement registering into the slot). Isolation ends when a
-majority is heard again; whoever is still silent then gets a full timeout
-from that moment before it is judged. So a coordinator cut off from
+majority is heard again; whoever is still quiet then (not heard for half the
+timeout, overdue or not) gets a full timeout from that moment before it is
+judged. So a coordinator cut off from
 everyone evicts no one, while the workers train on without it.
 
 Identity
@@ -354,7 +355,10 @@ class Membership:
             return [], "isolated"
         if self.isolated:
             self.isolated = False
-            for w in silent:          # a full timeout from now to be heard
+            # A full timeout from now to be heard, for every worker still quiet,
+            # not only the overdue ones: one quiet for most of a timeout (a
+            # starved coordinator reads its beats late) was evicted at the next tick.
+            for w in quiet:
                 w.last_seen = now
             return [], "reconnected"
         return silent, None
