@@ -158,6 +158,42 @@ def test_job_scripts_keep_the_token_off_command_lines(tmp_path):
         assert os.stat(run.script(s)).st_mode & stat.S_IXUSR
 
 
+def test_a_requeued_coordinator_job_restarts(tmp_path):
+    """A coordinator job that Slurm requeued (`scontrol requeue`, a node
+    failure: the same job id, run again) ran as it was submitted: the first
+    coordinator of `up` again with --fresh (of `up --resume`, --resume) under
+    live workers, forgetting every outer round closed since (128 in a 2 x 2
+    run) and the save in flight. Once it has started a coordinator, its rerun
+    is a restart."""
+    run_dir = str(tmp_path)
+    run = slurm.SlurmRun(run_dir=run_dir, run_id="ab", replicas=1, stages=2, python=str(tmp_path / "py"),
+                         slots={s: slurm.Slot(s) for s in slurm.slot_names(1, 2)})
+    os.makedirs(run.dir)
+    (tmp_path / "py").write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/argv"\n')   # what the job execs
+    (tmp_path / "py").chmod(0o755)
+    env = dict(child_env(), CRUCIBLE_TOKEN="x", CRUCIBLE_SLURM_HOST="127.0.0.1", SLURM_JOB_ID="7",
+               PYTHONPATH=ROOT)
+
+    def job(start: str, restarts: int) -> str:
+        run.slots["coordinator"].start = start
+        run.save()
+        p = subprocess.run([sys.executable, "-m", "crucible.cluster.slurm_job", run_dir, "coordinator"], cwd=ROOT,
+                           env=dict(env, SLURM_RESTART_COUNT=str(restarts)), capture_output=True, text=True,
+                           timeout=60, stdin=subprocess.DEVNULL)
+        assert p.returncode == 0, p.stderr
+        return (tmp_path / "argv").read_text()
+
+    # an earlier job's coordinator, then job 7 starts: as submitted
+    slurm.append_event(run_dir, {"event": "coordinator_start", "incarnation": 1})
+    assert "--fresh" in job("fresh", 0)
+    assert "--fresh" in job("fresh", 1)   # requeued before its coordinator started: as submitted still
+    slurm.append_event(run_dir, {"event": "coordinator_start", "incarnation": 2})
+    for start in ("fresh", "resume"):
+        argv = job(start, 2)
+        assert "--fresh" not in argv and "--resume" not in argv and "--on-sigterm leave" in argv, argv
+    assert "--resume" in job("resume", 0)   # a job not requeued: as submitted
+
+
 def test_an_up_that_submits_nothing_leaves_no_run_to_show(tmp_path):
     """sbatch refused the first job (no controller to reach): `slurm status`
     then showed the run's every slot as WAITING "(to be submitted now)",

@@ -43,7 +43,8 @@ at most ``--max-delay``; a job that ran ``--healthy-after`` seconds or more
 resets n, so a slot that keeps failing at start is backed off while a slot
 lost after an hour comes back at once. A job that Slurm requeued itself
 (node failure with ``--requeue``) keeps its id; its hold (``BeginTime``)
-is lifted with ``scontrol update StartTime=now``. The stuck check: a
+is lifted with ``scontrol update StartTime=now`` (a requeued coordinator job
+that had started a coordinator runs it as a restart: ``slurm_job``). The stuck check: a
 worker job RUNNING for ``--stuck-after`` seconds whose slot the coordinator
 has not shown alive for as long is cancelled (then resubmitted). The
 coordinator is resubmitted with ``--resume`` when no worker job is running
