@@ -147,6 +147,37 @@ def test_supervisor_decisions(tmp_path, monkeypatch):
     assert ends[-1]["slot"] == "r0s0" and ends[-1]["resubmit_in_s"] is None
 
 
+# What squeue --json (22.05) prints, with exit status 0, while slurmctld restarts.
+SQUEUE_NO_CONTROLLER = {"meta": {"Slurm": {"release": "22.05.8"}}, "jobs": [],
+                        "errors": [{"description": "Failed while looking for jobs", "error_number": -1,
+                                    "error": "Unspecified error", "source": "slurm_load_jobs"}]}
+
+
+def test_an_unreachable_controller_is_no_empty_queue(tmp_path, monkeypatch):
+    """slurmctld restarted while the job ran: squeue --json said "no job"
+    (exit 0, an error in its JSON), the supervisor took every job of the run
+    for gone and, once slurmctld was back, submitted every slot again beside
+    the running jobs (the coordinator with --resume): duplicates refused by
+    the live ones, resubmitted for ever."""
+    run = slurm.SlurmRun(run_dir=str(tmp_path), run_id="ab", python="python3", replicas=1, stages=2,
+                         slots={s: slurm.Slot(s, job_id=10 + i) for i, s in enumerate(slurm.slot_names(1, 2))})
+    os.makedirs(run.dir)
+
+    def run_cmd(argv, timeout=30.0):
+        if argv[0] == "squeue":
+            return json.dumps(SQUEUE_NO_CONTROLLER)
+        raise slurm.SlurmError(f"{' '.join(argv[:2])} failed (1): slurm_load_jobs error: Unable to contact "
+                               f"slurm controller (connect failure)")
+    monkeypatch.setattr(slurm, "run_cmd", run_cmd)
+    monkeypatch.setattr(slurm, "sbatch", lambda argv: pytest.fail(f"submitted {argv}"))
+    with pytest.raises(slurm.SlurmError, match="Unable to contact slurm controller"):
+        slurm.Supervisor(run, say=lambda msg: None).tick(now=100.0)
+    assert [s.job_id for s in run.slots.values()] == [10, 11, 12]
+    assert not os.path.exists(tmp_path / "metrics.jsonl")   # no slurm_job_end
+    with pytest.raises(slurm.SlurmError, match="Failed while looking for jobs"):
+        slurm.parse_squeue_json(json.dumps(SQUEUE_NO_CONTROLLER))
+
+
 def test_job_scripts_keep_the_token_off_command_lines(tmp_path):
     run = slurm.SlurmRun(run_dir=str(tmp_path / "run dir"), run_id="ab", python="/opt/py thon", replicas=1,
                          stages=2, slots={s: slurm.Slot(s) for s in slurm.slot_names(1, 2)})

@@ -163,8 +163,15 @@ def _exit_code(v) -> int | None:
 
 
 def parse_squeue_json(text: str) -> dict[int, JobInfo]:
+    doc = json.loads(text)
+    errors = doc.get("errors") or []
+    if errors:
+        # squeue --json exits 0 with no job and an error where it cannot reach slurmctld (restarting):
+        # taken as an empty queue, every job of the run was "gone" and submitted a second time
+        e = errors[0] if isinstance(errors[0], dict) else {"error": str(errors[0])}
+        raise SlurmError(f"squeue --json failed: {e.get('description') or e.get('error') or e}")
     out = {}
-    for j in json.loads(text).get("jobs", []):
+    for j in doc.get("jobs", []):
         state = j.get("job_state")
         if isinstance(state, list):
             state = state[0] if state else ""
