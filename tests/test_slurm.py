@@ -176,6 +176,10 @@ def test_an_unreachable_controller_is_no_empty_queue(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "metrics.jsonl")   # no slurm_job_end
     with pytest.raises(slurm.SlurmError, match="Failed while looking for jobs"):
         slurm.parse_squeue_json(json.dumps(SQUEUE_NO_CONTROLLER))
+    # `slurm down` then stops nothing (it said "0 jobs left" and left them running); the supervisor goes on
+    with pytest.raises(slurm.SlurmError, match="Unable to contact slurm controller"):
+        slurm.down(run, say=lambda msg: None)
+    assert not os.path.exists(run.stop_path)
 
 
 def test_job_scripts_keep_the_token_off_command_lines(tmp_path):

@@ -776,7 +776,10 @@ def _wait(pred, timeout: float, interval: float = 0.5) -> bool:
 
 def down(run: SlurmRun, final_checkpoint: bool = True, timeout: float | None = None, say=print) -> dict:
     """Stop the supervisor, take a final checkpoint (SIGINT to the coordinator's
-    job), cancel every job of the run; returns what happened."""
+    job), cancel every job of the run; returns what happened. Where slurmctld
+    does not answer, SlurmError before anything is stopped: the supervisor
+    still runs (no stop file), and the jobs it supervises with it."""
+    query_jobs(run.names())
     t0 = time.time()
     with open(run.stop_path, "w") as f:
         f.write(f"{t0}\n")
