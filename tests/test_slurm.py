@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -248,6 +249,47 @@ def test_an_up_that_submits_nothing_leaves_no_run_to_show(tmp_path):
     st = subprocess.run(crucible_cmd("slurm", "status", "--run-dir", run_dir), cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert st.returncode == 1 and "no Slurm run in" in st.stderr and "crucible slurm up" in st.stderr, st
+
+
+def test_a_job_that_can_never_start_is_one_line_from_up(tmp_path, monkeypatch):
+    """`slurm up --cpus-per-slot 64` on a 16-CPU partition (or --nodes=5 on
+    one node): Slurm accepted every job and kept it pending for ever
+    (PartitionConfig); `up` said the run was up, and nothing ever said why it
+    did not start."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls"
+    squeue = json.dumps({"jobs": [{"job_id": j, "name": n, "job_state": "PENDING", "state_reason": "PartitionConfig"}
+                                  for j, n in ((101, "crucible-x-coordinator"), (102, "crucible-x-r0s0"),
+                                               (103, "crucible-x-r0s1"))]})
+    for name, body in (("sbatch", f'n=$(wc -l < {log}); echo sbatch >> {log}; echo $((101 + n))'),
+                       ("squeue", f"cat <<'EOF'\n{squeue}\nEOF"), ("scancel", f'echo "scancel $*" >> {log}')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    log.write_text("")
+    env = dict(child_env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    # (the run id is random: the fake queue answers with the names of run "x", which the test sets)
+    code = ("import sys, secrets; secrets.token_hex = lambda n: 'x'; from crucible.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    up = subprocess.run([sys.executable, "-c", code, "slurm", "up", "--run-dir", str(tmp_path / "run"),
+                         "--cpus-per-slot", "64", "--replicas", "1", "--stages", "2", "--steps", "10", *TINY],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    started = re.search(r"supervisor pid (\d+)", up.stdout)
+    if started:   # (it would wait for the fake queue for ever)
+        os.kill(int(started.group(1)), signal.SIGKILL)
+    assert up.returncode == 1 and up.stderr == (
+        "crucible slurm up: job 101 (crucible-x-coordinator) can never start as asked: pending for PartitionConfig, "
+        "it asks for more than the partition has (CPUs, memory or nodes); cancelled the 3 jobs submitted\n"), up
+    assert "supervisor" not in up.stdout and log.read_text().splitlines()[-1] == "scancel 101 102 103"
+    # a resubmitted job that can never start: the supervisor says so, once
+    run = slurm.SlurmRun.load(str(tmp_path / "run"))
+    monkeypatch.setattr(slurm, "query_jobs", lambda names: slurm.parse_squeue_json(squeue))
+    said = []
+    sup = slurm.Supervisor(run, say=said.append)
+    sup.tick(now=1.0)
+    sup.tick(now=2.0)
+    assert len(said) == 3 and said[0].startswith("coordinator: job 101 can never start as asked: pending for "
+                                                 "PartitionConfig"), said
 
 
 def test_status_says_why_the_coordinator_shows_no_job(tmp_path):

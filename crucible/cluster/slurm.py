@@ -100,6 +100,14 @@ ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUE
           "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "POWER_UP_NODE"}
 
 
+# Why a job pends (squeue's reason) where it can never start as asked: Slurm (without
+# EnforcePartLimits) accepts it and leaves it pending for ever.
+NEVER_STARTS = {"PartitionConfig": "asks for more than the partition has (CPUs, memory or nodes)",
+                "PartitionNodeLimit": "asks for more nodes than the partition allows",
+                "PartitionTimeLimit": "asks for more time than the partition allows",
+                "BadConstraints": "asks for a feature (--constraint) no node of the partition has"}
+
+
 class SlurmError(RuntimeError):
     """A Slurm command failed; the message says which and why, on one line."""
 
@@ -121,6 +129,11 @@ class JobInfo:
     @property
     def active(self) -> bool:
         return self.state in ACTIVE
+
+    @property
+    def never_starts(self) -> str:
+        """Why this pending job can never start as asked, or ""."""
+        return NEVER_STARTS.get(self.reason, "") if self.state == "PENDING" else ""
 
 
 def run_cmd(argv: list[str], timeout: float = 30.0) -> str:
@@ -412,6 +425,7 @@ class Supervisor:
         self._status_client = None
         self._status_addr = ""
         self.clock = procs.SteadyClock()    # (resubmission delays, the stuck check: no wall-clock step moves them)
+        self.told: set[int] = set()         # jobs said to be unable to start
 
     def stopping(self) -> bool:
         return os.path.exists(self.run.stop_path)
@@ -477,6 +491,10 @@ class Supervisor:
             if info.state == "RUNNING" and (slot.started is None or slot.node != info.node):
                 slot.started, slot.node = info.start_time or now, info.node
                 changed = True
+            if info.never_starts and info.job_id not in self.told:
+                self.told.add(info.job_id)
+                self.say(f"{slot.name}: job {info.job_id} can never start as asked: pending for {info.reason} "
+                         f"(it {info.never_starts}); `crucible slurm down`, then `up` with other options")
             if info.state == "PENDING" and info.restarts > 0 and info.reason == "BeginTime":
                 # Requeued by Slurm (node failure, preemption): held for the credential's
                 # lifetime; it can start now.
@@ -672,6 +690,14 @@ def cmd_up(args) -> int:
             raise SystemExit(f"crucible slurm up: {e} (no job was submitted)") from None
         scancel(submitted)
         raise SystemExit(f"crucible slurm up: {e} (cancelled the {len(submitted)} jobs submitted)") from None
+    # Slurm takes a job that asks for more than the partition has and leaves it pending for ever: the
+    # reason is there at once (a supervisor would wait with it for ever, saying nothing)
+    never = [j for j in query_jobs(run.names()).values() if j.never_starts]
+    if never:
+        scancel(submitted)
+        j = min(never, key=lambda j: j.job_id)
+        raise SystemExit(f"crucible slurm up: job {j.job_id} ({j.name}) can never start as asked: pending for "
+                         f"{j.reason}, it {j.never_starts}; cancelled the {len(submitted)} jobs submitted")
     print(f"crucible slurm: run {run.run_id} in {run_dir}: coordinator job {submitted[0]}, "
           f"{len(submitted) - 1} worker slot jobs ({cfg.job.replicas} x {cfg.job.stages})", flush=True)
     if args.foreground:
@@ -754,6 +780,8 @@ def cmd_status(args) -> int:
     print(f"{'slot':>11} {'job':>8} {'state':>11} {'node':>10} {'submits':>7} {'fails':>5}  worker")
     for s in st["slots"]:
         extra = s["worker_state"] or "-"
+        if s["state"] == "PENDING" and s["reason"] not in ("", "None"):
+            extra += f" (pending: {s['reason']})"
         if s["step"] is not None:
             extra += f" step {s['step']}"
         if s["resubmit_in_s"] is not None:
