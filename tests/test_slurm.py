@@ -183,6 +183,20 @@ def test_an_unreachable_controller_is_no_empty_queue(tmp_path, monkeypatch):
     assert not os.path.exists(run.stop_path)
 
 
+def test_up_on_jobs_without_a_supervisor_says_how_to_supervise_them(tmp_path, monkeypatch):
+    """Its supervisor killed, `up --resume` told the user to `down` a job that
+    runs (a final checkpoint, every worker stopped) where `supervise` goes on."""
+    run = slurm.SlurmRun(run_dir=str(tmp_path), run_id="ab", python="python3", replicas=1, stages=2,
+                         slots={s: slurm.Slot(s, job_id=10 + i) for i, s in enumerate(slurm.slot_names(1, 2))})
+    os.makedirs(run.dir)
+    run.save()
+    monkeypatch.setattr(slurm, "query_jobs", lambda names: {
+        10 + i: slurm.JobInfo(10 + i, n, "RUNNING") for i, n in enumerate(names)})
+    with pytest.raises(SystemExit, match=r"supervisor not running\): `crucible slurm supervise --run-dir r` to go "
+                                         r"on with it, or `crucible slurm down --run-dir r` first"):
+        slurm._refuse_if_up(str(tmp_path), "r")
+
+
 def test_job_scripts_keep_the_token_off_command_lines(tmp_path):
     run = slurm.SlurmRun(run_dir=str(tmp_path / "run dir"), run_id="ab", python="/opt/py thon", replicas=1,
                          stages=2, slots={s: slurm.Slot(s) for s in slurm.slot_names(1, 2)})

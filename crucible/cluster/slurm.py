@@ -611,8 +611,10 @@ def _refuse_if_up(run_dir: str, shown: str) -> None:
     pid = supervisor_alive(old)
     active = [j for j in query_jobs(old.names()).values() if j.active]
     if pid or active:
+        # (jobs without a supervisor: its host rebooted, it was killed; supervising them again is what goes on)
+        again = "" if pid else f"`crucible slurm supervise --run-dir {shlex.quote(shown)}` to go on with it, or "
         raise SystemExit(f"crucible slurm: {run_dir} is up already ({len(active)} jobs in the queue, "
-                         f"supervisor {pid or 'not running'}): "
+                         f"supervisor {pid or 'not running'}): {again}"
                          f"`crucible slurm down --run-dir {shlex.quote(shown)}` first")
 
 
