@@ -116,8 +116,13 @@ def test_supervisor_decisions(tmp_path, monkeypatch):
     monkeypatch.setattr(slurm, "sbatch", lambda argv: submitted.append(argv) or 100 + len(submitted))
     sup = slurm.Supervisor(run, say=lambda msg: None)
     sup.tick(now=200.0)
-    assert calls == [["scontrol", "update", "jobid=12", "StartTime=now"]]   # a requeued job is released
+    # a requeued job is released, not within the requeue's second: started in it, Slurm killed it
+    # ("Job credential revoked") and it ended FAILED
+    assert calls == []
+    sup.tick(now=202.0)
+    assert calls == [["scontrol", "update", "jobid=12", "StartTime=now"]]
     assert run.slots["r0s0"].node == "n1" and run.slots["r0s0"].started == 100.0 and not submitted
+    calls.clear()
     # r0s0's job fails: resubmitted once its delay has passed, not before.
     queue[11] = slurm.JobInfo(11, run.job_name("r0s0"), "FAILED", exit_code=1, start_time=100.0, end_time=205.0)
     sup.tick(now=206.0)

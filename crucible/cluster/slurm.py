@@ -43,7 +43,8 @@ at most ``--max-delay``; a job that ran ``--healthy-after`` seconds or more
 resets n, so a slot that keeps failing at start is backed off while a slot
 lost after an hour comes back at once. A job that Slurm requeued itself
 (node failure with ``--requeue``) keeps its id; its hold (``BeginTime``)
-is lifted with ``scontrol update StartTime=now`` (a requeued coordinator job
+is lifted with ``scontrol update StartTime=now`` once it has been held
+``REQUEUE_SETTLE_S`` (a requeued coordinator job
 that had started a coordinator runs it as a restart: ``slurm_job``). The stuck check: a
 worker job RUNNING for ``--stuck-after`` seconds whose slot the coordinator
 has not shown alive for as long is cancelled (then resubmitted). The
@@ -106,6 +107,12 @@ NEVER_STARTS = {"PartitionConfig": "asks for more than the partition has (CPUs, 
                 "PartitionNodeLimit": "asks for more nodes than the partition allows",
                 "PartitionTimeLimit": "asks for more time than the partition allows",
                 "BadConstraints": "asks for a feature (--constraint) no node of the partition has"}
+
+
+# A requeued job's hold is lifted this long after it was first seen held, not at once:
+# its earlier run's credential is revoked as of the requeue's second, and a job started
+# again within that second was killed as "non-startable: Job credential revoked" (FAILED).
+REQUEUE_SETTLE_S = 2.0
 
 
 class SlurmError(RuntimeError):
@@ -426,6 +433,7 @@ class Supervisor:
         self._status_addr = ""
         self.clock = procs.SteadyClock()    # (resubmission delays, the stuck check: no wall-clock step moves them)
         self.told: set[int] = set()         # jobs said to be unable to start
+        self.held_since: dict[tuple[int, int], float] = {}   # (job, restarts) -> when first seen held
 
     def stopping(self) -> bool:
         return os.path.exists(self.run.stop_path)
@@ -495,7 +503,8 @@ class Supervisor:
                 self.told.add(info.job_id)
                 self.say(f"{slot.name}: job {info.job_id} can never start as asked: pending for {info.reason} "
                          f"(it {info.never_starts}); `crucible slurm down`, then `up` with other options")
-            if info.state == "PENDING" and info.restarts > 0 and info.reason == "BeginTime":
+            held = info.state == "PENDING" and info.restarts > 0 and info.reason == "BeginTime"
+            if held and now - self.held_since.setdefault((info.job_id, info.restarts), now) >= REQUEUE_SETTLE_S:
                 # Requeued by Slurm (node failure, preemption): held for the credential's
                 # lifetime; it can start now.
                 try:
