@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -115,8 +116,13 @@ def test_supervisor_decisions(tmp_path, monkeypatch):
     monkeypatch.setattr(slurm, "sbatch", lambda argv: submitted.append(argv) or 100 + len(submitted))
     sup = slurm.Supervisor(run, say=lambda msg: None)
     sup.tick(now=200.0)
-    assert calls == [["scontrol", "update", "jobid=12", "StartTime=now"]]   # a requeued job is released
+    # a requeued job is released, not within the requeue's second: started in it, Slurm killed it
+    # ("Job credential revoked") and it ended FAILED
+    assert calls == []
+    sup.tick(now=202.0)
+    assert calls == [["scontrol", "update", "jobid=12", "StartTime=now"]]
     assert run.slots["r0s0"].node == "n1" and run.slots["r0s0"].started == 100.0 and not submitted
+    calls.clear()
     # r0s0's job fails: resubmitted once its delay has passed, not before.
     queue[11] = slurm.JobInfo(11, run.job_name("r0s0"), "FAILED", exit_code=1, start_time=100.0, end_time=205.0)
     sup.tick(now=206.0)
@@ -147,6 +153,55 @@ def test_supervisor_decisions(tmp_path, monkeypatch):
     assert ends[-1]["slot"] == "r0s0" and ends[-1]["resubmit_in_s"] is None
 
 
+# What squeue --json (22.05) prints, with exit status 0, while slurmctld restarts.
+SQUEUE_NO_CONTROLLER = {"meta": {"Slurm": {"release": "22.05.8"}}, "jobs": [],
+                        "errors": [{"description": "Failed while looking for jobs", "error_number": -1,
+                                    "error": "Unspecified error", "source": "slurm_load_jobs"}]}
+
+
+def test_an_unreachable_controller_is_no_empty_queue(tmp_path, monkeypatch):
+    """slurmctld restarted while the job ran: squeue --json said "no job"
+    (exit 0, an error in its JSON), the supervisor took every job of the run
+    for gone and, once slurmctld was back, submitted every slot again beside
+    the running jobs (the coordinator with --resume): duplicates refused by
+    the live ones, resubmitted for ever."""
+    run = slurm.SlurmRun(run_dir=str(tmp_path), run_id="ab", python="python3", replicas=1, stages=2,
+                         slots={s: slurm.Slot(s, job_id=10 + i) for i, s in enumerate(slurm.slot_names(1, 2))})
+    os.makedirs(run.dir)
+
+    def run_cmd(argv, timeout=30.0):
+        if argv[0] == "squeue":
+            return json.dumps(SQUEUE_NO_CONTROLLER)
+        raise slurm.SlurmError(f"{' '.join(argv[:2])} failed (1): slurm_load_jobs error: Unable to contact "
+                               f"slurm controller (connect failure)")
+    monkeypatch.setattr(slurm, "run_cmd", run_cmd)
+    monkeypatch.setattr(slurm, "sbatch", lambda argv: pytest.fail(f"submitted {argv}"))
+    with pytest.raises(slurm.SlurmError, match="Unable to contact slurm controller"):
+        slurm.Supervisor(run, say=lambda msg: None).tick(now=100.0)
+    assert [s.job_id for s in run.slots.values()] == [10, 11, 12]
+    assert not os.path.exists(tmp_path / "metrics.jsonl")   # no slurm_job_end
+    with pytest.raises(slurm.SlurmError, match="Failed while looking for jobs"):
+        slurm.parse_squeue_json(json.dumps(SQUEUE_NO_CONTROLLER))
+    # `slurm down` then stops nothing (it said "0 jobs left" and left them running); the supervisor goes on
+    with pytest.raises(slurm.SlurmError, match="Unable to contact slurm controller"):
+        slurm.down(run, say=lambda msg: None)
+    assert not os.path.exists(run.stop_path)
+
+
+def test_up_on_jobs_without_a_supervisor_says_how_to_supervise_them(tmp_path, monkeypatch):
+    """Its supervisor killed, `up --resume` told the user to `down` a job that
+    runs (a final checkpoint, every worker stopped) where `supervise` goes on."""
+    run = slurm.SlurmRun(run_dir=str(tmp_path), run_id="ab", python="python3", replicas=1, stages=2,
+                         slots={s: slurm.Slot(s, job_id=10 + i) for i, s in enumerate(slurm.slot_names(1, 2))})
+    os.makedirs(run.dir)
+    run.save()
+    monkeypatch.setattr(slurm, "query_jobs", lambda names: {
+        10 + i: slurm.JobInfo(10 + i, n, "RUNNING") for i, n in enumerate(names)})
+    with pytest.raises(SystemExit, match=r"supervisor not running\): `crucible slurm supervise --run-dir r` to go "
+                                         r"on with it, or `crucible slurm down --run-dir r` first"):
+        slurm._refuse_if_up(str(tmp_path), "r")
+
+
 def test_job_scripts_keep_the_token_off_command_lines(tmp_path):
     run = slurm.SlurmRun(run_dir=str(tmp_path / "run dir"), run_id="ab", python="/opt/py thon", replicas=1,
                          stages=2, slots={s: slurm.Slot(s) for s in slurm.slot_names(1, 2)})
@@ -156,6 +211,42 @@ def test_job_scripts_keep_the_token_off_command_lines(tmp_path):
         assert "crucible.cluster.slurm_job" in text and "'/opt/py thon'" in text
         assert 'CRUCIBLE_TOKEN="$(cat ' in text   # exported from the 0600 file, never an argument
         assert os.stat(run.script(s)).st_mode & stat.S_IXUSR
+
+
+def test_a_requeued_coordinator_job_restarts(tmp_path):
+    """A coordinator job that Slurm requeued (`scontrol requeue`, a node
+    failure: the same job id, run again) ran as it was submitted: the first
+    coordinator of `up` again with --fresh (of `up --resume`, --resume) under
+    live workers, forgetting every outer round closed since (128 in a 2 x 2
+    run) and the save in flight. Once it has started a coordinator, its rerun
+    is a restart."""
+    run_dir = str(tmp_path)
+    run = slurm.SlurmRun(run_dir=run_dir, run_id="ab", replicas=1, stages=2, python=str(tmp_path / "py"),
+                         slots={s: slurm.Slot(s) for s in slurm.slot_names(1, 2)})
+    os.makedirs(run.dir)
+    (tmp_path / "py").write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/argv"\n')   # what the job execs
+    (tmp_path / "py").chmod(0o755)
+    env = dict(child_env(), CRUCIBLE_TOKEN="x", CRUCIBLE_SLURM_HOST="127.0.0.1", SLURM_JOB_ID="7",
+               PYTHONPATH=ROOT)
+
+    def job(start: str, restarts: int) -> str:
+        run.slots["coordinator"].start = start
+        run.save()
+        p = subprocess.run([sys.executable, "-m", "crucible.cluster.slurm_job", run_dir, "coordinator"], cwd=ROOT,
+                           env=dict(env, SLURM_RESTART_COUNT=str(restarts)), capture_output=True, text=True,
+                           timeout=60, stdin=subprocess.DEVNULL)
+        assert p.returncode == 0, p.stderr
+        return (tmp_path / "argv").read_text()
+
+    # an earlier job's coordinator, then job 7 starts: as submitted
+    slurm.append_event(run_dir, {"event": "coordinator_start", "incarnation": 1})
+    assert "--fresh" in job("fresh", 0)
+    assert "--fresh" in job("fresh", 1)   # requeued before its coordinator started: as submitted still
+    slurm.append_event(run_dir, {"event": "coordinator_start", "incarnation": 2})
+    for start in ("fresh", "resume"):
+        argv = job(start, 2)
+        assert "--fresh" not in argv and "--resume" not in argv and "--on-sigterm leave" in argv, argv
+    assert "--resume" in job("resume", 0)   # a job not requeued: as submitted
 
 
 def test_an_up_that_submits_nothing_leaves_no_run_to_show(tmp_path):
@@ -177,6 +268,47 @@ def test_an_up_that_submits_nothing_leaves_no_run_to_show(tmp_path):
     st = subprocess.run(crucible_cmd("slurm", "status", "--run-dir", run_dir), cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert st.returncode == 1 and "no Slurm run in" in st.stderr and "crucible slurm up" in st.stderr, st
+
+
+def test_a_job_that_can_never_start_is_one_line_from_up(tmp_path, monkeypatch):
+    """`slurm up --cpus-per-slot 64` on a 16-CPU partition (or --nodes=5 on
+    one node): Slurm accepted every job and kept it pending for ever
+    (PartitionConfig); `up` said the run was up, and nothing ever said why it
+    did not start."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls"
+    squeue = json.dumps({"jobs": [{"job_id": j, "name": n, "job_state": "PENDING", "state_reason": "PartitionConfig"}
+                                  for j, n in ((101, "crucible-x-coordinator"), (102, "crucible-x-r0s0"),
+                                               (103, "crucible-x-r0s1"))]})
+    for name, body in (("sbatch", f'n=$(wc -l < {log}); echo sbatch >> {log}; echo $((101 + n))'),
+                       ("squeue", f"cat <<'EOF'\n{squeue}\nEOF"), ("scancel", f'echo "scancel $*" >> {log}')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    log.write_text("")
+    env = dict(child_env(), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    # (the run id is random: the fake queue answers with the names of run "x", which the test sets)
+    code = ("import sys, secrets; secrets.token_hex = lambda n: 'x'; from crucible.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    up = subprocess.run([sys.executable, "-c", code, "slurm", "up", "--run-dir", str(tmp_path / "run"),
+                         "--cpus-per-slot", "64", "--replicas", "1", "--stages", "2", "--steps", "10", *TINY],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    started = re.search(r"supervisor pid (\d+)", up.stdout)
+    if started:   # (it would wait for the fake queue for ever)
+        os.kill(int(started.group(1)), signal.SIGKILL)
+    assert up.returncode == 1 and up.stderr == (
+        "crucible slurm up: job 101 (crucible-x-coordinator) can never start as asked: pending for PartitionConfig, "
+        "it asks for more than the partition has (CPUs, memory or nodes); cancelled the 3 jobs submitted\n"), up
+    assert "supervisor" not in up.stdout and log.read_text().splitlines()[-1] == "scancel 101 102 103"
+    # a resubmitted job that can never start: the supervisor says so, once
+    run = slurm.SlurmRun.load(str(tmp_path / "run"))
+    monkeypatch.setattr(slurm, "query_jobs", lambda names: slurm.parse_squeue_json(squeue))
+    said = []
+    sup = slurm.Supervisor(run, say=said.append)
+    sup.tick(now=1.0)
+    sup.tick(now=2.0)
+    assert len(said) == 3 and said[0].startswith("coordinator: job 101 can never start as asked: pending for "
+                                                 "PartitionConfig"), said
 
 
 def test_status_says_why_the_coordinator_shows_no_job(tmp_path):

@@ -43,7 +43,9 @@ at most ``--max-delay``; a job that ran ``--healthy-after`` seconds or more
 resets n, so a slot that keeps failing at start is backed off while a slot
 lost after an hour comes back at once. A job that Slurm requeued itself
 (node failure with ``--requeue``) keeps its id; its hold (``BeginTime``)
-is lifted with ``scontrol update StartTime=now``. The stuck check: a
+is lifted with ``scontrol update StartTime=now`` once it has been held
+``REQUEUE_SETTLE_S`` (a requeued coordinator job
+that had started a coordinator runs it as a restart: ``slurm_job``). The stuck check: a
 worker job RUNNING for ``--stuck-after`` seconds whose slot the coordinator
 has not shown alive for as long is cancelled (then resubmitted). The
 coordinator is resubmitted with ``--resume`` when no worker job is running
@@ -99,6 +101,20 @@ ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUE
           "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "POWER_UP_NODE"}
 
 
+# Why a job pends (squeue's reason) where it can never start as asked: Slurm (without
+# EnforcePartLimits) accepts it and leaves it pending for ever.
+NEVER_STARTS = {"PartitionConfig": "asks for more than the partition has (CPUs, memory or nodes)",
+                "PartitionNodeLimit": "asks for more nodes than the partition allows",
+                "PartitionTimeLimit": "asks for more time than the partition allows",
+                "BadConstraints": "asks for a feature (--constraint) no node of the partition has"}
+
+
+# A requeued job's hold is lifted this long after it was first seen held, not at once:
+# its earlier run's credential is revoked as of the requeue's second, and a job started
+# again within that second was killed as "non-startable: Job credential revoked" (FAILED).
+REQUEUE_SETTLE_S = 2.0
+
+
 class SlurmError(RuntimeError):
     """A Slurm command failed; the message says which and why, on one line."""
 
@@ -120,6 +136,11 @@ class JobInfo:
     @property
     def active(self) -> bool:
         return self.state in ACTIVE
+
+    @property
+    def never_starts(self) -> str:
+        """Why this pending job can never start as asked, or ""."""
+        return NEVER_STARTS.get(self.reason, "") if self.state == "PENDING" else ""
 
 
 def run_cmd(argv: list[str], timeout: float = 30.0) -> str:
@@ -162,8 +183,15 @@ def _exit_code(v) -> int | None:
 
 
 def parse_squeue_json(text: str) -> dict[int, JobInfo]:
+    doc = json.loads(text)
+    errors = doc.get("errors") or []
+    if errors:
+        # squeue --json exits 0 with no job and an error where it cannot reach slurmctld (restarting):
+        # taken as an empty queue, every job of the run was "gone" and submitted a second time
+        e = errors[0] if isinstance(errors[0], dict) else {"error": str(errors[0])}
+        raise SlurmError(f"squeue --json failed: {e.get('description') or e.get('error') or e}")
     out = {}
-    for j in json.loads(text).get("jobs", []):
+    for j in doc.get("jobs", []):
         state = j.get("job_state")
         if isinstance(state, list):
             state = state[0] if state else ""
@@ -404,6 +432,8 @@ class Supervisor:
         self._status_client = None
         self._status_addr = ""
         self.clock = procs.SteadyClock()    # (resubmission delays, the stuck check: no wall-clock step moves them)
+        self.told: set[int] = set()         # jobs said to be unable to start
+        self.held_since: dict[tuple[int, int], float] = {}   # (job, restarts) -> when first seen held
 
     def stopping(self) -> bool:
         return os.path.exists(self.run.stop_path)
@@ -469,7 +499,12 @@ class Supervisor:
             if info.state == "RUNNING" and (slot.started is None or slot.node != info.node):
                 slot.started, slot.node = info.start_time or now, info.node
                 changed = True
-            if info.state == "PENDING" and info.restarts > 0 and info.reason == "BeginTime":
+            if info.never_starts and info.job_id not in self.told:
+                self.told.add(info.job_id)
+                self.say(f"{slot.name}: job {info.job_id} can never start as asked: pending for {info.reason} "
+                         f"(it {info.never_starts}); `crucible slurm down`, then `up` with other options")
+            held = info.state == "PENDING" and info.restarts > 0 and info.reason == "BeginTime"
+            if held and now - self.held_since.setdefault((info.job_id, info.restarts), now) >= REQUEUE_SETTLE_S:
                 # Requeued by Slurm (node failure, preemption): held for the credential's
                 # lifetime; it can start now.
                 try:
@@ -585,8 +620,10 @@ def _refuse_if_up(run_dir: str, shown: str) -> None:
     pid = supervisor_alive(old)
     active = [j for j in query_jobs(old.names()).values() if j.active]
     if pid or active:
+        # (jobs without a supervisor: its host rebooted, it was killed; supervising them again is what goes on)
+        again = "" if pid else f"`crucible slurm supervise --run-dir {shlex.quote(shown)}` to go on with it, or "
         raise SystemExit(f"crucible slurm: {run_dir} is up already ({len(active)} jobs in the queue, "
-                         f"supervisor {pid or 'not running'}): "
+                         f"supervisor {pid or 'not running'}): {again}"
                          f"`crucible slurm down --run-dir {shlex.quote(shown)}` first")
 
 
@@ -664,6 +701,14 @@ def cmd_up(args) -> int:
             raise SystemExit(f"crucible slurm up: {e} (no job was submitted)") from None
         scancel(submitted)
         raise SystemExit(f"crucible slurm up: {e} (cancelled the {len(submitted)} jobs submitted)") from None
+    # Slurm takes a job that asks for more than the partition has and leaves it pending for ever: the
+    # reason is there at once (a supervisor would wait with it for ever, saying nothing)
+    never = [j for j in query_jobs(run.names()).values() if j.never_starts]
+    if never:
+        scancel(submitted)
+        j = min(never, key=lambda j: j.job_id)
+        raise SystemExit(f"crucible slurm up: job {j.job_id} ({j.name}) can never start as asked: pending for "
+                         f"{j.reason}, it {j.never_starts}; cancelled the {len(submitted)} jobs submitted")
     print(f"crucible slurm: run {run.run_id} in {run_dir}: coordinator job {submitted[0]}, "
           f"{len(submitted) - 1} worker slot jobs ({cfg.job.replicas} x {cfg.job.stages})", flush=True)
     if args.foreground:
@@ -746,6 +791,8 @@ def cmd_status(args) -> int:
     print(f"{'slot':>11} {'job':>8} {'state':>11} {'node':>10} {'submits':>7} {'fails':>5}  worker")
     for s in st["slots"]:
         extra = s["worker_state"] or "-"
+        if s["state"] == "PENDING" and s["reason"] not in ("", "None"):
+            extra += f" (pending: {s['reason']})"
         if s["step"] is not None:
             extra += f" step {s['step']}"
         if s["resubmit_in_s"] is not None:
@@ -768,7 +815,10 @@ def _wait(pred, timeout: float, interval: float = 0.5) -> bool:
 
 def down(run: SlurmRun, final_checkpoint: bool = True, timeout: float | None = None, say=print) -> dict:
     """Stop the supervisor, take a final checkpoint (SIGINT to the coordinator's
-    job), cancel every job of the run; returns what happened."""
+    job), cancel every job of the run; returns what happened. Where slurmctld
+    does not answer, SlurmError before anything is stopped: the supervisor
+    still runs (no stop file), and the jobs it supervises with it."""
+    query_jobs(run.names())
     t0 = time.time()
     with open(run.stop_path, "w") as f:
         f.write(f"{t0}\n")

@@ -11,7 +11,11 @@ it) one of:
   to 30 s for the port and ``coordinator.lock`` to be free. ``--fresh`` for
   the first coordinator of a run, ``--resume`` when the supervisor submitted
   it so (the whole job was lost) or for ``up --resume``, else neither (a
-  restart: it restores its predecessor's saved state). ``--on-sigterm
+  restart: it restores its predecessor's saved state). A job Slurm
+  requeued (``scontrol requeue``, a node failure, preemption by requeue:
+  the same job id, run again) that had started a coordinator before is a
+  restart whatever it was submitted as: its own earlier coordinator's state
+  is what to continue from. ``--on-sigterm
   leave``: Slurm's SIGTERM (scancel, preemption, time limit) ends this
   coordinator only, the workers go on with the next one;
   ``crucible slurm down`` sends SIGINT (final checkpoint, every worker stops).
@@ -33,6 +37,7 @@ import time
 
 from crucible.cluster.slurm import COORD, SlurmRun, append_event, parse_slot
 from crucible.files import lock_held
+from crucible.metrics import each
 
 
 def _say(msg: str) -> None:
@@ -61,7 +66,27 @@ def _read_addr(run_dir: str) -> str:
         return ""
 
 
-def coordinator_argv(run: SlurmRun, host: str) -> list[str]:
+def coordinator_start(run: SlurmRun, job_id: str, restarts: int) -> str:
+    """How this coordinator starts: as the supervisor submitted it (``fresh``,
+    ``resume`` or ``restart``), except in a job Slurm requeued after it had
+    started a coordinator: that is a restart. (Run again as submitted, the
+    requeued first coordinator of `up` or of `up --resume` started ``--fresh``
+    or ``--resume`` under live workers: it forgot every outer round closed
+    since the start, which a worker whose reply was lost asks again, and
+    dropped the save in flight.)"""
+    start = run.slots[COORD].start
+    if start == "restart" or restarts <= 0 or not job_id.isdigit():
+        return start
+    ran = False   # this job has started before: a coordinator_start after that is its earlier run's
+    for e in each(run.run_dir, ("slurm_job_start", "coordinator_start"), offset=run.metrics_start):
+        if e["event"] == "slurm_job_start" and e.get("slot") == COORD and e.get("job_id") == int(job_id):
+            ran = True
+        elif e["event"] == "coordinator_start" and ran:
+            return "restart"
+    return start
+
+
+def coordinator_argv(run: SlurmRun, host: str, start: str | None = None) -> list[str]:
     port = run.port
     prev = _read_addr(run.run_dir)
     if prev:
@@ -75,8 +100,9 @@ def coordinator_argv(run: SlurmRun, host: str) -> list[str]:
             "--on-sigterm", "leave"]
     if run.config:
         argv += ["--config", run.config]
-    if run.slots[COORD].start in ("fresh", "resume"):
-        argv.append(f"--{run.slots[COORD].start}")
+    start = run.slots[COORD].start if start is None else start
+    if start in ("fresh", "resume"):
+        argv.append(f"--{start}")
     return argv + list(run.overrides)
 
 
@@ -106,10 +132,17 @@ def main(argv: list[str]) -> int:
                          f"{run_dir}/token)")
     host = node_host()
     job_id = os.environ.get("SLURM_JOB_ID", "")
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     append_event(run_dir, {"event": "slurm_job_start", "slot": slot, "job_id": int(job_id) if job_id.isdigit() else None,
-                           "node": os.environ.get("SLURMD_NODENAME", host),
-                           "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)})
-    cmd = coordinator_argv(run, host) if slot == COORD else worker_argv(run, slot, host)
+                           "node": os.environ.get("SLURMD_NODENAME", host), "restart_count": restarts})
+    if slot == COORD:
+        start = coordinator_start(run, job_id, restarts)
+        if start != run.slots[COORD].start:
+            _say(f"job {job_id} was requeued after it had started a coordinator: a restart, not "
+                 f"--{run.slots[COORD].start}")
+        cmd = coordinator_argv(run, host, start)
+    else:
+        cmd = worker_argv(run, slot, host)
     _say(f"job {job_id} slot {slot} on {host}: {json.dumps(cmd)}")
     os.execv(cmd[0], cmd)
     return 1   # not reached
