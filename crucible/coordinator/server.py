@@ -24,7 +24,9 @@ Protocol (what a worker can rely on)
   registration's secret gets PERMISSION_DENIED. A worker not heard from
   for ``fault.heartbeat_timeout_s`` is declared dead. A coordinator that was
   itself stalled (its monitor ran late) credits everyone with the stall
-  before it judges anyone.
+  before it judges anyone; one starved of CPU (its server answers its own
+  health check late: ``Backlog``) judges silence net of that backlog, and
+  nobody while it is half a timeout or more.
 * **Isolation** (``membership.py``, "Silence and isolation"): when more than
   half of the live workers go silent at once, the coordinator takes itself to
   be the one cut off and evicts nobody for silence (``coordinator_isolated``
@@ -107,7 +109,69 @@ MAX_EVENT_DEPTH = 32     # lists and objects within an event (every real one is 
 STATE_FILE = "coordinator.state.json"
 PROBE_ATTEMPTS = 2     # a probe that fails other than refused is tried again before a worker is dead
 MONITOR_TICK_S = 0.1
+SELF_CHECK_S = 0.25     # how often the coordinator times an answer of its own server (``Backlog``)
 
+
+
+class Backlog:
+    """How late this coordinator reads what comes to it: a thread asks its
+    own server (the health service, answered by the same threads as every
+    heartbeat) every ``SELF_CHECK_S`` and times the answer. A coordinator
+    starved of CPU (a cgroup's quota, a host overloaded) reads its beats
+    seconds late while its monitor, which does little, still ticks on time:
+    the monitor's own lag did not show it, and healthy workers were evicted
+    for "no heartbeat for 2.2s" that sat unread in its queue (or expired
+    there: a beat's deadline is the timeout). Silence is judged net of the
+    backlog (``seconds``): the slowest answer of the last ``window`` seconds
+    (its answers come in bursts), or the age of the question still
+    unanswered; and not at all while it is half a timeout or more (the
+    monitor).
+
+    A check that cannot be made (a channel that does not connect: the
+    advertised address unreachable from here, TLS that does not name it)
+    counts as no backlog: silence is judged as before. The backlog is capped
+    at ``cap`` seconds: a server that never answers itself must not stop
+    the judging for ever."""
+
+    def __init__(self, address: str, window: float, cap: float, stopping: threading.Event):
+        self.address, self.window, self.cap, self.stopping = address, window, cap, stopping
+        self.asked_at: float | None = None           # (monotonic) the check in flight, on a connected channel
+        self.answers: list[tuple[float, float]] = []  # (when asked, seconds to the answer), the last window
+        self.connected = False
+        self.warned_at = -math.inf
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="backlog", daemon=True).start()
+
+    def _run(self) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with rpc.make_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not self.stopping.wait(SELF_CHECK_S):
+                t0 = time.monotonic()
+                self.asked_at = t0 if self.connected else None
+                try:
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=self.cap)
+                    took, self.connected = time.monotonic() - t0, True
+                except grpc.RpcError as e:
+                    # (a deadline on a connected channel is a backlog of at least the cap;
+                    # anything else: no answer to time)
+                    took = self.cap if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.connected else 0.0
+                self.asked_at = None
+                self.answers = [a for a in self.answers if t0 - a[0] < self.window] + [(t0, took)]
+
+    def seconds(self, mono: float) -> float:
+        """The backlog now (0 when there is none to speak of)."""
+        asked = self.asked_at
+        late = max([mono - asked if asked is not None else 0.0] +
+                   [took for t, took in self.answers if mono - t < self.window])
+        late = min(late, self.cap)
+        if late > 1.0 and mono - self.warned_at > 60.0:
+            self.warned_at = mono
+            log.warning("this coordinator answers its own health check %.1fs late: it is starved of CPU "
+                        "(a quota, an overloaded host); silence is judged net of that", late)
+        return late
 
 
 def _status(code: str) -> grpc.StatusCode:
@@ -140,6 +204,7 @@ class Coordinator:
         self.port = 0
         self.restart_requested = False
         self._probing: set[tuple[int, int]] = set()
+        self.backlog: Backlog | None = None      # how late this coordinator reads its beats (started with it)
         self._watches: dict[str, int] = {}     # worker id -> its newest WatchRoutes (the one kept)
         self.links = LinkRates()     # each boundary's throughput, for status
         self.suspicions = SuspicionBook(cfg.job.stages, cfg.fault.suspicion_limit, cfg.fault.suspicion_window_s)
@@ -240,6 +305,10 @@ class Coordinator:
         self.metrics.write({"event": "coordinator_start", "address": adv, "incarnation": self.incarnation,
                             "pid": os.getpid(), "replicas": self.cfg.job.replicas, "stages": self.cfg.job.stages,
                             "restored": self.m.restored, "version": crucible_version(), "config": self.cfg.to_dict()})
+        timeout = self.cfg.fault.heartbeat_timeout_s
+        # (a starved coordinator's answers come in bursts: one that was late is remembered a while)
+        self.backlog = Backlog(adv, window=3 * timeout, cap=10 * timeout, stopping=self.stopping)
+        self.backlog.start()
         threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
         self.ckpt.start()
         with self.cv:       # (restored after the job was done: no replica_done comes again)
@@ -553,13 +622,22 @@ class Coordinator:
         while not self.stopping.wait(MONITOR_TICK_S):
             mono = time.monotonic()
             lag, last = mono - last - MONITOR_TICK_S, mono
-            now = self.clock()
+            real = self.clock()
+            backlog = self.backlog.seconds(mono) if self.backlog is not None else 0.0
+            now = real - backlog      # (a beat that came in the last `backlog` seconds may still wait unread)
             with self.cv:
                 if lag > 2 * MONITOR_TICK_S:
                     # We were stalled ourselves: heartbeats may be waiting unread.
                     # Nobody is judged on a silence we could not have heard.
                     for w in self.m.workers.values():
                         w.last_seen += lag
+                    continue
+                if backlog >= timeout / 2:
+                    # Our own server answers us that late: a beat (its deadline is the
+                    # timeout) may have expired unread in its queue. Nobody is judged on
+                    # silence meanwhile; each has half a timeout at least once it ends.
+                    for w in self.m.workers.values():
+                        w.last_seen = max(w.last_seen, real - timeout / 2)
                     continue
                 if not self.job_started and self.incarnation > 1 and not self.m.restored \
                         and now - self.started > timeout and not self.ckpt.resume_requested \
@@ -571,7 +649,7 @@ class Coordinator:
                 for w in evict:
                     if self.restart_requested:
                         break     # every worker was told to restart: their silence is that
-                    self._declare_dead(w, f"no heartbeat for {now - w.last_seen:.1f}s")
+                    self._declare_dead(w, f"no heartbeat for {real - w.last_seen:.1f}s")
                 if self.m.isolated:
                     self._probe_silent(now, timeout)
 
