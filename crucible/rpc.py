@@ -129,10 +129,14 @@ def channel_options(max_mb: int) -> list[tuple[str, Any]]:
     ]
 
 
-def make_channel(address: str, max_mb: int = 64) -> grpc.Channel:
+def make_channel(address: str, max_mb: int = 64, tls_name: str | None = None) -> grpc.Channel:
+    """A channel to ``address``; over TLS, ``tls_name`` is the name its
+    certificate must carry where that is not the address's host (a server
+    dialled on loopback: its certificate names the host it advertises)."""
     files = tls_files()
     if files is not None:
-        return grpc.secure_channel(address, tls.channel_credentials(files), options=channel_options(max_mb))
+        options = channel_options(max_mb) + ([("grpc.ssl_target_name_override", tls_name)] if tls_name else [])
+        return grpc.secure_channel(address, tls.channel_credentials(files), options=options)
     return grpc.insecure_channel(address, options=channel_options(max_mb))
 
 

@@ -159,6 +159,16 @@ SQUEUE_NO_CONTROLLER = {"meta": {"Slurm": {"release": "22.05.8"}}, "jobs": [],
                                     "error": "Unspecified error", "source": "slurm_load_jobs"}]}
 
 
+def test_an_error_beside_jobs_is_no_failed_query():
+    """Only an error with no job is a failed query (slurmctld unreachable);
+    one beside the jobs (a warning-like error of some Slurm release) must not
+    fail every look at the queue."""
+    with pytest.raises(slurm.SlurmError, match="Failed while looking for jobs"):
+        slurm.parse_squeue_json(json.dumps(SQUEUE_NO_CONTROLLER))
+    doc = dict(SQUEUE_NO_CONTROLLER, jobs=[{"job_id": 7, "name": "crucible-ab-r0s0", "job_state": "RUNNING"}])
+    assert slurm.parse_squeue_json(json.dumps(doc))[7].state == "RUNNING"
+
+
 def test_an_unreachable_controller_is_no_empty_queue(tmp_path, monkeypatch):
     """slurmctld restarted while the job ran: squeue --json said "no job"
     (exit 0, an error in its JSON), the supervisor took every job of the run
@@ -274,7 +284,8 @@ def test_a_job_that_can_never_start_is_one_line_from_up(tmp_path, monkeypatch):
     """`slurm up --cpus-per-slot 64` on a 16-CPU partition (or --nodes=5 on
     one node): Slurm accepted every job and kept it pending for ever
     (PartitionConfig); `up` said the run was up, and nothing ever said why it
-    did not start."""
+    did not start. It says so now, and cancels nothing: the same reasons can
+    pass (nodes down or drained)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls"
@@ -296,10 +307,11 @@ def test_a_job_that_can_never_start_is_one_line_from_up(tmp_path, monkeypatch):
     started = re.search(r"supervisor pid (\d+)", up.stdout)
     if started:   # (it would wait for the fake queue for ever)
         os.kill(int(started.group(1)), signal.SIGKILL)
-    assert up.returncode == 1 and up.stderr == (
-        "crucible slurm up: job 101 (crucible-x-coordinator) can never start as asked: pending for PartitionConfig, "
-        "it asks for more than the partition has (CPUs, memory or nodes); cancelled the 3 jobs submitted\n"), up
-    assert "supervisor" not in up.stdout and log.read_text().splitlines()[-1] == "scancel 101 102 103"
+    assert up.returncode == 0 and up.stderr == (
+        "crucible slurm: job 101 (crucible-x-coordinator) may never start as asked: pending for PartitionConfig (it "
+        f"asks for more than the partition has (CPUs, memory or nodes), or the nodes it needs are down); `crucible "
+        f"slurm down --run-dir {tmp_path / 'run'}`, then `up` with other options, unless that passes\n"), up
+    assert started and "scancel" not in log.read_text()     # (it may pass: nodes back up)
     # a resubmitted job that can never start: the supervisor says so, once
     run = slurm.SlurmRun.load(str(tmp_path / "run"))
     monkeypatch.setattr(slurm, "query_jobs", lambda names: slurm.parse_squeue_json(squeue))
@@ -307,7 +319,7 @@ def test_a_job_that_can_never_start_is_one_line_from_up(tmp_path, monkeypatch):
     sup = slurm.Supervisor(run, say=said.append)
     sup.tick(now=1.0)
     sup.tick(now=2.0)
-    assert len(said) == 3 and said[0].startswith("coordinator: job 101 can never start as asked: pending for "
+    assert len(said) == 3 and said[0].startswith("coordinator: job 101 may never start as asked: pending for "
                                                  "PartitionConfig"), said
 
 

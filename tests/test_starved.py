@@ -29,58 +29,80 @@ STARVED_S = 60
 
 class CpuCap:
     """A process's threads in a cgroup of their own with a CPU quota (``share``
-    of one core), and back in their parent's at ``release``."""
+    of one core), and back in the cgroup they came from at ``release``."""
 
     def __init__(self, name: str):
         if os.geteuid() != 0:
             pytest.skip("needs root (a cgroup of its own)")
         if os.path.isfile(os.path.join(V1, "cpu.cfs_quota_us")):
-            self.parent, self.v2 = V1, False
+            self.root, self.v2 = V1, False
         elif os.path.isfile(os.path.join(V2, "cgroup.controllers")) and \
                 "cpu" in open(os.path.join(V2, "cgroup.subtree_control")).read().split():
-            self.parent, self.v2 = V2, True
+            self.root, self.v2 = V2, True
         else:
             pytest.skip("no writable CPU controller (cgroup v1 cpu, or v2 with cpu enabled)")
-        self.dir = os.path.join(self.parent, name)
+        self.dir = os.path.join(self.root, name)
+        self.home = self.root
         try:
             os.makedirs(self.dir, exist_ok=True)
         except OSError as e:
             pytest.skip(f"cannot make a cgroup: {e}")
 
     def cap(self, pid: int, share: float) -> None:
+        self.home = self._cgroup_of(pid)
         period = 100_000
         if self.v2:
             _write(os.path.join(self.dir, "cpu.max"), f"{int(share * period)} {period}")
-            _write(os.path.join(self.dir, "cgroup.procs"), str(pid))
         else:
             _write(os.path.join(self.dir, "cpu.cfs_period_us"), str(period))
             _write(os.path.join(self.dir, "cpu.cfs_quota_us"), str(int(share * period)))
-            self._move(pid, os.path.join(self.dir, "tasks"))
+        self._move(pid, self.dir)
 
     def release(self, pid: int) -> None:
-        if self.v2:
-            _write(os.path.join(self.parent, "cgroup.procs"), str(pid), missing_ok=True)
-        else:
-            self._move(pid, os.path.join(self.parent, "tasks"))
-
-    def remove(self) -> None:
-        for _ in range(50):
-            try:
-                os.rmdir(self.dir)
-                return
-            except FileNotFoundError:
-                return
-            except OSError:         # (a thread still in it: moved out, or gone, in a moment)
+        """Back where it came from, every thread (one a capped thread starts
+        meanwhile too: moved until none is left), then the cgroup removed."""
+        try:
+            for _ in range(50):
+                self._move(pid, self.home)
+                if not self._members():
+                    break
                 time.sleep(0.1)
+        finally:
+            for _ in range(50):
+                try:
+                    os.rmdir(self.dir)
+                    return
+                except FileNotFoundError:
+                    return
+                except OSError:
+                    time.sleep(0.1)
+            pytest.fail(f"could not remove {self.dir}: {self._members()} still in it")
 
-    @staticmethod
-    def _move(pid: int, tasks: str) -> None:
+    def _cgroup_of(self, pid: int) -> str:
+        with open(f"/proc/{pid}/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if (self.v2 and controllers == "") or (not self.v2 and "cpu" in controllers.split(",")):
+                    return os.path.join(self.root, path.lstrip("/"))
+        return self.root
+
+    def _members(self) -> list[str]:
+        try:
+            with open(os.path.join(self.dir, "cgroup.threads" if self.v2 else "tasks")) as f:
+                return f.read().split()
+        except FileNotFoundError:
+            return []
+
+    def _move(self, pid: int, where: str) -> None:
+        if self.v2:
+            _write(os.path.join(where, "cgroup.procs"), str(pid), missing_ok=True)
+            return
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except FileNotFoundError:
             return
         for tid in tids:
-            _write(tasks, tid, missing_ok=True)
+            _write(os.path.join(where, "tasks"), tid, missing_ok=True)
 
 
 def _write(path: str, text: str, missing_ok: bool = False) -> None:
@@ -100,21 +122,19 @@ def test_a_coordinator_starved_of_cpu_evicts_nobody(start_job):
     job.wait_for(lambda st: min(r["step"] for r in st["replicas"]) >= 5, 180, "both replicas training")
     coord = int(job.pids()["coordinator"])
     cg = CpuCap(f"crucible-test-{os.getpid()}")
+    t0 = time.time()
     try:
-        t0 = time.time()
         cg.cap(coord, 0.01)
         time.sleep(STARVED_S)
-        cg.release(coord)
-        t1 = time.time()
-        faults = [e for e in job.events("fault") if e["time"] >= t0]
-        assert faults == [], faults
-        assert job.proc.poll() is None, job.output()
-        st = job.wait_for(lambda st: st if all(r["state"] == "training" for r in st["replicas"]) else None, 60,
-                          "both replicas training after the release")
-        assert all(r["step"] > 5 for r in st["replicas"])
     finally:
         cg.release(coord)
-        cg.remove()
+    t1 = time.time()
+    faults = [e for e in job.events("fault") if e["time"] >= t0]
+    assert faults == [], faults
+    assert job.proc.poll() is None, job.output()
+    st = job.wait_for(lambda st: st if all(r["state"] == "training" for r in st["replicas"]) else None, 60,
+                      "both replicas training after the release")
+    assert all(r["step"] > 5 for r in st["replicas"])
     victim = int(job.pids()["r0s1"])
     os.kill(victim, signal.SIGKILL)
     found = job.wait_for(lambda st: [e for e in job.events("fault") if e.get("pid") == victim], 30,

@@ -185,9 +185,10 @@ def _exit_code(v) -> int | None:
 def parse_squeue_json(text: str) -> dict[int, JobInfo]:
     doc = json.loads(text)
     errors = doc.get("errors") or []
-    if errors:
+    if errors and not doc.get("jobs"):
         # squeue --json exits 0 with no job and an error where it cannot reach slurmctld (restarting):
-        # taken as an empty queue, every job of the run was "gone" and submitted a second time
+        # taken as an empty queue, every job of the run was "gone" and submitted a second time (an
+        # error beside jobs is no failed query)
         e = errors[0] if isinstance(errors[0], dict) else {"error": str(errors[0])}
         raise SlurmError(f"squeue --json failed: {e.get('description') or e.get('error') or e}")
     out = {}
@@ -501,7 +502,7 @@ class Supervisor:
                 changed = True
             if info.never_starts and info.job_id not in self.told:
                 self.told.add(info.job_id)
-                self.say(f"{slot.name}: job {info.job_id} can never start as asked: pending for {info.reason} "
+                self.say(f"{slot.name}: job {info.job_id} may never start as asked: pending for {info.reason} "
                          f"(it {info.never_starts}); `crucible slurm down`, then `up` with other options")
             held = info.state == "PENDING" and info.restarts > 0 and info.reason == "BeginTime"
             if held and now - self.held_since.setdefault((info.job_id, info.restarts), now) >= REQUEUE_SETTLE_S:
@@ -701,16 +702,21 @@ def cmd_up(args) -> int:
             raise SystemExit(f"crucible slurm up: {e} (no job was submitted)") from None
         scancel(submitted)
         raise SystemExit(f"crucible slurm up: {e} (cancelled the {len(submitted)} jobs submitted)") from None
-    # Slurm takes a job that asks for more than the partition has and leaves it pending for ever: the
-    # reason is there at once (a supervisor would wait with it for ever, saying nothing)
-    never = [j for j in query_jobs(run.names()).values() if j.never_starts]
-    if never:
-        scancel(submitted)
-        j = min(never, key=lambda j: j.job_id)
-        raise SystemExit(f"crucible slurm up: job {j.job_id} ({j.name}) can never start as asked: pending for "
-                         f"{j.reason}, it {j.never_starts}; cancelled the {len(submitted)} jobs submitted")
     print(f"crucible slurm: run {run.run_id} in {run_dir}: coordinator job {submitted[0]}, "
           f"{len(submitted) - 1} worker slot jobs ({cfg.job.replicas} x {cfg.job.stages})", flush=True)
+    # Slurm takes a job that asks for more than the partition has and leaves it pending for ever (the
+    # supervisor waited with it, saying nothing); the same reasons can be passing (nodes down or drained):
+    # said at once, nothing cancelled
+    try:
+        never = [j for j in query_jobs(run.names()).values() if j.never_starts]
+    except SlurmError:
+        never = []        # (the supervisor says it at its next look)
+    if never:
+        j = min(never, key=lambda j: j.job_id)
+        print(f"crucible slurm: job {j.job_id} ({j.name}) may never start as asked: pending for {j.reason} (it "
+              f"{j.never_starts}, or the nodes it needs are down); `crucible slurm down --run-dir "
+              f"{shlex.quote(args.run_dir)}`, then `up` with other options, unless that passes", file=sys.stderr,
+              flush=True)
     if args.foreground:
         return Supervisor(run).loop()
     sup_log = os.path.join(run_dir, "logs", "slurm-supervisor.log")

@@ -121,22 +121,27 @@ class Backlog:
     seconds late while its monitor, which does little, still ticks on time:
     the monitor's own lag did not show it, and healthy workers were evicted
     for "no heartbeat for 2.2s" that sat unread in its queue (or expired
-    there: a beat's deadline is the timeout). Silence is judged net of the
-    backlog (``seconds``): the slowest answer of the last ``window`` seconds
-    (its answers come in bursts), or the age of the question still
-    unanswered; and not at all while it is half a timeout or more (the
-    monitor).
+    there: a beat's deadline is the timeout). ``seconds(mono, window)``: the
+    slowest answer of the last ``window`` seconds (a starved server answers
+    in bursts), or the age of the question still unanswered. The monitor
+    judges silence net of it, and nobody while it is half a timeout or more.
 
-    A check that cannot be made (a channel that does not connect: the
-    advertised address unreachable from here, TLS that does not name it)
-    counts as no backlog: silence is judged as before. The backlog is capped
-    at ``cap`` seconds: a server that never answers itself must not stop
-    the judging for ever."""
+    The check dials this server on this host (``target``: the port it bound,
+    on the address it bound or loopback; over TLS naming the host it
+    advertises), never through the advertised address, which may go out and
+    back (a Service, a NAT) and hang on the way. Once connected, a check's
+    deadline is the timeout and whatever ends it counts as the time it took
+    (a keepalive that closes a starved process's connection is a backlog
+    too). A check that never connects (TLS that does not name it) leaves the
+    backlog at 0, silence judged as before, and after ``MAX_UNCONNECTED``
+    tries the thread stops asking."""
 
-    def __init__(self, address: str, window: float, cap: float, stopping: threading.Event):
-        self.address, self.window, self.cap, self.stopping = address, window, cap, stopping
+    MAX_UNCONNECTED = 8
+
+    def __init__(self, target: str, tls_name: str, timeout: float, stopping: threading.Event):
+        self.target, self.tls_name, self.timeout, self.stopping = target, tls_name, timeout, stopping
         self.asked_at: float | None = None           # (monotonic) the check in flight, on a connected channel
-        self.answers: list[tuple[float, float]] = []  # (when asked, seconds to the answer), the last window
+        self.answers: list[tuple[float, float]] = []  # (when asked, seconds to the answer), the last 3 timeouts
         self.connected = False
         self.warned_at = -math.inf
 
@@ -146,27 +151,40 @@ class Backlog:
     def _run(self) -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        with rpc.make_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while not self.stopping.wait(SELF_CHECK_S):
-                t0 = time.monotonic()
-                self.asked_at = t0 if self.connected else None
-                try:
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=self.cap)
-                    took, self.connected = time.monotonic() - t0, True
-                except grpc.RpcError as e:
-                    # (a deadline on a connected channel is a backlog of at least the cap;
-                    # anything else: no answer to time)
-                    took = self.cap if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.connected else 0.0
-                self.asked_at = None
-                self.answers = [a for a in self.answers if t0 - a[0] < self.window] + [(t0, took)]
+        failed = 0
+        try:
+            with rpc.make_channel(self.target, tls_name=self.tls_name) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                while not self.stopping.wait(SELF_CHECK_S):
+                    t0 = time.monotonic()
+                    self.asked_at = t0 if self.connected else None
+                    try:
+                        stub.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout)
+                    except grpc.RpcError as e:
+                        if not self.connected:
+                            failed += 1
+                            if failed >= self.MAX_UNCONNECTED:
+                                log.info("cannot time this coordinator's own server at %s (%s): silence is "
+                                         "judged without its backlog", self.target, e.code().name)
+                                return
+                            continue
+                    else:
+                        if not self.connected:      # (the first answer's time is the connection's too)
+                            self.connected = True
+                            continue
+                    took = time.monotonic() - t0
+                    self.asked_at = None
+                    self.answers = [a for a in self.answers if t0 - a[0] < 3 * self.timeout] + [(t0, took)]
+        except Exception:  # noqa: BLE001 - the monitor must never read a question left open for ever
+            log.exception("the backlog check failed")
+        finally:
+            self.asked_at = None
 
-    def seconds(self, mono: float) -> float:
-        """The backlog now (0 when there is none to speak of)."""
+    def seconds(self, mono: float, window: float) -> float:
+        """The backlog over the last ``window`` seconds (0 when there is none to speak of)."""
         asked = self.asked_at
         late = max([mono - asked if asked is not None else 0.0] +
-                   [took for t, took in self.answers if mono - t < self.window])
-        late = min(late, self.cap)
+                   [took for t, took in self.answers if mono - t < window])
         if late > 1.0 and mono - self.warned_at > 60.0:
             self.warned_at = mono
             log.warning("this coordinator answers its own health check %.1fs late: it is starved of CPU "
@@ -305,9 +323,8 @@ class Coordinator:
         self.metrics.write({"event": "coordinator_start", "address": adv, "incarnation": self.incarnation,
                             "pid": os.getpid(), "replicas": self.cfg.job.replicas, "stages": self.cfg.job.stages,
                             "restored": self.m.restored, "version": crucible_version(), "config": self.cfg.to_dict()})
-        timeout = self.cfg.fault.heartbeat_timeout_s
-        # (a starved coordinator's answers come in bursts: one that was late is remembered a while)
-        self.backlog = Backlog(adv, window=3 * timeout, cap=10 * timeout, stopping=self.stopping)
+        self.backlog = Backlog(f"{host}:{self.port}", adv.rpartition(":")[0].strip("[]"),
+                               self.cfg.fault.heartbeat_timeout_s, self.stopping)
         self.backlog.start()
         threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
         self.ckpt.start()
@@ -623,8 +640,11 @@ class Coordinator:
             mono = time.monotonic()
             lag, last = mono - last - MONITOR_TICK_S, mono
             real = self.clock()
-            backlog = self.backlog.seconds(mono) if self.backlog is not None else 0.0
-            now = real - backlog      # (a beat that came in the last `backlog` seconds may still wait unread)
+            # (a beat that came in the last `backlog` seconds may still wait unread; one that was
+            # half a timeout late is remembered longer: a starved server's answers come in bursts)
+            backlog = self.backlog.seconds(mono, timeout) if self.backlog is not None else 0.0
+            starved = self.backlog is not None and self.backlog.seconds(mono, 3 * timeout) >= timeout / 2
+            now = real - backlog
             with self.cv:
                 if lag > 2 * MONITOR_TICK_S:
                     # We were stalled ourselves: heartbeats may be waiting unread.
@@ -632,7 +652,7 @@ class Coordinator:
                     for w in self.m.workers.values():
                         w.last_seen += lag
                     continue
-                if backlog >= timeout / 2:
+                if starved:
                     # Our own server answers us that late: a beat (its deadline is the
                     # timeout) may have expired unread in its queue. Nobody is judged on
                     # silence meanwhile; each has half a timeout at least once it ends.
