@@ -146,21 +146,21 @@ def _plain_interval(run_dir) -> dict:
         span += (ran[1] - ran[0]) if ran else 0.0
         last = None
         for ev in launch:
-            t = interval._num(ev.get("time")) if ev["event"] == "ckpt_commit" else None
+            t = metrics.finite(ev.get("time")) if ev["event"] == "ckpt_commit" else None
             if t is not None:
                 if last is not None and not ev.get("final") and not ev.get("end"):
                     gaps.append(t - last)
                 last = t
     steps = {}
     for ev in events:
-        t, r = interval._num(ev.get("time")), ev.get("replica")
+        t, r = metrics.finite(ev.get("time")), ev.get("replica")
         if ev["event"] == "step" and t is not None and metrics.whole(r):
             steps.setdefault(r, []).append(t)
     typical = {r: statistics.median(b - a for a, b in zip(ts, ts[1:])) if len(ts) >= 2 else 0.0
                for r, ts in ((r, sorted(ts)) for r, ts in steps.items())}
     commits = [ev for ev in events if ev["event"] == "ckpt_commit"]
     return {"bad": bad, "span_s": span, "gaps": gaps, "typical": typical, "launches": metrics.launches(events),
-            "stalls": [s for s in (interval._num(ev.get("stall_s")) for ev in commits) if s is not None and s >= 0]}
+            "stalls": [s for s in (metrics.finite(ev.get("stall_s")) for ev in commits) if s is not None and s >= 0]}
 
 
 # ---- the comparisons --------------------------------------------------------------------------------------------
