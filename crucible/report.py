@@ -212,6 +212,7 @@ class Run:
         self.rounds: dict[int, dict] = {}                 # round -> {"time", "bytes"} (coordinator's outer_round)
         self.outer_sent: dict[tuple[int, int], dict] = defaultdict(lambda: {"sent": 0, "dense": 0, "time": 0.0})
         self.done = None
+        self.ended = None                                 # (time, index, event) of the latest job_done or job_stopped
         self._feed = _LedgerFeed()
         first = start = last_start = None                 # (time, index, event) of the earliest/latest in time order
         self.incarnations = 0
@@ -258,8 +259,11 @@ class Run:
                 acc["sent"] += int(e.get("bytes_sent") or 0)
                 acc["dense"] += int(e.get("dense_bytes") or 0)
                 acc["time"] = max(acc["time"], t)
-            elif k == "job_done":
-                self.done = e
+            elif k in ("job_done", "job_stopped"):
+                if k == "job_done":
+                    self.done = e
+                if self.ended is None or (t, i) >= self.ended[:2]:
+                    self.ended = (t, i, e)
             elif k == "coordinator_start":
                 self.incarnations += 1
                 if start is None or (t, i) < start[:2]:
@@ -284,6 +288,8 @@ class Run:
         else:
             self.t0 = float(times[self._order[0] if self._order is not None else 0]) if self.events else time.time()
         self.config = (last_start[2].get("config") or {}) if last_start else {}
+        if self.ended is not None and last_start is not None and last_start[:2] > self.ended[:2]:
+            self.ended = None                             # (a launch began after it: a --resume)
         # The time between launches (a stop, then a --resume): left out of the time axis.
         spans = [s for _, _, s in self.outline.segments(self._order) if s is not None]
         self.launches = max(1, len(spans))
@@ -776,7 +782,7 @@ def build(run_dir: str, out: str | None = None) -> dict:
     fig_dir = os.path.join(os.path.dirname(os.path.abspath(out)), "report")
     figs, marks = _figures(run, fig_dir)
     rows = _replica_rows(run)
-    state = "finished" if run.done else "running (or stopped before the end)"
+    state = run_state(run.ended[2] if run.ended else None)
     summary = {"run_dir": os.path.abspath(run_dir), "report": os.path.abspath(out), "state": state,
                "events": run.events, "skipped_lines": bad, "elapsed_s": round(run.rel(run.last_time), 3),
                "launches": run.launches, "between_launches_s": round(run.stopped_s, 3),
@@ -836,6 +842,18 @@ def _out_problem(out: str) -> str | None:
     folder = os.path.dirname(os.path.abspath(out))
     problem = dir_problem(folder, make=True)
     return f"{folder}: {problem}" if problem and not problem.startswith(os.sep) else problem
+
+
+def run_state(ended: dict | None) -> str:
+    """A run as its log's latest job_done or job_stopped (None: neither since
+    its last launch) has it: a job stopped by a signal said "running (or
+    stopped before the end)"."""
+    if ended is None:
+        return "running (or stopped before the end)"
+    if ended["event"] == "job_done":
+        return "finished"
+    sig = ended.get("signal")
+    return f"stopped by {sig}" if isinstance(sig, str) and sig else "stopped"
 
 
 def main(args) -> int:

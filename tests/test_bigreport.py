@@ -130,7 +130,10 @@ def _plain_report(run_dir) -> dict:
              (("fault", of("fault")), ("replacement", of("replacement_ready")), ("route", of("route_change")),
               ("checkpoint", ckpts), ("kill", of("chaos")))}
     marks["outer"] = sum(1 for t in rounds.values() if rel(t) >= 0)
-    return {"state": "finished" if of("job_done") else "running (or stopped before the end)",
+    last = max(((e["time"], i, e) for i, e in enumerate(events)
+                if e["event"] in ("job_done", "job_stopped", "coordinator_start")), default=None, key=lambda x: x[:2])
+    ended = last[2] if last and last[2]["event"] != "coordinator_start" else None
+    return {"state": report.run_state(ended),
             "events": len(events), "skipped_lines": bad, "elapsed_s": round(rel(events[-1]["time"]), 3),
             "launches": max(1, len(spans)), "between_launches_s": round(sum(b - a for a, b in stopped), 3),
             "replicas": rows, "marks": marks, "checkpoints": len(ckpts), "aborted_checkpoints": len(of("ckpt_abort")),
@@ -232,3 +235,23 @@ def test_outline_cuts_the_launches_as_launch_segments(run_dir):
     in_order = [timed[i] for i in order]
     assert [span for _, _, span in outline.segments(order)] == \
            [metrics.launch_span(s) for s in metrics.launch_segments(in_order)]
+
+
+def test_a_stopped_run_is_reported_stopped_and_a_resumed_one_running(tmp_path):
+    """A run whose last launch ended on a signal (job_stopped) was reported
+    "running (or stopped before the end)"; it says what stopped it. A
+    launch after that (a --resume) is running again; job_done is finished."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    log = [{"event": "coordinator_start", "time": 100.0, "config": {"job": {"replicas": 1, "stages": 2}}},
+           {"event": "step", "time": 101.0, "replica": 0, "step": 0, "loss": 5.0, "step_s": 0.5, "tokens": 64},
+           {"event": "job_stopped", "time": 102.0, "signal": "SIGINT"}]
+
+    def state(events):
+        (run_dir / metrics.FILE).write_text("".join(json.dumps(e) + "\n" for e in events))
+        return report.build(str(run_dir), out=str(tmp_path / "out" / "r.html"))["state"]
+
+    assert state(log) == "stopped by SIGINT"
+    resumed = log + [{"event": "coordinator_start", "time": 200.0}]
+    assert state(resumed) == "running (or stopped before the end)"
+    assert state(resumed + [{"event": "job_done", "time": 300.0}]) == "finished"
