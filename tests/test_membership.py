@@ -938,6 +938,30 @@ def test_a_restarted_coordinator_counts_elapsed_from_the_jobs_start(tmp_path):
         c2.stop()
 
 
+def test_a_restarted_coordinator_starts_from_the_replicas_recent_steps(tmp_path):
+    """The state file was written at membership changes only: a coordinator
+    restarted minutes into a job showed each replica's step of then (the
+    launcher's progress line went from 1100 back to `890/1500`) until its
+    reports came. The steps go to it at most once a second."""
+    from crucible.coordinator.server import Coordinator
+
+    c, ids = _coordinator(tmp_path)
+    try:
+        for i in range(40):
+            ev = json.dumps({"event": "step", "step": i, "tokens": 64, "time": time.time()})
+            c.Report(pb.ReportRequest(worker_id=ids[(0, 0)], events_json=[ev], source="s", seq=i,
+                                      secret=_secret(c, ids[(0, 0)])), None)
+            time.sleep(0.05)
+    finally:
+        c.stop()
+        c._lock_file.close()
+    c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)
+    try:
+        assert 40 - 1.0 / 0.05 <= c2.m.replicas[0].step <= 40     # (a second's steps at most behind)
+    finally:
+        c2.stop()
+
+
 @pytest.mark.parametrize("leave", [True, False])
 def test_a_coordinator_that_leaves_tells_no_worker_to_stop(tmp_path, leave):
     """SIGTERM under a scheduler (`leave`): the workers go on with the next

@@ -109,6 +109,7 @@ MAX_EVENT_DEPTH = 32     # lists and objects within an event (every real one is 
 STATE_FILE = "coordinator.state.json"
 PROBE_ATTEMPTS = 2     # a probe that fails other than refused is tried again before a worker is dead
 MONITOR_TICK_S = 0.1
+STEPS_SAVE_S = 1.0      # the replicas' steps go to the state file at most this often (a restart starts from them)
 SELF_CHECK_S = 0.25     # how often the coordinator times an answer of its own server (``Backlog``)
 
 
@@ -223,6 +224,7 @@ class Coordinator:
         self.restart_requested = False
         self._probing: set[tuple[int, int]] = set()
         self.backlog: Backlog | None = None      # how late this coordinator reads its beats (started with it)
+        self._steps_saved_at = -math.inf
         self._watches: dict[str, int] = {}     # worker id -> its newest WatchRoutes (the one kept)
         self.links = LinkRates()     # each boundary's throughput, for status
         self.suspicions = SuspicionBook(cfg.job.stages, cfg.fault.suspicion_limit, cfg.fault.suspicion_window_s)
@@ -573,7 +575,12 @@ class Coordinator:
         if kind == "step" and w.stage == 0:
             rep.step = int(ev.get("step", rep.step)) + 1
             self.outer.stepped()
-            if isinstance(ev.get("epoch"), int) and self.m.death_bounded(w.replica, rep.step - 1, ev["epoch"]):
+            bounded = isinstance(ev.get("epoch"), int) and self.m.death_bounded(w.replica, rep.step - 1, ev["epoch"])
+            mono = time.monotonic()
+            if bounded or mono - self._steps_saved_at >= STEPS_SAVE_S:
+                # (the replicas' steps too: a coordinator restored from a state file written at the
+                # last membership change showed a step of minutes ago, `890/1500` at 1100, until reports came)
+                self._steps_saved_at = mono
                 self.state_file.put(self.m.to_dict())
             rep.loss = ev.get("loss")
             # When the step was taken (the worker's stamp), not when its report came:
