@@ -55,8 +55,8 @@ Protocol (what a worker can rely on)
 Restarts
 --------
 The membership (slots, workers, routes, route epochs, stage sizes, the job's
-corpus) is written to ``coordinator.state.json`` after every change, off the
-lock. A coordinator started on a run directory that holds it continues from
+corpus) is written to ``coordinator.state.json`` after every change (the
+replicas' steps at most once a second: ``STEPS_SAVE_S``), off the lock. A coordinator started on a run directory that holds it continues from
 it: the same worker ids, routes and epochs, so workers carry on without
 re-registering and no step is aborted; each worker's heartbeat clock
 restarts at the restore. Outer
