@@ -334,13 +334,7 @@ def _launch(args) -> int:
     from crucible.launch import Launcher
 
     cfg = _job_config(args)
-    cfg.validate_here()           # net.bind, before anything starts
-    port = cfg.metrics.prometheus_port
-    if port > 0:                  # (its coordinator serves /metrics here: a port in use stopped it after the start)
-        from crucible.config import bind_problem
-
-        problem = bind_problem(cfg.net.bind, port)
-        cfg._need(problem is None, "metrics.prometheus_port", f"{problem}; choose a free port, or 0 for any")
+    cfg.validate_here(coordinator=True)     # net.bind and the /metrics port, before anything starts
     _setup_tls(args, cfg)
     return Launcher(args, args.overrides).run()
 

@@ -382,13 +382,18 @@ class Config:
                       self._check_fault_and_net, self._check_size):
             check()
 
-    def validate_here(self) -> None:
+    def validate_here(self, coordinator: bool = False) -> None:
         """What only the machine that runs `crucible launch` can tell (not part
         of validate: a configuration is validated on every host of a job):
-        net.bind is an address of this machine. ConfigError names the key."""
+        net.bind is an address of this machine; with ``coordinator`` (it runs
+        here: launch, not check), metrics.prometheus_port is free on it (a port
+        in use stopped the coordinator after the start). ConfigError names the key."""
         problem = bind_problem(self.net.bind)
         self._need(problem is None, "net.bind", f"{problem}; it must be an address of this machine "
                                                 "(e.g. 127.0.0.1, 0.0.0.0 or ::1)")
+        if coordinator and self.metrics.prometheus_port > 0:
+            problem = bind_problem(self.net.bind, self.metrics.prometheus_port)
+            self._need(problem is None, "metrics.prometheus_port", f"{problem}; choose a free port, or 0 for any")
 
     def _need(self, ok: bool, key: str, msg: str) -> None:
         if not ok:

@@ -171,31 +171,30 @@ class ProcessPersister:
         return {"name": rep["name"], "bytes": int(rep["bytes"]), "checksum": rep["checksum"]}
 
     @staticmethod
-    def _stuck(proc, polls: int) -> int:
-        """The polls in a row `proc` has been seen stopped, this one counted."""
-        return polls + 1 if procs.state(proc.pid) == "T" else 0
+    def _ready(proc, read=(), write=()) -> bool:
+        """Wait until a pipe to or from ``proc`` is ready (True), or the child
+        has been seen stopped (SIGSTOP) STOPPED_POLLS polls in a row (False)."""
+        polls = 0
+        while not any(select.select(read, write, [], POLL_S)[:2]):
+            polls = polls + 1 if procs.state(proc.pid) == "T" else 0
+            if polls >= STOPPED_POLLS:
+                return False
+        return True
 
     def _send(self, proc, data: bytes) -> bool:
         """Write a request, a pipe's atomic size at a time (a header of many
         tensors outgrows the pipe, and a stopped child reads none of it).
         False: the child stayed stopped."""
-        fd, polls = proc.stdin.fileno(), 0
-        view = memoryview(data)
+        fd, view = proc.stdin.fileno(), memoryview(data)
         while view:
-            if select.select([], [fd], [], POLL_S)[1]:
-                view = view[os.write(fd, view[:select.PIPE_BUF]):]
-                polls = 0
-            elif (polls := self._stuck(proc, polls)) >= STOPPED_POLLS:
+            if not self._ready(proc, write=[fd]):
                 return False
+            view = view[os.write(fd, view[:select.PIPE_BUF]):]
         return True
 
     def _answer(self, proc) -> bytes | None:
         """The child's answer line (b"" if it died); None if it stayed stopped."""
-        polls = 0
-        while not select.select([proc.stdout], [], [], POLL_S)[0]:
-            if (polls := self._stuck(proc, polls)) >= STOPPED_POLLS:
-                return None
-        return proc.stdout.readline()
+        return proc.stdout.readline() if self._ready(proc, read=[proc.stdout]) else None
 
     def _reap(self) -> None:
         p, self.proc = self.proc, None

@@ -413,12 +413,15 @@ class CheckpointManager:
                 self.boost = min(self.boost * 2, 16.0)
             self._wake.set()
 
+    def _end_committed(self) -> bool:
+        """Under the lock: the end save (step ``train.steps``) is committed."""
+        return self.latest_committed_step is not None and self.latest_committed_step >= self.end_step
+
     def _early_end_shard(self, req: pb.ShardReport, w, name: str) -> bool:
         """Under the lock: a shard of no pending save. One of the end save that
         came before the save was named is kept for it; any other (of an aborted
         or finished save) is refused."""
-        committed = self.latest_committed_step is not None and self.latest_committed_step >= self.end_step
-        if req.ckpt_step == self.end_step and not self.end_started and not committed and \
+        if req.ckpt_step == self.end_step and not self.end_started and not self._end_committed() and \
                 req.replica_step == self.end_step:
             self.early[name] = self._shard_entry(req, w)
             self._wake.set()
@@ -461,8 +464,7 @@ class CheckpointManager:
             while time.monotonic() < t_end:
                 # (not named yet: the tick names it within 50 ms; a coordinator restored after
                 # the job was done has it to name again, its shards still on their way)
-                end_due = self.enabled and not self.end_started and \
-                    (self.latest_committed_step is None or self.latest_committed_step < self.end_step)
+                end_due = self.enabled and not self.end_started and not self._end_committed()
                 if self.pending is None and not self.m.unfinished() and not end_due:
                     return
                 self._wake.set()
@@ -579,7 +581,7 @@ class CheckpointManager:
         margin of the end, done, or has sent a shard of it. True when it started."""
         if self.end_started or not self.m.job_started:
             return False
-        if self.latest_committed_step is not None and self.latest_committed_step >= self.end_step:
+        if self._end_committed():
             return False
         states = self.m.replica_states()
         if any(s not in ("training", "paused", "done") for s in states.values()):
@@ -804,7 +806,7 @@ class CheckpointManager:
         if self.enabled and not self.stopping.is_set():   # continuous: the next save starts now
             self._start_next(self.m.replica_steps(), time.monotonic())
         pending = self.pending.step if self.pending is not None else None
-        if pending is None and not self.end_started and self.latest_committed_step < self.end_step:
+        if pending is None and not self.end_started and not self._end_committed():
             pending = self.end_step     # shards of the end save may be on their way
         return pending
 

@@ -122,10 +122,11 @@ class Backlog:
     seconds late while its monitor, which does little, still ticks on time:
     the monitor's own lag did not show it, and healthy workers were evicted
     for "no heartbeat for 2.2s" that sat unread in its queue (or expired
-    there: a beat's deadline is the timeout). ``seconds(mono, window)``: the
-    slowest answer of the last ``window`` seconds (a starved server answers
-    in bursts), or the age of the question still unanswered. The monitor
-    judges silence net of it, and nobody while it is half a timeout or more.
+    there: a beat's deadline is the timeout). ``seconds(mono)``: the slowest
+    answer of the last timeout and of the last three (a starved server
+    answers in bursts), or the age of the question still unanswered. The monitor
+    judges silence net of the last timeout's, and nobody while the last
+    three timeouts' is half a timeout or more.
 
     The check dials this server on this host (``target``: the port it bound,
     on the address it bound or loopback; over TLS naming the host it
@@ -181,16 +182,18 @@ class Backlog:
         finally:
             self.asked_at = None
 
-    def seconds(self, mono: float, window: float) -> float:
-        """The backlog over the last ``window`` seconds (0 when there is none to speak of)."""
+    def seconds(self, mono: float) -> tuple[float, float]:
+        """The backlog over the last timeout and over the last three (0 when
+        there is none to speak of)."""
         asked = self.asked_at
-        late = max([mono - asked if asked is not None else 0.0] +
-                   [took for t, took in self.answers if mono - t < window])
-        if late > 1.0 and mono - self.warned_at > 60.0:
+        now_late = mono - asked if asked is not None else 0.0
+        recent = max([now_late] + [took for t, took in self.answers if mono - t < self.timeout])
+        longer = max([recent] + [took for t, took in self.answers if mono - t < 3 * self.timeout])
+        if longer > 1.0 and mono - self.warned_at > 60.0:
             self.warned_at = mono
             log.warning("this coordinator answers its own health check %.1fs late: it is starved of CPU "
-                        "(a quota, an overloaded host); silence is judged net of that", late)
-        return late
+                        "(a quota, an overloaded host); silence is judged net of that", longer)
+        return recent, longer
 
 
 def _status(code: str) -> grpc.StatusCode:
@@ -518,7 +521,8 @@ class Coordinator:
                 raise ValueError(f"event {i} is {len(raw)} bytes (max {MAX_EVENT_BYTES})")
             try:
                 ev = json.loads(raw)
-                deep = _depth(ev) > MAX_EVENT_DEPTH
+                # (no deeper than it has brackets: most events are not walked)
+                deep = raw.count("[") + raw.count("{") > MAX_EVENT_DEPTH and _depth(ev) > MAX_EVENT_DEPTH
             except ValueError as e:     # (JSONDecodeError; a number of more than 4300 digits)
                 raise ValueError(f"event {i} is not JSON: {e}") from None
             except RecursionError:      # (thousands of nested brackets: it was INTERNAL, with a traceback)
@@ -649,8 +653,8 @@ class Coordinator:
             real = self.clock()
             # (a beat that came in the last `backlog` seconds may still wait unread; one that was
             # half a timeout late is remembered longer: a starved server's answers come in bursts)
-            backlog = self.backlog.seconds(mono, timeout) if self.backlog is not None else 0.0
-            starved = self.backlog is not None and self.backlog.seconds(mono, 3 * timeout) >= timeout / 2
+            backlog, longer = self.backlog.seconds(mono) if self.backlog is not None else (0.0, 0.0)
+            starved = longer >= timeout / 2
             now = real - backlog
             with self.cv:
                 if lag > 2 * MONITOR_TICK_S:
