@@ -37,6 +37,12 @@ def finite(x) -> float | None:
     return float(x) if number(x) and math.isfinite(x) else None
 
 
+def stopped_by(ev: dict) -> str:
+    """" by SIGINT" of a job_stopped event that names its signal, else ""."""
+    sig = ev.get("signal")
+    return f" by {sig}" if isinstance(sig, str) and sig else ""
+
+
 def time_of(ev: dict) -> float | None:
     """An event's ``time`` as a float, or None when it is no finite number."""
     return finite(ev.get("time"))

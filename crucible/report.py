@@ -211,10 +211,9 @@ class Run:
         self.kills = []                                   # the launcher's --chaos kills
         self.rounds: dict[int, dict] = {}                 # round -> {"time", "bytes"} (coordinator's outer_round)
         self.outer_sent: dict[tuple[int, int], dict] = defaultdict(lambda: {"sent": 0, "dense": 0, "time": 0.0})
-        self.done = None
-        self.ended = None                                 # (time, index, event) of the latest job_done or job_stopped
+        self.ended = None                                 # the latest job_done or job_stopped, unless a launch came after
         self._feed = _LedgerFeed()
-        first = start = last_start = None                 # (time, index, event) of the earliest/latest in time order
+        first = start = last_start = latest = None        # (time, index, event) of the earliest/latest in time order
         self.incarnations = 0
         self._last: dict[int, tuple] = {}                 # replica -> (time, index, step, loss) of its latest step
         self._mark = []                                   # (time, index, the list it goes to, what it keeps)
@@ -259,12 +258,9 @@ class Run:
                 acc["sent"] += int(e.get("bytes_sent") or 0)
                 acc["dense"] += int(e.get("dense_bytes") or 0)
                 acc["time"] = max(acc["time"], t)
-            elif k in ("job_done", "job_stopped"):
-                if k == "job_done":
-                    self.done = e
-                if self.ended is None or (t, i) >= self.ended[:2]:
-                    self.ended = (t, i, e)
-            elif k == "coordinator_start":
+            if k in ("job_done", "job_stopped", "coordinator_start") and (latest is None or (t, i) >= latest[:2]):
+                latest = (t, i, e)
+            if k == "coordinator_start":
                 self.incarnations += 1
                 if start is None or (t, i) < start[:2]:
                     start = (t, i, e)
@@ -288,8 +284,8 @@ class Run:
         else:
             self.t0 = float(times[self._order[0] if self._order is not None else 0]) if self.events else time.time()
         self.config = (last_start[2].get("config") or {}) if last_start else {}
-        if self.ended is not None and last_start is not None and last_start[:2] > self.ended[:2]:
-            self.ended = None                             # (a launch began after it: a --resume)
+        if latest is not None and latest[2]["event"] != "coordinator_start":
+            self.ended = latest[2]
         # The time between launches (a stop, then a --resume): left out of the time axis.
         spans = [s for _, _, s in self.outline.segments(self._order) if s is not None]
         self.launches = max(1, len(spans))
@@ -782,7 +778,7 @@ def build(run_dir: str, out: str | None = None) -> dict:
     fig_dir = os.path.join(os.path.dirname(os.path.abspath(out)), "report")
     figs, marks = _figures(run, fig_dir)
     rows = _replica_rows(run)
-    state = run_state(run.ended[2] if run.ended else None)
+    state = run_state(run.ended)
     summary = {"run_dir": os.path.abspath(run_dir), "report": os.path.abspath(out), "state": state,
                "events": run.events, "skipped_lines": bad, "elapsed_s": round(run.rel(run.last_time), 3),
                "launches": run.launches, "between_launches_s": round(run.stopped_s, 3),
@@ -852,8 +848,7 @@ def run_state(ended: dict | None) -> str:
         return "running (or stopped before the end)"
     if ended["event"] == "job_done":
         return "finished"
-    sig = ended.get("signal")
-    return f"stopped by {sig}" if isinstance(sig, str) and sig else "stopped"
+    return "stopped" + metrics.stopped_by(ended)
 
 
 def main(args) -> int:

@@ -161,9 +161,8 @@ def no_answer(addr: str, run_dir: str | None, ends: Ends | None = None) -> str:
         return f"crucible status: {run_dir}: the job finished{at}; its coordinator has exited " \
                f"(`crucible report {q}` shows the run)"
     if last.get("event") == "job_stopped":
-        sig = last.get("signal")
-        by = f" by {sig}" if isinstance(sig, str) else ""
-        return f"crucible status: {run_dir}: the job was stopped{by} before its last step ({resume})"
+        return f"crucible status: {run_dir}: the job was stopped{metrics.stopped_by(last)} before its last step " \
+               f"({resume})"
     return (f"{line()}; nothing holds its coordinator.lock: it may be restarting, or the job stopped before "
             f"the end ({resume})")
 
