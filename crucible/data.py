@@ -49,6 +49,11 @@ def _not_regular(path: str) -> str | None:
         mode = os.stat(path).st_mode
     except OSError:
         return None     # (said by whoever opens it)
+    return _odd(mode)
+
+
+def _odd(mode: int) -> str | None:
+    """``_not_regular`` of a stat's mode."""
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return None
     return ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
@@ -95,16 +100,18 @@ def _read_files(paths: list[str], max_bytes: int, skip_unreadable: bool = False)
 
 
 def _stat_problem(path: str) -> str | None:
-    """Why ``path`` cannot be looked at, or None. Not os.path.exists: it is
-    False for a file in a folder this user may not enter (another user's
-    home), which is no "no such file"."""
+    """Why ``path`` cannot be a corpus, or None: it cannot be looked at (not
+    os.path.exists: it is False for a file in a folder this user may not
+    enter, another user's home, which is no "no such file"), or it is
+    neither a file nor a folder (``_not_regular``). One stat."""
     try:
-        os.stat(path)
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
         return "no such file or folder"
     except OSError as e:
         return f"cannot read: {e.strerror or e}"
-    return None
+    what = _odd(mode)
+    return f"{what}, not a file or a folder of files" if what else None
 
 
 def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
@@ -115,10 +122,8 @@ def load_tokens(path: str, max_bytes: int, vocab_size: int = 256) -> np.ndarray:
     path = os.path.expanduser(path)
     if not path:
         toks = _read_files(_stdlib_files(), max_bytes, skip_unreadable=True)
-    elif missing := _stat_problem(path):
-        raise ValueError(f"data.path {path!r}: {missing}")
-    elif what := _not_regular(path):
-        raise ValueError(f"data.path {path!r}: {what}, not a file or a folder of files")
+    elif problem := _stat_problem(path):
+        raise ValueError(f"data.path {path!r}: {problem}")
     elif os.path.isdir(path):
         files = _text_files(path)
         if not files:
