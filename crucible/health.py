@@ -58,13 +58,12 @@ class Health:
         self.servicer.enter_graceful_shutdown()
 
 
-def check(address: str, service: str = "", timeout: float = 2.0) -> str:
-    """Ask a server's Health.Check, as a probe would (no token): the status's
-    name, e.g. ``SERVING``."""
-    import grpc
+def ask(channel, timeout: float, **kwargs) -> str:
+    """Ask a server's overall Health.Check on `channel` (a probe's question:
+    it needs no token), with `kwargs` for the call (metadata,
+    wait_for_ready): the status's name, e.g. ``SERVING``. Raises
+    grpc.RpcError as the call does."""
     from grpc_health.v1 import health_pb2_grpc
 
-    with grpc.insecure_channel(address) as ch:
-        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                    timeout=timeout)
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout, **kwargs)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -81,7 +81,7 @@ import time
 
 import grpc
 
-from crucible import PROTOCOL_VERSION, identity, ledger, metrics, procs, rpc
+from crucible import PROTOCOL_VERSION, health, identity, ledger, metrics, procs, rpc
 from crucible import corpus as corpora
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
@@ -151,17 +151,14 @@ class Backlog:
         threading.Thread(target=self._run, name="backlog", daemon=True).start()
 
     def _run(self) -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         failed = 0
         try:
             with rpc.make_channel(self.target, tls_name=self.tls_name) as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
                 while not self.stopping.wait(SELF_CHECK_S):
                     t0 = time.monotonic()
                     self.asked_at = t0 if self.connected else None
                     try:
-                        stub.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout)
+                        health.ask(channel, self.timeout)
                     except grpc.RpcError as e:
                         if not self.connected:
                             failed += 1

@@ -42,7 +42,7 @@ from typing import Callable
 
 import grpc
 
-from crucible import PROTOCOL_VERSION, exits, rpc
+from crucible import PROTOCOL_VERSION, exits, health, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.retry import Backoff, retry
@@ -449,13 +449,10 @@ class ControlClient:
         heartbeat_timeout)? Any answer counts, a refusal included. A check may
         go out on the connection the failed call's keepalive is closing
         ("Stream removed"): it is asked again, on the next one."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        stub = health_pb2_grpc.HealthStub(self.channel)
         t_end = time.monotonic() + self.heartbeat_timeout
         while (left := t_end - time.monotonic()) > 0:
             try:
-                stub.Check(health_pb2.HealthCheckRequest(), metadata=self.md, timeout=left, wait_for_ready=True)
+                health.ask(self.channel, left, metadata=self.md, wait_for_ready=True)
             except grpc.RpcError as e:
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     time.sleep(min(0.05, max(0.0, t_end - time.monotonic())))
