@@ -59,6 +59,9 @@ END_GRACE_S = 10.0            # ... and then the workers' exits, before the rest
 STARTING_STOP_S = 2.0         # the job is done: a replacement still starting gets this after its SIGTERM, then SIGKILL
 
 
+OOM_KILLED = "out of memory (the kernel's OOM killer killed it; `dmesg` says more)"
+
+
 class LaunchFailed(Exception):
     """The job cannot go on; the message is the cause to show."""
 
@@ -101,6 +104,8 @@ class Proc:
         """Book a death: (its cause, whether it repeats the last one within the
         crash-loop window, the back-off delay before a restart)."""
         err = self.error() if self.exit_code and self.exit_code > 0 else None
+        if self.exit_code == -signal.SIGKILL and procs.oom_killed(self.pid, self.started_at - 1.0):
+            err = OOM_KILLED          # (twice in a row is a crash loop too: it would go on for ever)
         repeated = False
         if err is not None:
             repeated = self.last_error is not None and self.last_error[1] == err \

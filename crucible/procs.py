@@ -152,6 +152,37 @@ def started_at(pid: int | None = None) -> float | None:
         return None
 
 
+def oom_killed(pid: int, since: float) -> bool | None:
+    """Did the kernel's OOM killer kill `pid` at or after monotonic time
+    `since` (the process's start: an older record names an earlier process
+    of the same number)? Its log (``/dev/kmsg``, timestamped on the
+    monotonic clock) says ``Killed process PID (name)``. None where that log
+    cannot be read (not root, ``kernel.dmesg_restrict``; not Linux)."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    said = f"Killed process {pid} (".encode()
+    try:
+        while True:
+            try:
+                record = os.read(fd, 8192)      # one record a read: "prio,seq,usec,flags;text"
+            except BlockingIOError:
+                return False                    # (read to the end)
+            except BrokenPipeError:
+                continue                        # (the ring overwrote the next record: go on past it)
+            if not record:
+                return False
+            head, _, text = record.partition(b";")
+            fields = head.split(b",")
+            if said in text and len(fields) > 2 and fields[2].isdigit() and int(fields[2]) / 1e6 >= since:
+                return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def on_stop(handler) -> None:
     """``handler(signum, frame)`` for the signals that ask a process to stop:
     SIGINT (Ctrl-C), SIGTERM (a preemption notice) and SIGHUP (its terminal
