@@ -324,3 +324,34 @@ def test_token_ids_travel_compact_and_are_range_checked():
         tokens_from_wire(tokens_to_wire(big, 1000), (1, 2), 999)
     with pytest.raises(WireError, match="dtype"):
         tokens_from_wire(tokens_to_wire(big, 1000), (1, 2), 256)
+
+
+def test_a_flood_of_waiting_outer_calls_from_one_worker_holds_no_more_than_its_share(job):
+    """A worker's outer calls wait (up to 20 s each) for their round: a worker
+    that leaked them, or a token holder with its secret, held every one of the
+    coordinator's threads with calls for rounds far ahead, which heartbeats
+    and everyone's outer rounds need too. Past ``MAX_CALLS_PER_WORKER`` waiting
+    calls a worker's next is refused at once (RESOURCE_EXHAUSTED, which a
+    worker retries), and the job trains on."""
+    from crucible.coordinator.outer import MAX_CALLS_PER_WORKER
+
+    md = rpc.metadata(job.token())
+    wid = next(w["worker_id"] for w in job.status()["workers"] if w["stage"] == 1)
+    t0 = time.time()
+    with rpc.make_channel(job.address()) as ch:
+        stub = pbg.CoordinatorStub(ch)
+        req = pb.OuterRequest(worker_id=wid, secret=job.secret(wid), stage=1, round=10**6, mode="sparseloco",
+                              step=0)
+        calls = [stub.OuterExchange.future(req, metadata=md, timeout=15) for _ in range(60)]
+        try:
+            time.sleep(3)
+            refused = [c for c in calls if c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+            waiting = [c for c in calls if not c.done()]
+            assert len(waiting) == MAX_CALLS_PER_WORKER and len(refused) == len(calls) - MAX_CALLS_PER_WORKER, \
+                [(c.code(), c.details()) for c in calls if c.done()][:3]
+            assert "outer calls of this worker wait" in refused[0].details()
+            assert_still_training(job)
+        finally:
+            for c in calls:
+                c.cancel()
+    assert [e for e in job.events("fault") if e["time"] >= t0] == []

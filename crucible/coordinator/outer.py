@@ -92,6 +92,8 @@ ROUND_FILE = struct.Struct("<I")   # length of the JSON header that starts a rou
 EVENT_FLUSH_S = 5.0         # longest a round waits for its event to reach the metrics file
 LEAD_ROUNDS = 10            # how many rounds past its replica's steps a worker may open one
 AHEAD_POLL_S = 0.5          # a call waiting for its replica's steps looks again (a step wakes it sooner)
+MAX_CALLS_PER_WORKER = 4    # outer calls one worker may have at once (its training thread's and its settler's, and
+                            # one each its client gave up on and this server has not yet seen go)
 AHEAD_LOGGED = 1024         # (worker, stage, round) kept to log a call too far ahead once; cleared when full
 
 
@@ -260,6 +262,7 @@ class OuterRelay:
         self.store = RoundStore(os.path.join(coord.run_dir, "outer"))
         self.ahead_logged: set[tuple[str, int, int]] = set()
         self.waiting_ahead = 0      # calls in _wait_ahead: a heartbeat's steps wake them (``stepped``)
+        self.calls: dict[str, int] = {}   # worker id -> its calls in ``exchange`` now
 
     def stepped(self) -> None:
         """Under the lock: a heartbeat moved a worker's step; calls waiting for
@@ -409,6 +412,11 @@ class OuterRelay:
             log.warning("outer round %d of stage %d abandoned: %s skipped it, out of the coordinator's reach",
                         rnd.number, rnd.stage, slot_name(replica, rnd.stage))
             self.c.cv.notify_all()
+        return self._closed(rnd, context, t_end)
+
+    def _closed(self, rnd: Round, context, t_end: float) -> pb.OuterReply:
+        """Under the lock: the round's reply once it is closed (finished here
+        if sealed and nobody writes it), waited for until ``t_end``."""
         while not rnd.closed:
             if not context.is_active() or self.c.stopping.is_set() or time.monotonic() > t_end:
                 raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "round still open; ask again")
@@ -454,10 +462,32 @@ class OuterRelay:
             self.waiting_ahead -= 1
 
     def exchange(self, req: pb.OuterRequest, context) -> pb.OuterReply:
+        """A call waits (up to ``WAIT_S``) for its round, holding one of the
+        server's threads, which heartbeats and everyone's rounds need too: a
+        worker that leaked its calls, or a caller with its secret asking for
+        rounds far ahead, took them all. A worker has at most
+        ``MAX_CALLS_PER_WORKER`` at once; its next is refused at once with
+        RESOURCE_EXHAUSTED (a worker asks again)."""
+        c = self.c
+        with c.cv:
+            w = c.member(req.worker_id)
+            if self.calls.get(w.worker_id, 0) >= MAX_CALLS_PER_WORKER:
+                raise rpc.RpcFault(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"{MAX_CALLS_PER_WORKER} outer calls of this worker wait already; ask again once "
+                                   f"one is answered")
+            self.calls[w.worker_id] = self.calls.get(w.worker_id, 0) + 1
+        try:
+            return self._exchange(w, req, context)
+        finally:
+            with c.cv:
+                left = self.calls.pop(w.worker_id) - 1
+                if left:
+                    self.calls[w.worker_id] = left
+
+    def _exchange(self, w, req: pb.OuterRequest, context) -> pb.OuterReply:
         c = self.c
         mode = c.cfg.outer.mode
         with c.cv:
-            w = c.member(req.worker_id)
             if req.stage != w.stage:
                 raise rpc.RpcFault(grpc.StatusCode.PERMISSION_DENIED,
                                    f"worker {slot_name(w.replica, w.stage)} cannot contribute to stage {req.stage}")
@@ -498,12 +528,4 @@ class OuterRelay:
             elif not rnd.sealed and r not in rnd.payloads:
                 rnd.abstained.add(r)
             self._maybe_close(rnd)
-            while not rnd.closed:
-                if not context.is_active() or c.stopping.is_set() or time.monotonic() > t_end:
-                    raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "round still open; ask again")
-                if rnd.sealed and not rnd.writing:
-                    self._finish(rnd)
-                    continue
-                c.cv.wait(0.5)
-                self._maybe_close(rnd)
-            return rnd.reply()
+            return self._closed(rnd, context, t_end)
