@@ -151,3 +151,40 @@ def test_a_run_directory_that_fills_up_is_one_line_and_a_respawn_does_not_end_th
             assert {(r, s) for r in (0, 1) for s in range(400)} <= steps, "step events lost"
         finally:
             job.kill()
+
+
+@pytest.mark.slow
+def test_checkpoints_on_a_disk_that_fills_up_then_a_resume_is_bitwise_exact(tmp_path):
+    """checkpoints/ on a disk filled mid-run: the failed save is one line and
+    training goes on; the job is SIGKILLed while the disk is full (a partial
+    .tmp-step_N is left); once space is freed, --resume takes the newest
+    complete checkpoint, not the partial save, and ends bitwise equal to a
+    straight run (the reference of tests/test_checkpoint_resume.py)."""
+    from test_checkpoint_resume import CKPT, PACED, _same_final_state, _start, _wait_for_commit, straight_run
+
+    from crucible.checkpoint import store
+
+    reference = straight_run(str(tmp_path / "straight"))
+    run = tmp_path / "run"
+    with mounted_tmpfs(run / "checkpoints", "64m") as ckpts:
+        job = _start(str(run), overrides=CKPT + PACED)
+        try:
+            _wait_for_commit(job, 4, 240)
+            filler = fill(ckpts)
+            t_end = time.monotonic() + 60
+            while "failed: " not in job.output().split("--- ")[0] and job.proc.poll() is None:
+                assert time.monotonic() < t_end, job.output()
+                time.sleep(0.1)
+            said = [x for x in job.output().split("--- ")[0].splitlines() if "failed: " in x]
+            assert len(said) == 1 and "No space left on device" in said[0], job.output()
+        finally:
+            job.kill()                         # SIGKILL to every process, the disk still full
+        newest = store.list_checkpoints(ckpts)[-1].step
+        os.unlink(filler)
+        job = _start(str(run), overrides=CKPT + PACED, resume=True)
+        try:
+            assert job.wait(300) == 0, job.output()
+            assert f"crucible: resuming from checkpoint step {newest}" in job.output(), job.output()
+        finally:
+            job.kill()
+        _same_final_state(str(run), reference)
