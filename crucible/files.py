@@ -74,7 +74,9 @@ def dir_problem(path: str, make: bool = False) -> str | None:
 
 def _probe(folder: str, what: str) -> str | None:
     """Make and remove a folder of this process's own in `folder`: the OS's
-    reason when it refuses, else None."""
+    reason when it refuses, else None; or that its file system is full (a
+    folder takes no data blocks: on a full disk the probe passed, and the
+    first file written after it, the token, ended the launch on a traceback)."""
     probe = os.path.join(folder, f".crucible-probe-{os.getpid()}-{os.urandom(4).hex()}")
     try:
         os.mkdir(probe)
@@ -84,4 +86,20 @@ def _probe(folder: str, what: str) -> str | None:
         os.rmdir(probe)
     except OSError:
         pass
+    free = free_bytes(folder)
+    if free is not None and free < MIN_FREE_BYTES:
+        return f"{what}: {folder}: its file system is full ({free // 1024} KiB free)"
     return None
+
+
+MIN_FREE_BYTES = 1 << 20    # a run directory's first files (token, state, logs, events) need far less
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes this process may still write on the file system of ``path``
+    (root may use the blocks reserved for it), or None where it cannot tell."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize

@@ -178,6 +178,8 @@ class Launcher:
         self.stopped_by: signal.Signals | None = None   # job_stopped seen: the signal the coordinator got
         self.ckpt_events: list[dict] = [] # the saves' commits and aborts read since _watch_checkpoints ran
         self.ckpt_failing = ""            # why saves fail, said once until one commits again
+        self.pids_unwritten = ""          # why pids.json could not be written (tried again while it is set)
+        self.writes_failing = False       # files of the run directory that could not be written: said
         self.coord: Proc | None = None
         self.workers: dict[str, Proc] = {}
         self.mps = None                   # crucible.mps.Mps, with job.mps=on
@@ -268,9 +270,15 @@ class Launcher:
             pids["coordinator"] = self.coord.pid
         pids["launcher"] = os.getpid()
         starts = {n: [pid, procs.start_ticks(pid)] for n, pid in pids.items() if pid}
-        atomic_write(os.path.join(self.run_dir, procs.PID_STARTS_FILE),
-                     json.dumps({n: v for n, v in starts.items() if v[1] is not None}), fsync=False)
-        atomic_write(os.path.join(self.run_dir, "pids.json"), json.dumps(pids), fsync=False)
+        try:
+            atomic_write(os.path.join(self.run_dir, procs.PID_STARTS_FILE),
+                         json.dumps({n: v for n, v in starts.items() if v[1] is not None}), fsync=False)
+            atomic_write(os.path.join(self.run_dir, "pids.json"), json.dumps(pids), fsync=False)
+            self.pids_unwritten = ""
+        except OSError as e:
+            # (a full disk: a respawn that raised here ended the launch, and with it every
+            # worker; the old files name only processes `crucible kill` then refuses as gone)
+            self.pids_unwritten = e.strerror or str(e)
 
     def _stop_all(self, grace: float = 5.0) -> None:
         # (the coordinator first: it learns the job is ending before a worker says it is leaving)
@@ -371,7 +379,11 @@ class Launcher:
         self.token = rpc.read_token(self.run_dir) if self.args.resume else ""
         if not self.token:
             self.token = os.environ.get(rpc.TOKEN_ENV) or rpc.new_token()
-        rpc.write_token(self.run_dir, self.token)
+        try:
+            rpc.write_token(self.run_dir, self.token)
+        except OSError as e:       # (dir_problem saw room; the disk may have filled since)
+            print(f"crucible: --run-dir {self.run_dir}: {e.strerror or e} (token)", file=sys.stderr)
+            return exits.USAGE
         sys.stdout, sys.stderr = TerminalOrLog(sys.stdout, self._output_to_log), \
             TerminalOrLog(sys.stderr, self._output_to_log)
         procs.on_stop(self._on_signal)
@@ -549,6 +561,7 @@ class Launcher:
                 last_status = now
                 self.last_status = client.get(timeout=1.0) or self.last_status
                 self._watch_checkpoints(tty)
+                self._watch_writes(tty)
             self._chaos_tick(now)
             if self.mps is not None and not self.mps_warned and not self.mps.alive():
                 self.mps_warned = True
@@ -679,6 +692,27 @@ class Launcher:
             newest = f"step {ckpts[-1].step}" if ckpts else "none"
             print(f"{start}crucible: the checkpoint of step {ev.get('step')} failed: {why[:300]}; training goes "
                   f"on, checkpoints are retried (newest checkpoint: {newest})", flush=True)
+
+    def _watch_writes(self, tty: bool = False) -> None:
+        """Files of the run directory that cannot be written (a full disk): one
+        line when writes start failing, one when they all succeed again.
+        Nothing stops for it (the coordinator keeps its events and state and
+        tries again, as does the launcher with pids.json), except an outer
+        round, which closes only once its file is written."""
+        if self.pids_unwritten:
+            self._write_pids()
+        failing = dict((self.last_status or {}).get("write_failures") or {})
+        if self.pids_unwritten:
+            failing["pids.json"] = self.pids_unwritten
+        start = "\n" if tty else ""      # (after the progress line)
+        if failing and not self.writes_failing:
+            why = "; ".join(sorted({f"{', '.join(sorted(n for n in failing if failing[n] == e))}: {e}"
+                                    for e in failing.values()}))
+            print(f"{start}crucible: cannot write to {self.run_dir} ({why}): kept and tried again every second; "
+                  f"training goes on, but an outer round waits for its file", flush=True)
+        elif self.writes_failing and not failing:
+            print(f"{start}crucible: the run directory is written again", flush=True)
+        self.writes_failing = bool(failing)
 
     def _end_checkpoint_note(self) -> str:
         """A finished job whose save of the last step did not commit: said, with the

@@ -331,9 +331,10 @@ class OuterRelay:
         try:
             c.metrics.wait_written(ticket, timeout=EVENT_FLUSH_S)
             self.store.write(rnd)
+            c.write_failures.written("outer/")
             ok = True
-        except OSError as e:
-            log.error("could not write outer round %d of stage %d: %s", rnd.number, rnd.stage, e)
+        except OSError as e:     # (said once, not at every waiter's try)
+            c.write_failures.failed("outer/", e)
             ok = False
         finally:
             c.cv.acquire()

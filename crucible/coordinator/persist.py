@@ -12,6 +12,14 @@ file I/O, and a slow disk delays the file, never a heartbeat.
 * ``LatestFile``: a small JSON document rewritten atomically (write, fsync,
   rename); only the newest version matters, so versions queued behind a slow
   write are skipped.
+
+A write the OS refuses (a full disk, a read-only remount) loses nothing that
+can wait: the events not yet in ``metrics.jsonl`` (to the byte: a line cut
+by the full disk is finished, never written twice) and the newest state are
+kept and written again every ``RETRY_S`` until the disk takes them.
+``WriteFailures`` says each file's failure once in the log and once when it
+is written again (the writes come about 50 times a second: a line each was a
+flood), and ``status`` shows what fails now, for the launcher's one line.
 """
 
 from __future__ import annotations
@@ -29,12 +37,44 @@ from crucible.ledger import Ledgers
 log = logging.getLogger("crucible.coordinator")
 
 MAX_QUEUED_EVENTS = 200_000
+RETRY_S = 1.0           # a refused write is tried again this often
+
+
+class WriteFailures:
+    """The run directory's files the coordinator cannot write just now, each
+    with the OS's reason (``current``, for status); said in the log when a
+    file starts failing and when it is written again, never at every try."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._now: dict[str, str] = {}
+
+    def failed(self, what: str, e: OSError) -> None:
+        why = f"{e.strerror or e}"
+        with self._lock:
+            new = self._now.get(what) != why
+            self._now[what] = why
+        if new:
+            log.error("could not write %s: %s; retried every %.0fs until it can be", what, why, RETRY_S)
+
+    def written(self, what: str) -> None:
+        with self._lock:
+            was = self._now.pop(what, None)
+        if was is not None:
+            log.warning("%s written again", what)
+
+    def current(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._now)
 
 
 class MetricsLog:
-    def __init__(self, path: str):
+    def __init__(self, path: str, failures: WriteFailures | None = None):
         self.path = path
-        self._f = open(path, "a", buffering=1 << 16)
+        self.failures = failures or WriteFailures()
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._held = b""        # bytes of the batch in hand that the file has not taken yet
+        self.refused = False    # the file's last write failed (what failed is held, tried again)
         self._q: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -62,12 +102,14 @@ class MetricsLog:
 
     def wait_written(self, ticket: int, timeout: float) -> bool:
         """Block (off any other lock) until the event of ``ticket`` is in the
-        file (handed to the OS: it survives this process being killed)."""
+        file (handed to the OS: it survives this process being killed). False
+        at once while the file refuses writes: a caller holding a server
+        thread for it would hold it until the disk has room."""
         t_end = time.monotonic() + timeout
         with self._cv:
             while self._written < ticket:
                 left = t_end - time.monotonic()
-                if left <= 0 or self._closed:
+                if left <= 0 or self._closed or self.refused:
                     return self._written >= ticket
                 self._cv.wait(left)
             return True
@@ -80,15 +122,13 @@ class MetricsLog:
                 items = list(self._q)
                 self._q.clear()
                 closed = self._closed
-            lines = [line for line, _ in items]
-            if lines:
-                try:
-                    self._f.write("\n".join(lines) + "\n")
-                    self._f.flush()
-                except (OSError, ValueError) as e:
-                    log.error("metrics.jsonl write failed (%d events lost): %s", len(lines), e)
+            if items:
+                self._held = ("\n".join(line for line, _ in items) + "\n").encode()
+                while not self._put():
+                    with self._cv:
+                        self._cv.wait(RETRY_S)      # (close wakes it: one more try, then what is held is lost)
                 with self._cv:
-                    self._written += len(lines)
+                    self._written += len(items)
                     self._cv.notify_all()
                 if self.exporters:
                     from crucible.coordinator import exporters
@@ -97,6 +137,29 @@ class MetricsLog:
                         exporters.observe(self.exporters, event)
             if closed:
                 return
+
+    def _put(self) -> bool:
+        """Write what is held; True once the file has all of it (or, after
+        close, given up on). A short write (the disk filled in the middle)
+        keeps the rest, so a line is finished later, never repeated."""
+        try:
+            while self._held:
+                self._held = self._held[os.write(self._fd, self._held):]
+        except OSError as e:
+            self.failures.failed("metrics.jsonl", e)
+            with self._cv:
+                self.refused = True
+                self._cv.notify_all()       # (waiters for a ticket give up at once)
+                if not self._closed:
+                    return False
+            log.error("metrics.jsonl: %d bytes of events never written: %s", len(self._held), e)
+            self._held = b""
+            return True
+        if self.refused:
+            with self._cv:
+                self.refused = False
+            self.failures.written("metrics.jsonl")
+        return True
 
     def close(self, timeout: float = 5.0) -> None:
         with self._cv:
@@ -108,7 +171,7 @@ class MetricsLog:
 
             exporters.close(self.exporters)
         try:
-            self._f.close()
+            os.close(self._fd)
         except OSError:
             pass
         if self.dropped:
@@ -142,9 +205,10 @@ def last_sequence_numbers(path: str, tail_bytes: int = 8 << 20) -> dict[str, int
 
 
 class LatestFile:
-    def __init__(self, path: str, mode: int = 0o644):
+    def __init__(self, path: str, mode: int = 0o644, failures: WriteFailures | None = None):
         self.path = path
         self.mode = mode
+        self.failures = failures or WriteFailures()
         self._cv = threading.Condition()
         self._pending: str | None = None
         self._closed = False
@@ -167,8 +231,14 @@ class LatestFile:
             if text is not None:
                 try:
                     atomic_write(self.path, text, mode=self.mode)
+                    self.failures.written(os.path.basename(self.path))
                 except OSError as e:
-                    log.error("could not write %s: %s", self.path, e)
+                    self.failures.failed(os.path.basename(self.path), e)
+                    with self._cv:      # tried again (a newer version, if one came meanwhile)
+                        if self._pending is None:
+                            self._pending = text
+                        if not self._closed:
+                            self._cv.wait(RETRY_S)
             if closed:
                 return
 

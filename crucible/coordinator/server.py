@@ -93,7 +93,7 @@ from crucible.coordinator.checkpoints import CheckpointManager
 from crucible.coordinator.links import LinkRates
 from crucible.coordinator.membership import Membership, Refused, WorkerInfo, left_status
 from crucible.coordinator.outer import OuterRelay
-from crucible.coordinator.persist import LatestFile, MetricsLog, last_sequence_numbers
+from crucible.coordinator.persist import LatestFile, MetricsLog, WriteFailures, last_sequence_numbers
 from crucible.coordinator.suspicion import SuspicionBook
 from crucible.files import atomic_write
 from crucible.slots import slot_name
@@ -207,10 +207,12 @@ class Coordinator:
         self.incarnation = self._bump_incarnation()
         self.cv = threading.Condition()
         self.m = self._membership()
-        self.state_file = LatestFile(os.path.join(self.run_dir, STATE_FILE), mode=0o600)   # holds secrets
+        self.write_failures = WriteFailures()    # run directory files the disk refuses now (status says them)
+        self.state_file = LatestFile(os.path.join(self.run_dir, STATE_FILE), mode=0o600,   # holds secrets
+                                     failures=self.write_failures)
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         self.report_seq = last_sequence_numbers(metrics_path)    # source -> newest seq written
-        self.metrics = MetricsLog(metrics_path)
+        self.metrics = MetricsLog(metrics_path, self.write_failures)
         self.last_errors: dict[tuple[int, int], dict] = {}   # slot -> its last worker_error
         self.devices: dict[tuple[int, int], dict] = {}       # slot -> its worker's device (and GPU memory)
         self.clock = procs.SteadyClock()   # (liveness: a step of the wall clock moves nobody's silence)
@@ -810,6 +812,7 @@ class Coordinator:
                 "workers": workers,
                 "checkpoint": self.ckpt.status(),
                 "isolated": self.m.isolated,
+                "write_failures": self.write_failures.current(),
             }
 
 

@@ -1,0 +1,190 @@
+"""A real full disk: a tmpfs mounted for the test (root only; skipped
+otherwise), filled from outside while the code under test writes to it.
+
+The unit tests elsewhere simulate ENOSPC; here the file system itself
+refuses, with its own partial writes and its free folders (a mkdir takes no
+data block on a full tmpfs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import ROOT, TINY, Job, child_env, crucible_cmd, worker
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path, size: str):
+    """A tmpfs of ``size`` at ``path`` for the block; unmounted after, pass or fail."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    os.makedirs(path, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(folder) -> str:
+    """Take every free byte of ``folder``'s file system; returns the filler's path."""
+    path = os.path.join(folder, "zz-filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for chunk in (65536, 1):        # (then the last partial chunk)
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return path
+
+
+def test_metrics_on_a_full_disk_are_held_said_once_and_written_when_it_has_room(tmp_path, caplog):
+    """metrics.jsonl on a disk that fills up: every event reaches the file once
+    space is freed, in order, no line torn or repeated; the failure is one
+    log line (not one per batch) and one when it is written again; a caller
+    waiting for its event is told at once. Before, each batch logged
+    "write failed (N events lost)" and was lost, or kept in the file object's
+    buffer and written later after all."""
+    from crucible.coordinator.persist import MetricsLog
+
+    with mounted_tmpfs(tmp_path / "fs", "256k") as fs:
+        log = MetricsLog(os.path.join(fs, "metrics.jsonl"))
+        try:
+            caplog.set_level(logging.WARNING, logger="crucible.coordinator")
+            log.wait_written(log.write({"event": "before", "i": -1}), timeout=5)
+            filler = fill(fs)
+            tickets = []
+            for i in range(300):
+                tickets.append(log.write({"event": "during", "i": i, "pad": "x" * 200}))
+                time.sleep(0.005)
+            t0 = time.monotonic()
+            assert not log.wait_written(tickets[-1], timeout=5), "written on a full disk?"
+            assert time.monotonic() - t0 < 1.0, "a waiter was held while the disk is full"
+            assert log.failures.current() == {"metrics.jsonl": "No space left on device"}
+            os.unlink(filler)
+            t_end = time.monotonic() + 10      # (the next retry, within a second)
+            while not log.wait_written(tickets[-1], timeout=1):
+                assert time.monotonic() < t_end, "not written after space was freed"
+                time.sleep(0.1)
+            assert log.failures.current() == {}
+        finally:
+            log.close()
+        with open(os.path.join(fs, "metrics.jsonl")) as f:
+            events = [json.loads(line) for line in f]
+    assert [e["i"] for e in events] == list(range(-1, 300))
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if "metrics.jsonl" in m] == [
+        "could not write metrics.jsonl: No space left on device; retried every 1s until it can be",
+        "metrics.jsonl written again"], said
+
+
+def test_a_launch_into_a_full_file_system_is_one_line(tmp_path):
+    """A full disk at launch: one line, exit 2, in seconds. A new run
+    directory passed the mkdir probe (a folder takes no block) and was refused
+    only when metrics.jsonl could not be written; an existing one (a
+    --resume) ended on a traceback writing the token."""
+    with mounted_tmpfs(tmp_path / "fs", "1m") as fs:
+        run = os.path.join(fs, "run")
+        os.makedirs(run)
+        with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+            f.write('{"event":"coordinator_start","time":1}\n')       # room left in its last page
+        fill(fs)
+        for args in (["--run-dir", run, "--resume"], ["--run-dir", os.path.join(fs, "new")]):
+            t0 = time.monotonic()
+            done = subprocess.run(crucible_cmd("launch", "--replicas", "1", "--stages", "2", *args, *TINY),
+                                  cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60)
+            lines = [x for x in (done.stdout + done.stderr).splitlines() if x.strip()]
+            assert done.returncode == 2 and len(lines) == 1 and "its file system is full" in lines[0], \
+                (args, done.returncode, done.stdout, done.stderr)
+            assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.slow
+def test_a_run_directory_that_fills_up_is_one_line_and_a_respawn_does_not_end_the_job(tmp_path):
+    """The whole run directory on a disk filled mid-run, a worker SIGKILLed
+    meanwhile: the launcher respawns it (it died on a traceback writing
+    pids.json, and every worker with it), says one line that the run
+    directory cannot be written and one when it can again, and the job, with
+    two replicas (an outer round waits for its file), finishes once space is
+    freed, every step's event in metrics.jsonl."""
+    # (the run directory is the mount: the launcher's own output, beside it, is not on the full disk)
+    with mounted_tmpfs(tmp_path / "run", "16m") as run:
+        overrides = [o for o in TINY if not o.startswith("checkpoint.")] + ["checkpoint.minimum_interval_s=1",
+                                                                            "checkpoint.max_num_checkpoints_to_keep=2"]
+        job = Job(run, ["--replicas", "2", "--stages", "2", "--steps", "400"], overrides)
+        try:
+            job.wait_for(lambda st: all(r["step"] >= 20 for r in st["replicas"]), 90, "steps")
+            filler = fill(run)
+            killed = job.pids()["r0s1"]
+            os.kill(killed, 9)
+            job.wait_for(lambda st: st.get("write_failures"), 30, "the write failures in status")
+            t_end = time.monotonic() + 30
+            while "starting a replacement" not in job.output():
+                assert time.monotonic() < t_end, job.output()
+                time.sleep(0.2)
+            job.wait_for(lambda st: worker(st, 0, 1)["state"] == "alive" and worker(st, 0, 1)["pid"] != killed, 60,
+                         "the replacement, on the full disk")
+            time.sleep(2)
+            assert job.proc.poll() is None, f"the launcher ended on the full disk:\n{job.output()}"
+            os.unlink(filler)
+            assert job.wait(180) == 0, job.output()
+            out = job.output()
+            said = [x for x in out.splitlines() if "cannot write to" in x]
+            assert len(said) == 1 and "No space left on device" in said[0], out
+            assert out.count("crucible: the run directory is written again") == 1, out
+            assert "Traceback" not in out.split("--- ")[0], out
+            steps = {(e["replica"], e["step"]) for e in job.events("step")}
+            assert {(r, s) for r in (0, 1) for s in range(400)} <= steps, "step events lost"
+        finally:
+            job.kill()
+
+
+@pytest.mark.slow
+def test_checkpoints_on_a_disk_that_fills_up_then_a_resume_is_bitwise_exact(tmp_path):
+    """checkpoints/ on a disk filled mid-run: the failed save is one line and
+    training goes on; the job is SIGKILLed while the disk is full (a partial
+    .tmp-step_N is left); once space is freed, --resume takes the newest
+    complete checkpoint, not the partial save, and ends bitwise equal to a
+    straight run (the reference of tests/test_checkpoint_resume.py)."""
+    from test_checkpoint_resume import CKPT, PACED, _same_final_state, _start, _wait_for_commit, straight_run
+
+    from crucible.checkpoint import store
+
+    reference = straight_run(str(tmp_path / "straight"))
+    run = tmp_path / "run"
+    with mounted_tmpfs(run / "checkpoints", "64m") as ckpts:
+        job = _start(str(run), overrides=CKPT + PACED)
+        try:
+            _wait_for_commit(job, 4, 240)
+            filler = fill(ckpts)
+            t_end = time.monotonic() + 60
+            while "failed: " not in job.output().split("--- ")[0] and job.proc.poll() is None:
+                assert time.monotonic() < t_end, job.output()
+                time.sleep(0.1)
+            said = [x for x in job.output().split("--- ")[0].splitlines() if "failed: " in x]
+            assert len(said) == 1 and "No space left on device" in said[0], job.output()
+        finally:
+            job.kill()                         # SIGKILL to every process, the disk still full
+        newest = store.list_checkpoints(ckpts)[-1].step
+        os.unlink(filler)
+        job = _start(str(run), overrides=CKPT + PACED, resume=True)
+        try:
+            assert job.wait(300) == 0, job.output()
+            assert f"crucible: resuming from checkpoint step {newest}" in job.output(), job.output()
+        finally:
+            job.kill()
+        _same_final_state(str(run), reference)
