@@ -360,7 +360,8 @@ class Worker:
         self.health.stop()
         t0 = time.perf_counter()
         if self.ckpt is not None:
-            self.ckpt.close()    # finish (and report) the save in flight
+            # finish (and report) the save in flight; an error's exit does not wait for the end save's commit
+            self.ckpt.close(end=self.exit_code != exits.ERROR)
         t1 = time.perf_counter()
         if self.exit_code == exits.ERROR or self.exit_code >= 128:
             # (before our streams close: a neighbour losing one would have us probed first)
