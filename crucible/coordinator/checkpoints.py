@@ -116,6 +116,7 @@ from crucible.checkpoint.policies import (AnySavePolicy, DecisionContext, EndOfJ
                                           save_policy_from_config, select_for_deletion)
 from crucible.config import CheckpointConfig, Config, changes as config_changes
 from crucible.coordinator.membership import Membership, Refused
+from crucible.coordinator.outer import outer_origin
 from crucible.metrics import each
 from crucible.slots import slot_name
 
@@ -319,11 +320,13 @@ class CheckpointManager:
         self.resume_dir, self.resume_manifest = chosen.path, m
         self.latest_committed_step = chosen.step
         corpus = None if self.job_cfg.data.allow_new_corpus else self._trained_on(chosen, m)
-        with self.cv:   # (outer round numbers follow from the steps: the relay needs nothing)
+        origin = outer_origin(m, chosen.step, self.job_cfg.outer.H)
+        with self.cv:
             self.m.resume_at({int(r): int(info.get("step", chosen.step))
-                              for r, info in (m.get("replicas") or {}).items()}, corpus=corpus)
+                              for r, info in (m.get("replicas") or {}).items()}, corpus=corpus, outer_origin=origin)
         self.metrics.write({"event": "ckpt_resume", "step": chosen.step, "path": chosen.path,
-                            "replicas": m.get("replicas"), "vacant": m.get("vacant", []), "changed": changed})
+                            "replicas": m.get("replicas"), "vacant": m.get("vacant", []), "changed": changed,
+                            "outer_origin": origin})
         log.info("resuming from %s (step %d)", chosen.path, chosen.step)
         done = store.nothing_left(chosen, self.job_cfg.train.steps, m)
         if done:    # (a coordinator started by hand: `launch` and `check` refuse this; here the job ends at once)
