@@ -12,7 +12,8 @@ communication      the rest of a committed step: waiting for the other
 checkpoint_stall   training waiting for a checkpoint's snapshot
 lost               work that was not committed: a step attempt aborted (a
                    route change), and a killed stage-0 worker's work after its
-                   last committed step, up to its last heartbeat
+                   last committed step, up to its last heartbeat (never its
+                   start-up: a worker killed before its first step lost none)
 paused             no route to train on (a stage of the replica missing, the
                    job not started yet)
 recovering         the first step after an aborted one (new streams,
@@ -43,8 +44,9 @@ the launcher's end summary), per launch, its stage-0 workers in time order:
   for a replacement, else paused);
 * the gap from a worker's last event to the next worker's ledger start:
   when the first was declared dead (``fault``), up to its last heartbeat
-  (the fault's ``last_seen``) lost, the rest restart; otherwise (a
-  whole-job restart) restart;
+  (the fault's ``last_seen``) lost, the rest restart (one killed before its
+  first step lost no work: up to its last heartbeat it was starting, paused
+  or restart as above); otherwise (a whole-job restart) restart;
 * a dead last worker without a successor yet: restart up to the end of the
   launch's events (``status``: up to now).
 
@@ -287,12 +289,16 @@ class Ledgers:
 
 
 def _gap(tot: dict, prev: _Worker | None, a: float, b: float) -> None:
-    """[a, b]: after ``prev``'s last event, no stage-0 worker's ledger."""
-    lost = 0.0
+    """[a, b]: after ``prev``'s last event, no stage-0 worker's ledger. Up to a
+    dead ``prev``'s last heartbeat it was alive: training (its work since its
+    last commit is lost) or, before its first step, still starting (paused, or
+    restart for a replacement, as in its own ledger: no work was lost)."""
+    alive = 0.0
     if prev is not None and prev.dead and prev.last_seen is not None:
-        lost = min(b - a, max(0.0, prev.last_seen - a))
-    tot["lost"] += lost
-    tot["restart"] += (b - a) - lost
+        alive = min(b - a, max(0.0, prev.last_seen - a))
+        trained = prev.ledger is not None or prev.first_step is not None
+        tot["lost" if trained else "restart" if prev.replacement else "paused"] += alive
+    tot["restart"] += (b - a) - alive
 
 
 def latest_launch(path: str, out: "Ledgers | None" = None) -> "Ledgers":

@@ -136,6 +136,24 @@ def test_a_worker_killed_before_its_first_report_is_counted_from_its_steps():
     assert row["wall_s"] == pytest.approx(20.0) and _parts(row) == pytest.approx(20.0)
 
 
+@pytest.mark.parametrize("replacement", [False, True])
+def test_a_worker_killed_before_its_first_step_lost_no_work(replacement):
+    """A's wait for its replica to start, up to its last heartbeat, was lost
+    work (a real job: stage 0 SIGKILLed 8 s into the wait for its stage 1 to
+    start said 'lost 8.1s'). It is start-up, as in its own ledger: paused
+    (restart for a replacement); its death to B's start is restart."""
+    evs = [{"event": "worker_registered", "time": 100.0, "worker": "A", "replica": 1, "stage": 0,
+            "replacement": replacement},
+           {"event": "fault", "time": 111.0, "worker": "A", "replica": 1, "stage": 0, "last_seen": 108.0},
+           {"event": "worker_registered", "time": 111.5, "worker": "B", "replica": 1, "stage": 0},
+           _goodput(120.0, "B", 8.5, compute=1.0, communication=0.5, paused=7.0)]
+    row = replica_ledgers(evs)[1]
+    assert row["lost_s"] == 0.0
+    assert row["paused_s"] == pytest.approx(7.0 + (0.0 if replacement else 8.0))
+    assert row["restart_s"] == pytest.approx(3.5 + (8.0 if replacement else 0.0))
+    assert row["wall_s"] == pytest.approx(20.0) and _parts(row) == pytest.approx(20.0)
+
+
 def test_the_launcher_summary_shows_the_restart(tmp_path):
     from crucible.launch import Launcher
 

@@ -938,6 +938,30 @@ def test_a_restarted_coordinator_counts_elapsed_from_the_jobs_start(tmp_path):
         c2.stop()
 
 
+def test_a_restarted_coordinator_counts_the_runs_checkpoints(tmp_path):
+    """`status`'s committed and aborted saves were this coordinator process's:
+    after a restart (the launcher's, or a --resume) they began at 0 again (a
+    real job: 13 saves committed, status said 1). They are the run's, from its
+    log."""
+    from crucible.coordinator.server import Coordinator
+
+    c, ids = _coordinator(tmp_path)
+    for step in (4, 8, 12):         # the events a commit and an abort write
+        c.metrics.write({"event": "ckpt_commit", "step": step})
+    c.metrics.write({"event": "ckpt_abort", "step": 16})
+    last = time.time()
+    c.stop()
+    c._lock_file.close()
+    c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)
+    try:
+        c2.ckpt.prepare(resume=False)
+        st = c2.status()["checkpoint"]
+        assert (st["committed"], st["aborted"]) == (3, 1)
+        assert last - 5.0 < st["last_commit_time"] <= last
+    finally:
+        c2.stop()
+
+
 def test_a_restarted_coordinator_starts_from_the_replicas_recent_steps(tmp_path):
     """The state file was written at membership changes only: a coordinator
     restarted minutes into a job showed each replica's step of then (the

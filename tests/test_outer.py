@@ -150,6 +150,29 @@ def test_malformed_contribution_right_after_a_coordinator_restart(start_job):
     assert {e["round"] for e in rejected} == {target} and len(rejected) in (2, 3), rejected
 
 
+@pytest.mark.parametrize("H", [6, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_resume_that_changes_H_goes_on_from_the_checkpoints_round(H, start_job):
+    """Round numbers came from the steps alone (step // H - 1): resumed at step
+    8 after rounds 0 and 1 (H = 4), H = 6 numbered the round after step 12
+    round 1, one it had, and skipped it (no round from 8 to 18); H = 2
+    numbered the one after step 10 round 4, and rounds 2 and 3 that never
+    happened were caught up with first. The rounds go on from the
+    checkpoint's round at the new H's multiples (coordinator/outer.py,
+    ``outer_origin``)."""
+    common = ["--replicas", "2", "--stages", "1", "--respawn-delay", "-1"]
+    overrides = TINY + ["outer.mode=sparseloco", "checkpoint.enable_checkpointing=true",
+                        "checkpoint.checkpoint_period=1000", "checkpoint.enable_continuous_checkpointing=false"]
+    first = start_job(common + ["--steps", "8"], overrides + ["outer.H=4"])
+    assert first.wait(120) == 0, first.output()
+    job = start_job(common + ["--steps", "20", "--resume"], overrides + [f"outer.H={H}"])
+    assert job.wait(120) == 0, job.output()
+    for r in (0, 1):
+        rounds = [(e["round"], e["step"] + 1) for e in job.events("outer") if e["replica"] == r]
+        after = list(range(8 + H - 8 % H, 21, H))              # the new H's multiples after step 8
+        assert rounds == [(0, 4), (1, 8)] + [(2 + i, s) for i, s in enumerate(after)], (rounds, job.output())
+    assert not job.events("outer_caught_up") and not job.events("outer_skipped"), job.output()
+
+
 def test_round_store_marks_what_it_trims_and_a_resume_forgets_the_abandoned_timeline(tmp_path, monkeypatch):
     """Trimmed rounds are marked (a replacement must not replay across the gap);
     a resume removes the rounds no replica of its checkpoint had applied, and

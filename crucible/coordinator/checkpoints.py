@@ -116,6 +116,8 @@ from crucible.checkpoint.policies import (AnySavePolicy, DecisionContext, EndOfJ
                                           save_policy_from_config, select_for_deletion)
 from crucible.config import CheckpointConfig, Config, changes as config_changes
 from crucible.coordinator.membership import Membership, Refused
+from crucible.coordinator.outer import outer_origin
+from crucible.metrics import each
 from crucible.slots import slot_name
 
 log = logging.getLogger("crucible.checkpoints")
@@ -194,6 +196,7 @@ class CheckpointManager:
         self.clock = clock              # the membership's (heartbeats') clock
         self.membership, self.cv, self.metrics = membership, lock, metrics
         self.stopping, self.finished, self.incarnation = stopping, finished, incarnation
+        self.run_dir = run_dir
         self.root = os.path.join(run_dir, "checkpoints")
         d = dataclasses.asdict(self.cfg)
         self.periodic = save_policy_from_config(d)
@@ -209,8 +212,8 @@ class CheckpointManager:
         self.aborts_in_row = 0
         self.last_commit_time: float | None = None
         self.latest_committed_step: int | None = None
-        self.committed = 0
-        self.aborted = 0
+        self.committed = 0                          # the run's saves committed and aborted (prepare counts
+        self.aborted = 0                            # those of earlier coordinators)
         self.left_behind = False                    # an aborted save's .tmp-step_T is still there
         self.boost = 1.0
         self.samples: collections.deque = collections.deque(maxlen=200)   # (monotonic, highest step)
@@ -240,6 +243,7 @@ class CheckpointManager:
         the end of the job), and report those shards to it; what nobody
         finishes goes after its next commit."""
         self.resume_requested = bool(resume)
+        self._count_earlier()
         os.makedirs(self.root, exist_ok=True)
         removed = [] if self.m.restored else store.clean_tmp(self.root)
         if removed:
@@ -260,6 +264,19 @@ class CheckpointManager:
             self.metrics.write({"event": "ckpt_resume", "step": None, "reason": "no committed checkpoint"})
             return
         self._resume_from(chosen)
+
+    def _count_earlier(self) -> None:
+        """The saves the run committed and aborted before this coordinator (one
+        restarted by the launcher, or a ``--resume``), from the run's log, before
+        this coordinator writes to it: status counted this process's alone, 0
+        again after every restart. (The checkpoint directory holds only what
+        retention kept.)"""
+        for ev in each(self.run_dir, ("ckpt_commit", "ckpt_abort")):
+            if ev["event"] == "ckpt_commit":
+                self.committed += 1
+                self.last_commit_time = ev.get("time")
+            else:
+                self.aborted += 1
 
     def _announce_policy(self) -> None:
         if self.cfg.enable_continuous_checkpointing and self.cfg.checkpoint_period != CheckpointConfig.checkpoint_period:
@@ -303,11 +320,13 @@ class CheckpointManager:
         self.resume_dir, self.resume_manifest = chosen.path, m
         self.latest_committed_step = chosen.step
         corpus = None if self.job_cfg.data.allow_new_corpus else self._trained_on(chosen, m)
-        with self.cv:   # (outer round numbers follow from the steps: the relay needs nothing)
+        origin = outer_origin(m, chosen.step, self.job_cfg.outer.H)
+        with self.cv:
             self.m.resume_at({int(r): int(info.get("step", chosen.step))
-                              for r, info in (m.get("replicas") or {}).items()}, corpus=corpus)
+                              for r, info in (m.get("replicas") or {}).items()}, corpus=corpus, outer_origin=origin)
         self.metrics.write({"event": "ckpt_resume", "step": chosen.step, "path": chosen.path,
-                            "replicas": m.get("replicas"), "vacant": m.get("vacant", []), "changed": changed})
+                            "replicas": m.get("replicas"), "vacant": m.get("vacant", []), "changed": changed,
+                            "outer_origin": origin})
         log.info("resuming from %s (step %d)", chosen.path, chosen.step)
         done = store.nothing_left(chosen, self.job_cfg.train.steps, m)
         if done:    # (a coordinator started by hand: `launch` and `check` refuse this; here the job ends at once)

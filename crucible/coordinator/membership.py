@@ -164,6 +164,7 @@ class Membership:
         self.route_epoch: dict[int, int] = {r: 0 for r in range(replicas)}
         self.stage_numel: dict[int, int] = {}
         self.corpus: dict | None = None      # the job's corpus ("Corpus"): every stage 0 reads it
+        self.outer_origin = 0                # outer round numbering (``resume_at``, ``round_step``)
         self.allow_new_corpus = bool(allow_new_corpus)
         self.job_started = False
         self.created = time.time()   # the job's start (kept across coordinator restarts: status's elapsed)
@@ -478,10 +479,16 @@ class Membership:
         training (or done: it finishes its last rounds before its workers exit),
         holding the stage, and not yet past the step the round follows (a replica
         that trained through it without the stage never will)."""
-        at = (round_no + 1) * H
+        at = self.round_step(round_no, H)
         return {rep.id for rep in self.replicas
                 if rep.state in ("training", "done") and stage in self.routes[rep.id]
                 and self.replica_step(rep.id) <= at}
+
+    def round_step(self, round_no: int, H: int) -> int:
+        """The step outer round ``round_no`` follows: every H steps, the round
+        after step s numbered ``outer_origin + s // H - 1`` (crucible/worker/outer.py,
+        ``OuterRound``; the origin is 0 but after a --resume that changed H)."""
+        return (round_no - self.outer_origin + 1) * H
 
     def all_done(self) -> bool:
         return all(rep.state == "done" for rep in self.replicas)
@@ -503,10 +510,12 @@ class Membership:
         """Workers still at work: alive or joining."""
         return [w for w in self.workers.values() if w.state in ("alive", "joining")]
 
-    def resume_at(self, steps: dict[int, int], corpus: dict | None = None) -> None:
+    def resume_at(self, steps: dict[int, int], corpus: dict | None = None, outer_origin: int = 0) -> None:
         """A job resumed from a checkpoint: its replicas start at these steps;
         ``corpus``, the one its stage 0 read, is the job's ("Corpus"; None: the
-        checkpoint recorded none, or data.allow_new_corpus)."""
+        checkpoint recorded none, or data.allow_new_corpus); ``outer_origin``:
+        the rounds' numbering from here on (``round_step``)."""
+        self.outer_origin = int(outer_origin)
         for r, step in steps.items():
             if 0 <= r < self.R:
                 self.replicas[r].step = int(step)
@@ -534,7 +543,7 @@ class Membership:
             "routes": {str(r): v for r, v in self.routes.items()},
             "route_epoch": {str(r): v for r, v in self.route_epoch.items()},
             "stage_numel": {str(s): n for s, n in self.stage_numel.items()},
-            "corpus": self.corpus,
+            "corpus": self.corpus, "outer_origin": self.outer_origin,
         }
 
     def restore(self, d: dict, now: float) -> None:
@@ -561,4 +570,5 @@ class Membership:
         self.route_epoch = {int(r): int(v) for r, v in d["route_epoch"].items()}
         self.stage_numel = {int(s): int(n) for s, n in d["stage_numel"].items()}
         self.corpus = corpora.clean(d.get("corpus"))     # (a state file written before it was kept: None)
+        self.outer_origin = int(d.get("outer_origin", 0))
         self.restored, self.restored_at = True, now

@@ -51,7 +51,8 @@ applies it before its next round:
 So all replicas still apply the same rounds in the same order.
 
 How far ahead. A contribution or a peek for round n opens that round, so it
-is taken only for n <= s // H - 1 + ``LEAD_ROUNDS``, s the most steps the
+is taken only for n <= origin + s // H - 1 + ``LEAD_ROUNDS`` (the round
+numbering: ``Membership.round_step``), s the most steps the
 coordinator knows the caller's replica or the caller to have applied (its
 heartbeats, its replica's step events, the request's own ``step``). Past
 that the call waits, as for an open round, for the steps to catch up, then
@@ -126,6 +127,27 @@ def check_payload(mode: str, payload: bytes, numel: int) -> None:
             raise ValueError(f"not a dense payload for {numel} parameters (magic {magic!r}, n {n})")
     else:
         raise ValueError(f"outer mode {mode!r} has no exchange")
+
+
+def rounds_applied(manifest: dict) -> int:
+    """The outer rounds a checkpoint's replicas had applied (the most of any:
+    its manifest's replicas' ``round``, the next round's number)."""
+    reps = manifest.get("replicas") or {}
+    rounds = [int(info["round"]) for info in reps.values() if isinstance(info.get("round"), int)]
+    return max(rounds) if rounds else 0
+
+
+def outer_origin(manifest: dict, step: int, H: int) -> int:
+    """The outer rounds' numbering of a job resumed at ``step`` from a checkpoint
+    (``manifest``) whose replicas had applied R rounds: the next round is R, at
+    the next multiple of H after ``step``, then one every H steps: origin R -
+    step // H (``Membership.round_step``). With H as it was, that is the
+    numbering the checkpoint was taken under; a --resume that changes H goes
+    on from R at the new H's next multiple. (Numbered from the steps alone, a
+    larger H numbered the next rounds below R, and they were skipped until the
+    steps caught up; a smaller one numbered them above R, and rounds that
+    never happened were caught up with first.)"""
+    return rounds_applied(manifest) - int(step) // int(H)
 
 
 @dataclass
@@ -276,9 +298,7 @@ class OuterRelay:
         of the abandoned timeline; the replicas redo them, so none may be read
         back (rounds the checkpoint's lagging replicas still have to apply are
         kept: the others applied them)."""
-        reps = (manifest or {}).get("replicas") or {}
-        rounds = [int(info["round"]) for info in reps.values() if isinstance(info.get("round"), int)]
-        first = max(rounds) if rounds else 0
+        first = rounds_applied(manifest or {})
         gone = self.store.forget_from(first)
         if gone:
             log.info("outer rounds from %d on belong to the abandoned timeline: %d removed", first, len(gone))
@@ -431,7 +451,7 @@ class OuterRelay:
     def _lead(self, w, step: int) -> tuple[int, int]:
         """Under the lock: (the newest round ``w`` may open, the step that allows it)."""
         s = max(self.c.m.replica_step(w.replica), w.step, int(step))
-        return s // self.c.cfg.outer.H - 1 + LEAD_ROUNDS, s
+        return self.c.m.outer_origin + s // self.c.cfg.outer.H - 1 + LEAD_ROUNDS, s
 
     def _wait_ahead(self, w, req: pb.OuterRequest, context, t_end: float) -> None:
         """Under the lock: a round too far past what ``w``'s replica trained waits,

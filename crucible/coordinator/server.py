@@ -435,7 +435,7 @@ class Coordinator:
                                     secret=bytes.fromhex(w.secret),
                                     run_dir=self.run_dir, incarnation=self.incarnation,
                                     replacement=replacement, replica_step=self.m.replica_step(w.replica),
-                                    slot_step=w.slot_step,
+                                    slot_step=w.slot_step, outer_origin=self.m.outer_origin,
                                     resume_dir=self.ckpt.resume_dir_for((w.replica, w.stage),
                                                                         req.rejoin or replacement))
 

@@ -59,7 +59,8 @@ that commit before it says done and exits (``close``): a coordinator killed
 after the last shard came but before its commit is restarted without the
 shards its predecessor took, and each worker reports its own again (it still
 has its name, size and checksum); the wait ends at the commit, when the
-coordinator refuses the shard (it aborted the save), or at a stop.
+coordinator refuses the shard (it aborted the save), or at a stop. A worker
+dying of an error does not wait: it exits with its error at once.
 
 How (two phases, at most one save in flight; ``crucible.checkpoint.snapshot``):
 the *snapshot* copies the parts' tensors into a reused shared region on the
@@ -516,16 +517,18 @@ class WorkerCheckpointer:
 
     # ---- end ---------------------------------------------------------------------------
 
-    def close(self, timeout: float = 120.0) -> None:
+    def close(self, timeout: float = 120.0, end: bool = True) -> None:
         """Finish the save in flight (its error surfaces here), wait for the end
-        save's commit, write the debug dump of the final state if asked, release
-        the region and the persister."""
+        save's commit (``end``; a worker that dies of an error exits at once: the
+        coordinator has its shard, and was told of the error), write the debug
+        dump of the final state if asked, release the region and the persister."""
         try:
             self._finish_previous(timeout)
         except TimeoutError as e:
             log.error("%s", e)
         else:
-            self._await_end_commit()
+            if end:
+                self._await_end_commit()
         if self.cfg.debug.dump_final and self.step() >= self.cfg.train.steps:
             self.dump_final()
         if self._thread is not None and self._idle.is_set():

@@ -250,7 +250,10 @@ class OuterRound:
     """This stage's side of the outer rounds: after every H-th committed step,
     contribute to the round of its stage (``ControlClient.outer_exchange``),
     apply what it closed with, and report it. Round numbers follow from the
-    step, so every replica syncs after the same steps; a round this stage
+    step (the round after step s is ``origin + s // H - 1``; the coordinator's
+    ``origin`` is 0 but after a --resume that changed H: the rounds then go
+    on from the checkpoint's, at the new H's multiples, crucible/coordinator/outer.py
+    ``outer_origin``), so every replica syncs after the same steps; a round this stage
     already has (a replacement that pulled newer global weights) is skipped,
     rounds it missed while it joined its route are applied late first, each
     once it closed, open or not yet opened as it may still be where a peer
@@ -258,8 +261,9 @@ class OuterRound:
     it to a peer for the global weights (``resync``)."""
 
     def __init__(self, state: OuterState, cfg, exchange, report, replica: int, stage: int, debug, resync,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, origin: int = 0):
         self.state, self.cfg, self.exchange, self.report = state, cfg, exchange, report
+        self.origin = int(origin)
         self.replica, self.stage, self.debug, self.resync = replica, stage, debug, resync
         self.stop = stop or threading.Event()
         self._settler: threading.Thread | None = None
@@ -271,7 +275,7 @@ class OuterRound:
         state = self.state
         if not state.due(committed_step):
             return
-        round_no = (committed_step + 1) // self.cfg.outer.H - 1
+        round_no = self.origin + (committed_step + 1) // self.cfg.outer.H - 1
         if round_no < state.round:
             return
         if round_no > state.round:     # rounds this stage missed while it was joining its route

@@ -176,7 +176,7 @@ class Worker:
         self.phases["registered"] = time.time()
         log.info("%s registered as %s at %s%s (built in %.1f s)", self.name, reply.worker_id, self.address,
                  " (replacement)" if reply.replacement else "", self.phases["built"] - self.phases["job_info"])
-        self._wire()
+        self._wire(reply.outer_origin)
         self.pulse = pulse.start(self.coordinator, reply.worker_id, reply.secret, cfg.fault.heartbeat_interval_s,
                                  cfg.fault.heartbeat_timeout_s)
         self.ctl.start_reporting()
@@ -244,8 +244,9 @@ class Worker:
             raise
         log.info("%s: %s", self.name, line)
 
-    def _wire(self) -> None:
-        """Connect the parts, once the worker is registered."""
+    def _wire(self, outer_origin: int) -> None:
+        """Connect the parts, once the worker is registered (``outer_origin``: the
+        outer rounds' numbering, from the coordinator)."""
         cfg = self.cfg
         self.links = Links(self.replica, self.stage, self.token, cfg, self.decoder, self.inbox,
                            suspect=self.suspect, on_epoch=lambda e: setattr(self.ctl, "epoch", e),
@@ -255,7 +256,8 @@ class Worker:
         self.replacement = Replacement(self.links, self.outer, self.model, self.ckpt, self.ctl, self.token,
                                        cfg.net.max_message_mb, lambda: self.progress.step, self.debug, self.name)
         self.outer_round = OuterRound(self.outer, cfg, self.ctl.outer_exchange, self._report, self.replica,
-                                      self.stage, self.debug, self.replacement.resync, stop=self.ctl.stop)
+                                      self.stage, self.debug, self.replacement.resync, stop=self.ctl.stop,
+                                      origin=outer_origin)
         self.service.ready(self.links, self.decoder,
                            lambda stage: weight_chunks(self.outer, stage, self.stage, self.progress.step),
                            lambda: self.progress.step, cfg.fault.rpc_timeout_s)
@@ -360,7 +362,8 @@ class Worker:
         self.health.stop()
         t0 = time.perf_counter()
         if self.ckpt is not None:
-            self.ckpt.close()    # finish (and report) the save in flight
+            # finish (and report) the save in flight; an error's exit does not wait for the end save's commit
+            self.ckpt.close(end=self.exit_code != exits.ERROR)
         t1 = time.perf_counter()
         if self.exit_code == exits.ERROR or self.exit_code >= 128:
             # (before our streams close: a neighbour losing one would have us probed first)
