@@ -115,9 +115,10 @@ def cmd_verify(args) -> int:
     for info in reversed(infos):
         bar.label = f"verifying step {info.step}"
         problems = store.verify(info.path, on_shard=lambda s: bar.advance(s["bytes"]))
-        if problems and not os.path.isdir(info.path):
+        if problems and not os.path.lexists(info.path):
             # A running job's preservation policy deleted it while we read it
-            # (deletion renames it away first): gone, not damaged.
+            # (deletion renames it away first): gone, not damaged. (A file or a
+            # symlink loop where the directory was is damage.)
             deleted.append(info.step)
             continue
         results.append({"step": info.step, "path": info.path, "problems": problems})

@@ -832,6 +832,28 @@ def test_ckpt_verify_of_a_checkpoint_deleted_meanwhile_is_not_damage(tmp_path, m
     assert f"step {steps[1]}: ok" in out and f"step {steps[0]}: deleted" in out and "DAMAGED" not in out
 
 
+@pytest.mark.parametrize("damage", ["file", "loop"])
+def test_ckpt_verify_of_a_step_dir_replaced_is_damage_not_deleted(tmp_path, capsys, damage):
+    """Found with the damage fuzz: a step_N replaced by a file or a symlink
+    loop was 'deleted by the job's preservation policy while being verified'
+    and `ckpt verify` exited 0 (it took anything but a directory there for a
+    deletion, which renames the checkpoint away: nothing is left there)."""
+    import shutil
+
+    from crucible import ckpt_cli
+
+    c = _coordinator(tmp_path)
+    steps = _commit_saves(c, 2)
+    newest = store.step_dir(c.ckpt.root, steps[1])
+    shutil.rmtree(newest)
+    newest.write_text("x") if damage == "file" else os.symlink(newest.name, newest)
+    rc = ckpt_cli.cmd_verify(types.SimpleNamespace(dir=str(tmp_path), json=False))
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert f"step {steps[1]}: DAMAGED ({newest})" in out and "deleted" not in out
+    assert f"step {steps[0]}: ok" in out and f"resume would use step {steps[0]}" in out
+
+
 def test_a_resume_on_other_data_is_refused_by_the_preflight_and_by_the_worker(tmp_path):
     """Stage 0's shard records the corpus it read (size, split and SHA-256, in
     the shard's header); a --resume on other tokens (another data.path, a file

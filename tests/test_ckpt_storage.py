@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,7 +215,7 @@ def test_commit_layout_and_manifest(tmp_path):
     assert info.step == 12 and info.metrics == {"eval_loss": 2.5}
     assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "r0s0.shard", "r0s1.shard"]
     m = json.loads((path / "manifest.json").read_text())
-    assert m["format"] == "crucible-checkpoint" and m["version"] == 1 and m["step"] == 12
+    assert m["format"] == "crucible-checkpoint" and m["version"] == 2 and m["step"] == 12
     assert m["checksum"] == "sha256"
     assert [s["name"] for s in m["shards"]] == ["r0s0.shard", "r0s1.shard"]
     for k, v in extra.items():
@@ -253,9 +254,10 @@ def test_tmp_dirs_never_listed_and_cleaned(tmp_path):
     d = st.tmp_dir(tmp_path, 2)
     st.write_shard(d, "r0s0.shard", {"x": torch.ones(2)})
     (d / "manifest.json").write_text("{}")  # even with a manifest inside, a tmp dir is no checkpoint
-    (tmp_path / "step_00000003").mkdir()  # no manifest: not a checkpoint
     (tmp_path / ".deleting-step_00000000-1-2").mkdir()
     assert [c.step for c in st.list_checkpoints(tmp_path)] == [1]
+    (tmp_path / "step_00000003").mkdir()  # no manifest: a checkpoint that lost it (listed, damaged)
+    assert [c.step for c in st.list_checkpoints(tmp_path)] == [1, 3]
     removed = st.clean_tmp(tmp_path)
     assert removed == [".deleting-step_00000000-1-2", ".tmp-step_00000002"]
     assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000003"]
@@ -388,6 +390,9 @@ def test_missing_shard_and_garbage_manifest(tmp_path):
     m = json.loads((pathlib.Path(c.path) / "manifest.json").read_text())
     m["step"] = 4
     (pathlib.Path(c.path) / "manifest.json").write_text(json.dumps(m))
+    assert st.verify(c.path) == [f"{c.path}/manifest.json: damaged: its content does not match its digest "
+                                 "(a flipped bit, or edited by hand)"]
+    (pathlib.Path(c.path) / "manifest.json").write_text(json.dumps(st.seal(m)))    # (resealed: still caught)
     assert any("step 4" in p for p in st.verify(c.path))
 
 
@@ -475,6 +480,186 @@ def test_latest_valid_falls_back(tmp_path):
     assert st.latest_valid(tmp_path).step == 10
     os.unlink(tmp_path / "step_00000010" / "r0s1.shard")
     assert st.latest_valid(tmp_path) is None
+
+
+# ------------------------------------------------------------------ damage
+# A damaged checkpoint is detected, never loaded silently: each damage below
+# was applied to real checkpoints of `crucible launch` and tried with
+# `launch --resume`, `ckpt list/verify/inspect` and `export`; here the same
+# damage to checkpoints made by the same writer (shard.write, store.commit).
+
+
+def job_ckpt(root, step, replicas=2, stages=2):
+    """A checkpoint as a 2x2 job commits it: a shard per slot and the
+    coordinator's manifest keys (the configuration export builds from)."""
+    from crucible.config import Config
+
+    cfg = Config.load(None, [f"job.replicas={replicas}", f"job.stages={stages}"])
+    d = st.tmp_dir(root, step)
+    shards = [st.write_shard(d, st.shard_name(r, s), {"w": torch.full((64,), float(step + r)), "step": step,
+                                                      "replica": r, "stage": s})
+              for r in range(replicas) for s in range(stages)]
+    extra = {"replicas": {str(r): {"state": "training", "step": step, "round": step // 3, "route": list(range(stages))}
+                          for r in range(replicas)},
+             "topology": {"replicas": replicas, "stages": stages}, "vacant": [], "config_hash": cfg.digest(),
+             "config": cfg.to_dict(), "final": False, "end": False, "metrics": {"loss": 5.04}}
+    return st.commit(root, step, shards, extra), cfg.to_dict()
+
+
+def resumes_from(root, cfg):
+    from crucible.checkpoint import store
+
+    chosen, unusable = store.choose_resume(root, st.list_checkpoints(root), cfg)
+    return chosen.step, unusable
+
+
+def test_every_bit_of_a_manifest_flipped_is_caught_or_changes_nothing(tmp_path):
+    """Found: a third of the single-bit flips of a real manifest left valid
+    JSON with another value (a replica's step or outer round, a slot's name in
+    `vacant`, `topology` renamed away, any of the configuration that export
+    builds the model from) and every check passed. Now the manifest carries a
+    digest of itself: each flip is garbage, or caught, or leaves the parsed
+    manifest as it was (a letter case in a number: 1e5 and 1E5)."""
+    info, _ = job_ckpt(tmp_path, 30)
+    path = pathlib.Path(info.path) / "manifest.json"
+    raw = path.read_bytes()
+    good = st.read_manifest(info.path)
+    passed = 0
+    for pos in range(0, len(raw), 5):        # (every fifth byte, every bit: ~9,000 flips)
+        for bit in range(8):
+            b = bytearray(raw)
+            b[pos] ^= 1 << bit
+            path.write_bytes(b)
+            try:
+                m = st.read_manifest(info.path)
+            except CheckpointCorrupt as e:
+                assert str(e).startswith(str(path) + ": "), e
+                continue
+            assert m == good, (pos, bit)
+            passed += 1
+    assert passed < 10
+
+
+@pytest.mark.parametrize("edit", ["drop_shard", "replica_step", "round", "vacant", "topology", "topology_gone",
+                                  "config", "config_hash", "shard_bytes", "metrics"])
+def test_manifest_edited_to_other_valid_values_is_damaged(tmp_path, edit):
+    """Found with `launch --resume`: a manifest with r0s1's entry deleted
+    resumed from it at once, r0s1 taking r1s1's global weights as a vacant
+    slot (fresh AdamW, no error feedback) beside its own intact shard, and the
+    terminal said nothing; a replica's step edited put the coordinator's
+    replica at another step than its shard's. Each is now damage: the resume
+    names manifest.json and falls back to the previous checkpoint."""
+    job_ckpt(tmp_path, 24)
+    info, cfg = job_ckpt(tmp_path, 30)
+    path = pathlib.Path(info.path) / "manifest.json"
+    m = json.loads(path.read_text())
+    {"drop_shard": lambda: m["shards"].pop(1), "replica_step": lambda: m["replicas"]["0"].update(step=31),
+     "round": lambda: m["replicas"]["1"].update(round=18), "vacant": lambda: m.update(vacant=["r0s1"]),
+     "topology": lambda: m["topology"].update(stages=3), "topology_gone": lambda: m.pop("topology"),
+     "config": lambda: m["config"]["model"].update(n_head=6), "config_hash": lambda: m.update(config_hash="0" * 16),
+     "shard_bytes": lambda: m["shards"][0].update(bytes=m["shards"][0]["bytes"] + 64),
+     "metrics": lambda: m["metrics"].update(loss=0.5)}[edit]()
+    path.write_text(json.dumps(m, indent=1))
+    (problem,) = st.verify(info.path)
+    assert problem == f"{path}: damaged: its content does not match its digest (a flipped bit, or edited by hand)"
+    step, unusable = resumes_from(tmp_path, cfg)
+    assert step == 24 and unusable == {30: "damaged: " + problem}
+
+
+def test_a_manifest_without_its_digest_or_of_the_old_version(tmp_path):
+    """A digest taken away is damage; a version 1 manifest (written before the
+    digest) is read as it was."""
+    info, cfg = job_ckpt(tmp_path, 30)
+    path = pathlib.Path(info.path) / "manifest.json"
+    m = json.loads(path.read_text())
+    del m["digest"]
+    path.write_text(json.dumps(m))
+    assert st.verify(info.path) == [f"{path}: damaged: its content has no digest"]
+    m["version"] = 1
+    path.write_text(json.dumps(m))
+    assert st.verify(info.path) == [] and resumes_from(tmp_path, cfg) == (30, {})
+    st.set_metrics(info.path, {"eval_loss": 2.0})         # (rewritten: sealed, of the new version)
+    assert st.read_manifest(info.path)["version"] == 2 and st.verify(info.path) == []
+
+
+@pytest.mark.parametrize("damage", ["manifest_deleted", "manifest_dir", "manifest_loop", "step_file", "step_loop"])
+def test_a_checkpoint_that_lost_its_manifest_is_passed_over_saying_so(tmp_path, damage):
+    """Found with `launch --resume`: a step_N whose manifest.json was deleted,
+    or is a directory or a symlink loop, or a step_N that is a file or a
+    symlink loop, was not listed at all: the resume went back to the previous
+    checkpoint without a word (`ckpt verify` said every checkpoint was ok) and
+    left it where a save of its step cannot commit. It is a committed
+    checkpoint gone bad (the commit renames a directory holding its manifest):
+    listed, damaged, passed over and moved aside, saying why."""
+    from crucible.checkpoint import store
+
+    job_ckpt(tmp_path, 24)
+    info, cfg = job_ckpt(tmp_path, 30)
+    d = pathlib.Path(info.path)
+    mf = d / "manifest.json"
+    if damage.startswith("step_"):
+        shutil.rmtree(d)
+        d.write_text("x") if damage == "step_file" else os.symlink(d.name, d)
+        want = f"{d}: not a directory" if damage == "step_file" else f"{mf}: unreadable ("
+    else:
+        mf.unlink()
+        if damage == "manifest_dir":
+            mf.mkdir()
+        elif damage == "manifest_loop":
+            os.symlink(mf.name, mf)
+        want = f"{mf}: missing" if damage == "manifest_deleted" else f"{mf}: unreadable ("
+    assert [c.step for c in st.list_checkpoints(tmp_path)] == [24, 30]
+    (problem,) = st.verify(d)
+    assert problem.startswith(want), problem
+    step, unusable = resumes_from(tmp_path, cfg)
+    assert step == 24 and unusable == {30: "damaged: " + problem}
+    aside = store.set_aside(d, "damaged")
+    assert [c.step for c in st.list_checkpoints(tmp_path)] == [24] and os.path.lexists(aside)
+
+
+@pytest.mark.parametrize("damage", ["loop", "dir"])
+def test_a_shard_that_is_no_file_is_damaged_not_a_traceback(tmp_path, damage):
+    """Found: a shard replaced by a symlink loop made `ckpt verify`, `export`
+    and `check --resume` end in an OSError traceback (check_file caught only
+    a missing file); a directory where the shard was read as 'size 4096'."""
+    job_ckpt(tmp_path, 24)
+    info, cfg = job_ckpt(tmp_path, 30)
+    shard = pathlib.Path(info.path) / "r0s1.shard"
+    shard.unlink()
+    os.symlink(shard.name, shard) if damage == "loop" else shard.mkdir()
+    (problem,) = st.verify(info.path)
+    assert problem == ("r0s1.shard: unreadable ([Errno 40] Too many levels of symbolic links: "
+                       f"'{shard}')" if damage == "loop" else "r0s1.shard: not a regular file"), problem
+    with pytest.raises(CheckpointCorrupt, match="r0s1.shard: (unreadable|not a regular file)"):
+        st.load_shard(info.path, "r0s1.shard")
+    assert resumes_from(tmp_path, cfg)[0] == 24
+
+
+def test_shard_bits_flipped_everywhere_are_caught(tmp_path):
+    """A single bit flipped in any part of a shard (magic, header length,
+    header, padding, data, trailer), a truncation at any length, a shard of
+    another slot or step: `verify` and the loader refuse each."""
+    job_ckpt(tmp_path, 24)
+    info, _ = job_ckpt(tmp_path, 30)
+    d = pathlib.Path(info.path)
+    entries = {e["name"]: e for e in st.read_manifest(d)["shards"]}
+    shard = d / "r0s1.shard"
+    raw = shard.read_bytes()
+    rng = random.Random(0)
+    for pos in sorted(set(range(0, 64)) | set(range(0, len(raw), 7)) | set(range(len(raw) - 48, len(raw)))):
+        b = bytearray(raw)
+        b[pos] ^= 1 << rng.randrange(8)
+        shard.write_bytes(b)
+        assert st.verify(d), pos
+        with pytest.raises(CheckpointCorrupt):
+            st.load_shard(d, "r0s1.shard")
+    for n in (0, 1, 16, 55, len(raw) // 2, len(raw) - 40, len(raw) - 1):
+        shard.write_bytes(raw[:n])
+        assert st.verify(d) == [f"r0s1.shard: size {n} bytes, manifest says {len(raw)}"]
+    for other in (d / "r1s1.shard", d / "r0s0.shard", tmp_path / "step_00000024" / "r0s1.shard"):
+        shard.write_bytes(other.read_bytes())
+        (problem,) = st.verify(d)
+        assert problem.startswith("r0s1.shard: checksum ") and entries["r0s1.shard"]["checksum"][:16] in problem
 
 
 # ------------------------------------------------------------------ SIGKILL

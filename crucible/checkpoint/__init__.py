@@ -55,6 +55,7 @@ _LAZY = {
     "clean_tmp": "store",
     "delete": "store",
     "set_metrics": "store",
+    "seal": "store",
     "step_dir": "store",
     "tmp_dir": "store",
     "Region": "snapshot",

@@ -71,6 +71,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import time
 from pathlib import Path
@@ -381,17 +382,17 @@ def read_shard(path: str | os.PathLike, expected_checksum: str | None = None) ->
     keep that buffer alive until all of them are dropped.
     """
     where = str(path)
+    size = _file_size(Path(path), where)
     try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise CheckpointCorrupt(f"{where}: shard file missing") from None
-    with open(path, "rb") as f:
-        header, data_start = read_header(f, size, where)
-        buf = bytearray(size - TRAILER_LEN)
-        f.seek(0)
-        with memoryview(buf) as mv:
-            _read_into(f, mv, where)
-        trailer = f.read(TRAILER_LEN)
+        with open(path, "rb") as f:
+            header, data_start = read_header(f, size, where)
+            buf = bytearray(size - TRAILER_LEN)
+            f.seek(0)
+            with memoryview(buf) as mv:
+                _read_into(f, mv, where)
+            trailer = f.read(TRAILER_LEN)
+    except OSError as e:
+        raise CheckpointCorrupt(f"{where}: unreadable ({e})") from None
     _check_digest(where, hashlib.sha256(buf).digest(), trailer, expected_checksum)
     try:
         state = _Decoder(header, buf, data_start, where).decode(header["tree"])
@@ -423,15 +424,30 @@ def read_plain(path: str | os.PathLike, key: str) -> Any:
     return None
 
 
+def _file_size(path: Path, where: str) -> int:
+    """The size of the regular file a shard is, else CheckpointCorrupt naming
+    what is there instead: nothing, a directory, a symlink loop (stat itself
+    fails) or a file that cannot be stat'ed."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"{where}: shard file missing") from None
+    except OSError as e:
+        raise CheckpointCorrupt(f"{where}: unreadable ({e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorrupt(f"{where}: not a regular file")
+    return st.st_size
+
+
 def check_file(path: Path, expected_bytes: Any = None, expected_checksum: Any = None) -> list[str]:
     """Problems with one shard file (empty when good), found without building
     tensors: size, framing, and the streamed SHA-256 against its trailer and
     ``expected_checksum``."""
     where = path.name
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return [f"{where}: shard file missing"]
+        size = _file_size(path, where)
+    except CheckpointCorrupt as e:
+        return [str(e)]
     if isinstance(expected_bytes, int) and size != expected_bytes:
         return [f"{where}: size {size} bytes, manifest says {expected_bytes}"]
     try:

@@ -29,16 +29,23 @@ checkpoint. The protocol that makes this true under crashes:
    then on it is not listed) and only then removes the files, so a crash
    mid-deletion never leaves a half-deleted checkpoint that looks committed.
 
-The manifest (version 1) is ``{"format": "crucible-checkpoint", "version":
-1, "step", "time", "checksum": "sha256", "shards": [{"name", "bytes",
-"checksum"}, ...]}`` plus what the committer adds (Crucible: ``replicas``,
-``topology``, ``vacant``, ``config_hash``, ``config``, ``metrics``, ...).
+The manifest (version 2) is ``{"format": "crucible-checkpoint", "version":
+2, "step", "time", "checksum": "sha256", "shards": [{"name", "bytes",
+"checksum"}, ...], "digest"}`` plus what the committer adds (Crucible:
+``replicas``, ``topology``, ``vacant``, ``config_hash``, ``config``,
+``metrics``, ...). ``digest`` is the SHA-256 of the rest of the manifest
+(``seal``): a shard's checksum guards its bytes, the digest the manifest's,
+so that a flipped bit or a hand edit that leaves valid JSON (a replica's
+step, a shard dropped from the list, the configuration export builds the
+model from) is a damaged checkpoint, not a quietly different one. Version 1
+manifests (written before the digest) are read without that check.
 
 Listing, verifying, committing and cleaning never import torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -64,6 +71,7 @@ __all__ = [
     "load_shard",
     "commit",
     "set_metrics",
+    "seal",
     "list_checkpoints",
     "verify",
     "latest_valid",
@@ -73,14 +81,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+LEGACY_VERSIONS = (1,)   # read, without a digest to check
 MANIFEST = "manifest.json"
 CHECKSUM_ALGORITHM = "sha256"
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-step_"
 _DELETING_PREFIX = ".deleting-"
-_MANIFEST_RESERVED = ("format", "version", "step", "time", "checksum", "shards")
+_MANIFEST_RESERVED = ("format", "version", "step", "time", "checksum", "shards", "digest")
 
 
 # --------------------------------------------------------------------------
@@ -143,6 +152,8 @@ def read_manifest(ckpt_path: str | os.PathLike) -> dict:
         raw = p.read_bytes()
     except FileNotFoundError:
         raise CheckpointCorrupt(f"{p}: missing") from None
+    except NotADirectoryError:
+        raise CheckpointCorrupt(f"{ckpt_path}: not a directory") from None
     except OSError as e:
         raise CheckpointCorrupt(f"{p}: unreadable ({e})") from None
     try:
@@ -151,8 +162,9 @@ def read_manifest(ckpt_path: str | os.PathLike) -> dict:
         raise CheckpointCorrupt(f"{p}: garbage ({e})") from None
     if not isinstance(m, dict) or m.get("format") != "crucible-checkpoint":
         raise CheckpointCorrupt(f"{p}: not a crucible checkpoint manifest")
-    if m.get("version") != FORMAT_VERSION:
-        raise CheckpointCorrupt(f"{p}: unsupported manifest version {m.get('version')!r}")
+    version = m.get("version")
+    if isinstance(version, bool) or version not in (FORMAT_VERSION, *LEGACY_VERSIONS):
+        raise CheckpointCorrupt(f"{p}: unsupported manifest version {version!r}")
     shards = m.get("shards")
     if not isinstance(m.get("step"), int) or not isinstance(shards, list):
         raise CheckpointCorrupt(f"{p}: lacks step/shards")
@@ -163,6 +175,27 @@ def read_manifest(ckpt_path: str | os.PathLike) -> dict:
     why = _malformed_extra(m)
     if why:
         raise CheckpointCorrupt(f"{p}: malformed {why}")
+    if version == FORMAT_VERSION and m.get("digest") != _digest(m):
+        why = "does not match its digest (a flipped bit, or edited by hand)" if "digest" in m else "has no digest"
+        raise CheckpointCorrupt(f"{p}: damaged: its content {why}")
+    return m
+
+
+def _digest(m: Mapping[str, Any]) -> str:
+    """The SHA-256 of a manifest but its ``digest``, over its canonical JSON
+    (sorted keys, no spaces): what it was written with and what it parses to
+    give the same, whatever the layout of the file."""
+    body = {k: v for k, v in m.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def seal(manifest: Mapping[str, Any]) -> dict:
+    """``manifest`` as written: of this format version, with its ``digest``
+    (computed on the JSON round trip of the rest: int keys become strings,
+    tuples lists, as a reader sees them)."""
+    m = json.loads(json.dumps({k: v for k, v in manifest.items() if k != "digest"}))
+    m["version"] = FORMAT_VERSION
+    m["digest"] = _digest(m)
     return m
 
 
@@ -208,7 +241,7 @@ def set_metrics(ckpt_path: str | os.PathLike, metrics: Mapping[str, float]) -> N
     merged = dict(m.get("metrics") or {})
     merged.update(metrics)
     m["metrics"] = merged
-    _atomic_write_bytes(Path(ckpt_path) / MANIFEST, json.dumps(m, indent=1).encode("utf-8"))
+    _atomic_write_bytes(Path(ckpt_path) / MANIFEST, json.dumps(seal(m), indent=1).encode("utf-8"))
 
 
 # --------------------------------------------------------------------------
@@ -308,7 +341,7 @@ def _keep_only(tmp: Path, names: set[str]) -> None:
 
 
 def _write_manifest(tmp: Path, manifest: dict) -> None:
-    data = json.dumps(manifest, indent=1, sort_keys=False).encode("utf-8")
+    data = json.dumps(seal(manifest), indent=1, sort_keys=False).encode("utf-8")
     with open(tmp / MANIFEST, "wb") as f:
         f.write(data)
         f.flush()
@@ -339,16 +372,21 @@ def _info_from(path: Path, step: int) -> CkptInfo:
         metrics = _clean_metrics(m.get("metrics"))
     except CheckpointCorrupt:
         # Still a (damaged) committed checkpoint: listed so that ``verify``
-        # can report it and ``latest_valid`` skip it.
-        t, metrics = path.stat().st_mtime, {}
+        # can report it and ``latest_valid`` skip it. (lstat: it may be a
+        # symlink loop where the directory was.)
+        t, metrics = path.lstat().st_mtime, {}
     return CkptInfo(step=step, time=t, path=str(path), metrics=metrics)
 
 
 def list_checkpoints(ckpt_root: str | os.PathLike) -> list[CkptInfo]:
-    """Committed checkpoints (``step_<N>`` directories with a manifest),
-    sorted by step. Temporary and deleting directories are never listed.
-    A checkpoint whose manifest is unreadable is listed (time = directory
-    mtime, no metrics); ``verify`` reports what is wrong with it."""
+    """Committed checkpoints (every ``step_<N>``), sorted by step. Temporary
+    and deleting directories are never listed. A checkpoint whose manifest is
+    unreadable, or missing (the commit renames a directory that holds one:
+    a ``step_<N>`` without it, or that is no directory, lost it since), is
+    listed (time = its mtime, no metrics); ``verify`` reports what is wrong
+    with it, and a resume falls back past it, saying so (skipped unlisted, it
+    was passed over unannounced, and a new save of its step could not
+    commit)."""
     out = []
     try:
         entries = list(os.scandir(Path(ckpt_root)))
@@ -356,13 +394,10 @@ def list_checkpoints(ckpt_root: str | os.PathLike) -> list[CkptInfo]:
         return []
     for entry in entries:
         m = _STEP_RE.match(entry.name)
-        if not m or not entry.is_dir(follow_symlinks=False):
-            continue
-        path = Path(entry.path)
-        if not (path / MANIFEST).is_file():
+        if not m:
             continue
         try:
-            out.append(_info_from(path, int(m.group(1))))
+            out.append(_info_from(Path(entry.path), int(m.group(1))))
         except FileNotFoundError:  # deleted while we looked
             continue
     out.sort(key=lambda c: c.step)
