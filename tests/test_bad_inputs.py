@@ -33,18 +33,19 @@ def job(tmp_path_factory):
         j.kill()
 
 
-def _steps(job) -> int:
-    return job.status()["replicas"][0]["step"]
+def _status(job) -> dict:
+    """The job's status, asked again while a loaded machine makes a call fail."""
+    return job.wait_for(lambda st: st, 30, "the job's status")
 
 
 def assert_still_training(job):
-    before = _steps(job)
+    before = _status(job)["replicas"][0]["step"]
     job.wait_for(lambda st: st["replicas"][0]["step"] > before, 30, "more steps after bad input")
-    assert all(w["state"] == "alive" for w in job.status()["workers"])
+    assert all(w["state"] == "alive" for w in _status(job)["workers"])
 
 
 def _worker_addr(job, stage):
-    return next(w["address"] for w in job.status()["workers"] if w["stage"] == stage)
+    return next(w["address"] for w in _status(job)["workers"] if w["stage"] == stage)
 
 
 def _raw(channel, method, kind="unary_unary"):
@@ -129,7 +130,7 @@ def test_bad_tensors_are_invalid_argument(job, case):
 
 
 def test_impostor_and_stale_streams_are_refused(job):
-    st = job.status()
+    st = _status(job)
     epoch = st["replicas"][0]["epoch"]
     hello = pb.Frame(kind=pb.Frame.HELLO, src_replica=0, src_stage=0, epoch=epoch - 1)
     assert _pipe(job, [hello]).code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -236,7 +237,7 @@ def test_a_call_without_the_workers_secret_is_refused(job):
     a live worker's id gets PERMISSION_DENIED, and the job goes on as if
     nothing was said."""
     md = rpc.metadata(job.token())
-    st = job.status()
+    st = _status(job)
     wid = next(w["worker_id"] for w in st["workers"] if w["stage"] == 1)
     head = next(w["worker_id"] for w in st["workers"] if w["stage"] == 0)
     forged = ['{"event": "replica_done"}', '{"event": "stage_lost", "reason": "forged"}']
@@ -258,7 +259,7 @@ def test_a_call_without_the_workers_secret_is_refused(job):
             assert "without that registration's secret" in e.value.details()
     assert_still_training(job)
     assert not job.events("fault"), job.events("fault")
-    assert not job.events("job_rollback") and job.status()["replicas"][0]["state"] == "training"
+    assert not job.events("job_rollback") and _status(job)["replicas"][0]["state"] == "training"
 
 
 def test_protocol_version_mismatch(job):
@@ -292,7 +293,7 @@ def test_unknown_worker_and_taken_slot(job):
                                              address="127.0.0.1:1"), metadata=md, timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # A real worker's report with a malformed event is refused as a whole.
-        wid = next(w["worker_id"] for w in job.status()["workers"] if w["stage"] == 1)
+        wid = next(w["worker_id"] for w in _status(job)["workers"] if w["stage"] == 1)
         for events in (["not json"], ['{"event": "step", "step": "3"}']):
             with pytest.raises(grpc.RpcError) as e:
                 stub.Report(pb.ReportRequest(worker_id=wid, secret=job.secret(wid), events_json=events),
@@ -336,7 +337,7 @@ def test_a_flood_of_waiting_outer_calls_from_one_worker_holds_no_more_than_its_s
     from crucible.coordinator.outer import MAX_CALLS_PER_WORKER
 
     md = rpc.metadata(job.token())
-    wid = next(w["worker_id"] for w in job.status()["workers"] if w["stage"] == 1)
+    wid = next(w["worker_id"] for w in _status(job)["workers"] if w["stage"] == 1)
     t0 = time.time()
     with rpc.make_channel(job.address()) as ch:
         stub = pbg.CoordinatorStub(ch)
