@@ -188,3 +188,30 @@ def test_checkpoints_on_a_disk_that_fills_up_then_a_resume_is_bitwise_exact(tmp_
         finally:
             job.kill()
         _same_final_state(str(run), reference)
+
+
+@pytest.mark.slow
+def test_a_coordinator_restarted_on_a_full_disk_comes_up_and_the_job_goes_on(tmp_path):
+    """The coordinator SIGKILLed while the run directory's disk is full: the
+    launcher's restart comes up (its incarnation and address written over the
+    old files, in place), the workers go on with it, none evicted, and the
+    job finishes once space is freed. Before, the restart refused the full
+    disk ('its file system is full', exit 2) and the launcher ended the job."""
+    with mounted_tmpfs(tmp_path / "run", "16m") as run:
+        job = Job(run, ["--replicas", "1", "--stages", "2", "--steps", "300"], TINY + ["net.link_mbps=4"])
+        try:
+            job.wait_for(lambda st: st["replicas"][0]["step"] >= 10, 90, "steps")
+            workers = {n: p for n, p in job.pids().items() if n.startswith("r")}
+            filler = fill(run)
+            os.kill(job.pids()["coordinator"], 9)
+            st = job.wait_for(lambda st: st["incarnation"] == 2 and st["write_failures"] and st, 60,
+                              "the restarted coordinator, on the full disk")
+            step = st["replicas"][0]["step"]
+            st = job.wait_for(lambda st: st["replicas"][0]["step"] >= step + 10 and st, 60, "steps after the restart")
+            assert {(f"r{w['replica']}s{w['stage']}", w["state"], w["pid"]) for w in st["workers"]} == \
+                {(n, "alive", p) for n, p in workers.items()}, (st["workers"], workers)
+            os.unlink(filler)
+            assert job.wait(180) == 0, job.output()
+            assert "Traceback" not in job.output().split("--- ")[0], job.output()
+        finally:
+            job.kill()
