@@ -92,6 +92,54 @@ def test_metrics_on_a_full_disk_are_held_said_once_and_written_when_it_has_room(
         "metrics.jsonl written again"], said
 
 
+def test_tensorboard_on_a_full_disk_is_said_once_and_every_point_written_when_it_has_room(tmp_path, caplog):
+    """metrics.tensorboard=true on a disk that fills up: one log line when
+    its files cannot be written, one when they are again, and every point
+    in the event file after, in order. Before, TensorBoard's own writer
+    stopped for good at the first refusal (its thread died; nothing written
+    after space was freed) and each point after logged a traceback."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from crucible.coordinator.tensorboard_sink import TensorBoardSink
+
+    def step(i):
+        return {"event": "step", "replica": 0, "step": i, "loss": 1.0, "lr": 0.1, "step_s": 0.1, "tokens": 5,
+                "time": time.time()}
+
+    caplog.set_level(logging.WARNING)
+    with mounted_tmpfs(tmp_path / "fs", "2m") as fs:
+        sink = TensorBoardSink(fs)
+        try:
+            for i in range(10):
+                sink.observe(step(i))
+            time.sleep(1.5)                     # (written: the sink flushes every second)
+            filler = fill(fs)
+            for i in range(10, 2000):           # (~0.5 MB of records: more than the last page held)
+                sink.observe(step(i))
+                if i % 500 == 0:
+                    time.sleep(0.5)
+            t_end = time.monotonic() + 10
+            while not any("tensorboard" in r.getMessage() for r in caplog.records):     # (its failure said)
+                assert time.monotonic() < t_end, [r.getMessage() for r in caplog.records]
+                time.sleep(0.1)
+            os.unlink(filler)
+            for i in range(2000, 2100):
+                sink.observe(step(i))
+            t_end = time.monotonic() + 5
+            while not any("written again" in r.getMessage() for r in caplog.records) and time.monotonic() < t_end:
+                time.sleep(0.1)
+        finally:
+            sink.close()
+        acc = EventAccumulator(os.path.join(fs, "tensorboard", "r0"))
+        acc.Reload()
+        steps = [e.step for e in acc.Scalars("train/loss")]
+    said = [r.getMessage() for r in caplog.records if "tensorboard" in r.getMessage()]
+    assert said == ["could not write tensorboard/: No space left on device; retried every 1s until it can be",
+                    "tensorboard/ written again"], said[:3] + [f"... {len(said)} lines"]
+    assert steps == list(range(1, 2101)), (len(steps), steps[-3:])
+
+
 def test_a_launch_into_a_full_file_system_is_one_line(tmp_path):
     """A full disk at launch: one line, exit 2, in seconds. A new run
     directory passed the mkdir probe (a folder takes no block) and was refused
