@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import time
 
@@ -159,6 +160,31 @@ def test_a_launch_into_a_full_file_system_is_one_line(tmp_path):
             assert done.returncode == 2 and len(lines) == 1 and "its file system is full" in lines[0], \
                 (args, done.returncode, done.stdout, done.stderr)
             assert time.monotonic() - t0 < 20
+
+
+def test_an_export_that_does_not_fit_is_one_line_and_leaves_nothing(tmp_path):
+    """`crucible export` of a model (3 MB) larger than what its --out's disk has
+    (just over the 1 MiB a start needs): one line, exit 2, no .tmp left nor
+    the folder it made. Before, safetensors' own SafetensorError ('I/O error:
+    No space left on device') ended it on a traceback."""
+    run = str(tmp_path / "run")
+    wide = [o for o in TINY if not o.startswith(("model.d_model", "checkpoint."))] + ["model.d_model=128"]
+    job = Job(run, ["--replicas", "1", "--stages", "2", "--steps", "2"], wide)
+    try:
+        assert job.wait(120) == 0, job.output()
+    finally:
+        job.kill()
+    with mounted_tmpfs(tmp_path / "fs", "4m") as fs:
+        with open(os.path.join(fs, "zz-filler"), "wb") as f:
+            f.write(b"\0" * (shutil.disk_usage(fs).free - (1 << 20) - (64 << 10)))
+        out = os.path.join(fs, "model")
+        done = subprocess.run(crucible_cmd("export", "--out", out, run), cwd=ROOT, env=child_env(),
+                              capture_output=True, text=True, timeout=120)
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stdout, done.stderr)
+        assert lines[0].startswith(f"crucible export: --out {out}: cannot write the export: ") \
+            and "No space left on device" in lines[0], lines
+        assert os.listdir(fs) == ["zz-filler"]
 
 
 @pytest.mark.slow
