@@ -454,7 +454,10 @@ def _check_args(args) -> None:
             raise UsageError(f"--device {args.device!r}: must be cpu, cuda or cuda:N")
     # (launch checks its own, default, run directory: crucible.launch.Launcher)
     if args.cmd in ("check", "coordinator", "status", "kill", "interval") and args.run_dir:
-        problem = dir_problem(args.run_dir, make=args.cmd in ("check", "coordinator"))   # (those two write it)
+        # (check and coordinator write it; a coordinator that continues its predecessor's job, restarted by
+        # the launcher or a scheduler, is not refused for a full disk: it holds what it cannot write yet)
+        problem = dir_problem(args.run_dir, make=args.cmd in ("check", "coordinator"),
+                              room=args.cmd != "coordinator" or args.fresh or args.resume)
         if problem:
             raise UsageError(f"--run-dir {args.run_dir}: {problem}")
 

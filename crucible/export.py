@@ -240,6 +240,7 @@ def export(ckpt: str, out_dir: str, replica: int | None = None, use_global: bool
     from crucible.extras import need
 
     need("safetensors", "crucible export")
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     problem = out_problem(out_dir, force)
@@ -251,6 +252,7 @@ def export(ckpt: str, out_dir: str, replica: int | None = None, use_global: bool
             "seq_len": cfg.train.seq_len, "vocab_size": cfg.model.vocab_size, "source": source,
             "parameters": int(sum(t.numel() for t in tensors.values())), "config": cfg.to_dict()}
     tmp = os.path.join(out_dir, WEIGHTS + ".tmp")
+    made = not os.path.exists(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
@@ -260,13 +262,20 @@ def export(ckpt: str, out_dir: str, replica: int | None = None, use_global: bool
             json.dump(meta, f, indent=1)
         os.replace(tmp, os.path.join(out_dir, WEIGHTS))
         os.replace(os.path.join(out_dir, CONFIG + ".tmp"), os.path.join(out_dir, CONFIG))
-    except OSError as e:        # (a disk that fills, a folder that went away: one line, no .tmp left)
+    except (OSError, SafetensorError) as e:
+        # (a disk that fills, a folder that went away: one line, no .tmp left, nor the folder it made;
+        # safetensors says an I/O error as its own exception: it was a traceback)
         for t in (tmp, os.path.join(out_dir, CONFIG + ".tmp")):
             try:
                 os.unlink(t)
             except OSError:
                 pass
-        raise ExportError(f"--out {out_dir}: cannot write the export: {e.strerror or e}") from None
+        if made:
+            try:
+                os.rmdir(out_dir)
+            except OSError:
+                pass
+        raise ExportError(f"--out {out_dir}: cannot write the export: {getattr(e, 'strerror', None) or e}") from None
     return meta
 
 

@@ -3,7 +3,10 @@ a torn one: write beside it, optionally fsync, rename over it."""
 
 from __future__ import annotations
 
+import errno
 import os
+
+FULL = (errno.ENOSPC, errno.EDQUOT)     # a write refused for want of room
 
 
 def atomic_write(path: str, data: str | bytes, fsync: bool = True, mode: int | None = None) -> None:
@@ -30,6 +33,28 @@ def atomic_write(path: str, data: str | bytes, fsync: bool = True, mode: int | N
         raise
 
 
+def write_even_when_full(path: str, data: str) -> None:
+    """``atomic_write`` for a file of a few bytes that a restarted coordinator
+    must write on a full disk too (its incarnation, its address): where the
+    disk has no room for the new copy, the file there is overwritten in
+    place, in one write within the block it already has (no new one is
+    needed). Never shorter there than before: a number that only grows, an
+    address that stays the same across restarts."""
+    try:
+        atomic_write(path, data)
+    except OSError as e:
+        if e.errno not in FULL or not os.path.exists(path) or len(data.encode()) > 4096:
+            raise
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data.encode(), 0)
+            if os.fstat(fd).st_size > len(data.encode()):
+                os.ftruncate(fd, len(data.encode()))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def lock_held(path: str) -> bool:
     """Another process holds the flock on the file at ``path`` (a running
     job's ``coordinator.lock``). Nothing is made: a missing file is no lock."""
@@ -48,20 +73,21 @@ def lock_held(path: str) -> bool:
     return False
 
 
-def dir_problem(path: str, make: bool = False) -> str | None:
+def dir_problem(path: str, make: bool = False, room: bool = True) -> str | None:
     """Why ``path`` is not a directory and cannot become one (a file is there,
     or at a folder above it), or None: a directory, or a path that
     ``os.makedirs`` can create. With ``make``, also whether the OS lets this
     process create folders there: one folder of a name of its own is made in
     ``path`` (when it exists) or in the deepest folder above it that exists,
-    and removed again (``/proc/x``, a read-only file system). Nothing else is
-    made or removed, so another launch making the same folders at the same
-    time is never undone."""
+    and removed again (``/proc/x``, a read-only file system), and, with
+    ``room``, whether its file system has room. Nothing else is made or
+    removed, so another launch making the same folders at the same time is
+    never undone."""
     p = os.path.abspath(path)
     if os.path.exists(p):
         if not os.path.isdir(p):
             return "not a directory"
-        return _probe(p, "cannot write in it") if make else None
+        return _probe(p, "cannot write in it", room) if make else None
     top = p
     while top != os.path.dirname(top):
         top = os.path.dirname(top)
@@ -69,10 +95,10 @@ def dir_problem(path: str, make: bool = False) -> str | None:
             if not os.path.isdir(top):
                 return f"{top} is not a directory"
             break
-    return _probe(top, "cannot create it") if make else None
+    return _probe(top, "cannot create it", room) if make else None
 
 
-def _probe(folder: str, what: str) -> str | None:
+def _probe(folder: str, what: str, room: bool) -> str | None:
     """Make and remove a folder of this process's own in `folder`: the OS's
     reason when it refuses, else None; or that its file system is full (a
     folder takes no data blocks: on a full disk the probe passed, and the
@@ -86,7 +112,7 @@ def _probe(folder: str, what: str) -> str | None:
         os.rmdir(probe)
     except OSError:
         pass
-    free = free_bytes(folder)
+    free = free_bytes(folder) if room else None
     if free is not None and free < MIN_FREE_BYTES:
         return f"{what}: {folder}: its file system is full ({free // 1024} KiB free)"
     return None

@@ -62,6 +62,15 @@ STARTING_STOP_S = 2.0         # the job is done: a replacement still starting ge
 OOM_KILLED = "out of memory (the kernel's OOM killer killed it; `dmesg` says more)"
 
 
+def _stamp(path: str) -> tuple | None:
+    """What changes when a file is written (a new one, or in place), or None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 class LaunchFailed(Exception):
     """The job cannot go on; the message is the cause to show."""
 
@@ -222,7 +231,12 @@ class Launcher:
 
     def _start_coordinator(self, start: str) -> str:
         addr_file = os.path.join(self.run_dir, "coordinator.addr")
-        if os.path.exists(addr_file):
+        before = None
+        if start == "restart":
+            # (kept: a restart binds the same address and writes it over the old file, in place on a
+            # full disk, where removing it left none to write: up is the file changed)
+            before = _stamp(addr_file)
+        elif os.path.exists(addr_file):
             os.unlink(addr_file)
         if self.coord is None:
             self.coord = Proc("coordinator", self._coordinator_argv(start),
@@ -233,7 +247,7 @@ class Launcher:
         t_end = time.monotonic() + 30
         self.coord.start()
         while time.monotonic() < t_end:
-            if os.path.exists(addr_file):
+            if os.path.exists(addr_file) and (before is None or _stamp(addr_file) != before):
                 with open(addr_file) as f:
                     addr = f.read().strip()
                 if addr:

@@ -211,6 +211,7 @@ class Run:
         self.kills = []                                   # the launcher's --chaos kills
         self.rounds: dict[int, dict] = {}                 # round -> {"time", "bytes"} (coordinator's outer_round)
         self.outer_sent: dict[tuple[int, int], dict] = defaultdict(lambda: {"sent": 0, "dense": 0, "time": 0.0})
+        self.round_steps: dict[int, int] = {}             # round -> the steps done when it was applied (outer)
         self.ended = None                                 # the latest job_done or job_stopped, unless a launch came after
         self._feed = _LedgerFeed()
         first = start = last_start = latest = None        # (time, index, event) of the earliest/latest in time order
@@ -258,6 +259,8 @@ class Run:
                 acc["sent"] += int(e.get("bytes_sent") or 0)
                 acc["dense"] += int(e.get("dense_bytes") or 0)
                 acc["time"] = max(acc["time"], t)
+                if metrics.number(e.get("step")):
+                    self.round_steps.setdefault(e["round"], int(e["step"]) + 1)
             if k in ("job_done", "job_stopped", "coordinator_start") and (latest is None or (t, i) >= latest[:2]):
                 latest = (t, i, e)
             if k == "coordinator_start":
@@ -564,12 +567,20 @@ def _step_marks(run: Run, ax_step) -> None:
         ax_step.plot(ck_steps, [0.0] * len(ck_steps), ls="none", marker=MARKS["checkpoint"][2],
                      color=MARKS["checkpoint"][1], ms=5, transform=ax_step.get_xaxis_transform(), clip_on=False,
                      label="checkpoint (step)", zorder=3)
-    H = (run.config.get("outer") or {}).get("H")
-    last_step = max((float(pts.step.max()) + 1 for pts in run.steps.values() if len(pts)), default=0)
-    if isinstance(H, int) and H > 0 and run.rounds:
-        xs = [H * (n + 1) for n in sorted(run.rounds) if H * (n + 1) <= last_step]
+    xs = outer_round_steps(run)
+    if xs:
         ax_step.plot(xs, [0.97] * len(xs), ls="none", marker="v", color=MARKS["outer"][1], ms=3.5, alpha=0.7,
                      transform=ax_step.get_xaxis_transform(), clip_on=False, label="outer round", zorder=3)
+
+
+def outer_round_steps(run: Run) -> list[int]:
+    """The steps the closed outer rounds came after, as the replicas that
+    applied them said (their ``outer`` events). Not H * (round + 1) with the
+    last launch's H: after a --resume that changed outer.H the rounds go on
+    from the checkpoint's round at the new H's multiples (``ckpt_resume``'s
+    outer_origin), and those markers were at the wrong steps."""
+    last_step = max((float(pts.step.max()) + 1 for pts in run.steps.values() if len(pts)), default=0)
+    return sorted({run.round_steps[n] for n in run.rounds if n in run.round_steps and run.round_steps[n] <= last_step})
 
 
 def _event_strip(run: Run, ax_s) -> dict:

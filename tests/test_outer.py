@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY
-from crucible import rpc
+from crucible import metrics, report, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 
@@ -171,6 +171,9 @@ def test_a_resume_that_changes_H_goes_on_from_the_checkpoints_round(H, start_job
         after = list(range(8 + H - 8 % H, 21, H))              # the new H's multiples after step 8
         assert rounds == [(0, 4), (1, 8)] + [(2 + i, s) for i, s in enumerate(after)], (rounds, job.output())
     assert not job.events("outer_caught_up") and not job.events("outer_skipped"), job.output()
+    # `crucible report`'s markers: at those steps (they were at H * (round + 1) with the last launch's H)
+    run = report.Run(e for e in metrics.every(job.run_dir) if e is not None)
+    assert report.outer_round_steps(run) == [4, 8] + after
 
 
 def test_round_store_marks_what_it_trims_and_a_resume_forgets_the_abandoned_timeline(tmp_path, monkeypatch):

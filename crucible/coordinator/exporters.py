@@ -20,7 +20,7 @@ def start(coord, host: str) -> list:
     if cfg.tensorboard:
         from crucible.coordinator.tensorboard_sink import TensorBoardSink
 
-        out.append(TensorBoardSink(coord.run_dir))
+        out.append(TensorBoardSink(coord.run_dir, coord.write_failures))    # (a full disk: said as the others)
     if cfg.prometheus_port >= 0:
         from crucible.coordinator.prometheus import PrometheusExporter
 

@@ -95,7 +95,7 @@ from crucible.coordinator.membership import Membership, Refused, WorkerInfo, lef
 from crucible.coordinator.outer import OuterRelay
 from crucible.coordinator.persist import LatestFile, MetricsLog, WriteFailures, last_sequence_numbers
 from crucible.coordinator.suspicion import SuspicionBook
-from crucible.files import atomic_write
+from crucible.files import write_even_when_full
 from crucible.slots import slot_name
 from crucible.version import version as crucible_version
 
@@ -257,7 +257,7 @@ class Coordinator:
                 n = int(f.read().strip() or 0) + 1
         except (OSError, ValueError):
             n = 1
-        atomic_write(path, f"{n}\n")
+        write_even_when_full(path, f"{n}\n")     # (a restart on a full disk: the epoch must still grow)
         return n
 
     def _restore(self) -> None:
@@ -323,7 +323,7 @@ class Coordinator:
         if host in ("0.0.0.0", "[::]", ""):
             host = "127.0.0.1"
         adv = self.cfg.net.advertise or f"{host}:{self.port}"
-        atomic_write(os.path.join(self.run_dir, "coordinator.addr"), adv + "\n")
+        write_even_when_full(os.path.join(self.run_dir, "coordinator.addr"), adv + "\n")   # (the launcher waits for it)
         self.metrics.write({"event": "coordinator_start", "address": adv, "incarnation": self.incarnation,
                             "pid": os.getpid(), "replicas": self.cfg.job.replicas, "stages": self.cfg.job.stages,
                             "restored": self.m.restored, "version": crucible_version(), "config": self.cfg.to_dict()})

@@ -1,9 +1,9 @@
 """TensorBoard event files from the coordinator's metrics (``metrics.tensorboard = true``).
 
-The coordinator never imports torch, so this writes through TensorBoard's own
-event-file writer (``tensorboard.summary.writer.event_file_writer``, the one
-``torch.utils.tensorboard.SummaryWriter`` uses) the same records that
-``SummaryWriter.add_scalar`` writes: ``Summary.Value(tag, simple_value)``
+The coordinator never imports torch, so this writes, in TensorBoard's own
+record framing (``tensorboard.summary.writer.record_writer``, what
+``torch.utils.tensorboard.SummaryWriter`` writes through), the same records
+that ``SummaryWriter.add_scalar`` writes: ``Summary.Value(tag, simple_value)``
 events with wall time and step, so TensorBoard shows them as scalars and
 ``EventAccumulator.Scalars(tag)`` reads them back. Layout, one TensorBoard run per
 replica so that the replicas overlay on every chart, plus one for the job::
@@ -19,7 +19,14 @@ replica so that the replicas overlay on every chart, plus one for the job::
 Every point carries the event's wall time; the step is the training step
 (for job-level series without one, the highest replica step seen so far).
 ``tensorboard --logdir RUN_DIR/tensorboard`` shows them, also while the job
-runs: the writers flush every ``FLUSH_S`` seconds.
+runs: the files are written every ``FLUSH_S`` seconds.
+
+A write the disk refuses (full) loses nothing that can wait: each file's
+unwritten bytes are held (a record the disk cut is finished later, never
+written twice: a torn record would end TensorBoard's reading of the file,
+and the writer of ``event_file_writer`` stopped for good at its first error,
+logging a traceback for every point after) and written at the next flush;
+the coordinator's ``WriteFailures`` says so once, and once when written again.
 
 Events reach ``observe`` from the coordinator's handlers (under its lock):
 it only queues them; one thread of this sink writes, so a slow disk never
@@ -33,29 +40,71 @@ import collections
 import logging
 import os
 import threading
+import time
 
+from crucible.coordinator.persist import WriteFailures
 from crucible.ledger import PARTS
 
 log = logging.getLogger("crucible.tensorboard")
 
-FLUSH_S = 2.0
+FLUSH_S = 1.0             # (also how often a refused write is tried again)
 MAX_QUEUE = 100_000
+MAX_HELD_BYTES = 64 << 20     # a file's points the disk has not taken; past it new ones are dropped and counted
 GOODPUT_PARTS = PARTS     # (a worker's own ledger, each goodput event)
 
 
+class _EventFile:
+    """One TensorBoard run's event file, appended by the sink's thread:
+    ``add`` frames a record into ``held`` (through TensorBoard's
+    ``RecordWriter``, which calls ``write``), ``flush`` hands it to the OS."""
+
+    def __init__(self, folder: str, event_pb2):
+        import socket
+
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self.path = os.path.join(folder, f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}"
+                                         f".{os.getpid()}")
+        self.held = bytearray()     # records not yet written
+        self.dropped = 0
+        self._records = RecordWriter(self)
+        self._fd: int | None = None
+        self.add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def add(self, event) -> None:
+        if len(self.held) >= MAX_HELD_BYTES:
+            self.dropped += 1
+            return
+        self._records.write(event.SerializeToString())
+
+    def write(self, record: bytes) -> None:
+        self.held += record
+
+    def flush(self) -> None:
+        """Write what is held; an OSError (a full disk) keeps the rest, to the byte."""
+        if self.held and self._fd is None:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        while self.held:
+            del self.held[:os.write(self._fd, self.held)]
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+
+
 class TensorBoardSink:
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, failures: WriteFailures | None = None):
         from crucible.extras import need
 
         need("tensorboard", "metrics.tensorboard = true")
         from tensorboard.compat.proto import event_pb2, summary_pb2
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self._pb = event_pb2, summary_pb2
-        self._EventFileWriter = EventFileWriter
         self.logdir = os.path.join(run_dir, "tensorboard")
-        os.makedirs(self.logdir, exist_ok=True)
-        self.writers: dict[str, object] = {}
+        self.failures = failures or WriteFailures()
+        self.writers: dict[str, _EventFile] = {}
+        self._flushed_at = 0.0
         self.queue: collections.deque = collections.deque()
         self.dropped = 0
         self.cv = threading.Condition()
@@ -100,18 +149,31 @@ class TensorBoardSink:
                     self._write(ev)
                 except Exception:   # one odd event must not end the sink
                     log.exception("tensorboard: could not write %s", ev.get("event"))
+            if closed or time.monotonic() - self._flushed_at >= FLUSH_S:
+                self._flush()
             if closed:
                 for w in self.writers.values():
                     w.close()
-                if self.dropped:
-                    log.warning("tensorboard: %d events dropped (queue full)", self.dropped)
+                dropped = sum(w.dropped for w in self.writers.values())
+                if self.dropped or dropped:
+                    log.warning("tensorboard: %d events dropped (queue full), %d points (the disk refused them)",
+                                self.dropped, dropped)
                 return
 
-    def _writer(self, run: str):
+    def _flush(self) -> None:
+        self._flushed_at = time.monotonic()
+        try:
+            for w in self.writers.values():
+                w.flush()
+        except OSError as e:
+            self.failures.failed("tensorboard/", e)
+        else:
+            self.failures.written("tensorboard/")
+
+    def _writer(self, run: str) -> _EventFile:
         w = self.writers.get(run)
         if w is None:
-            w = self.writers[run] = self._EventFileWriter(os.path.join(self.logdir, run), max_queue_size=1000,
-                                                          flush_secs=FLUSH_S)
+            w = self.writers[run] = _EventFile(os.path.join(self.logdir, run), self._pb[0])
         return w
 
     def _scalar(self, run: str, tag: str, value, step: int, t: float) -> None:
@@ -119,7 +181,7 @@ class TensorBoardSink:
             return
         event_pb2, summary_pb2 = self._pb
         summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=float(value))])
-        self._writer(run).add_event(event_pb2.Event(wall_time=t, step=int(step), summary=summary))
+        self._writer(run).add(event_pb2.Event(wall_time=t, step=int(step), summary=summary))
 
     def _write(self, ev: dict) -> None:
         kind, t = ev.get("event"), float(ev.get("time") or 0.0)
