@@ -1099,3 +1099,34 @@ def test_a_probe_that_times_out_is_tried_once_more_before_a_worker_is_dead(tmp_p
         assert ", twice) after: stream to successor: down_error" in faults[0]["reason"]
     else:
         assert not faults
+
+
+def test_a_round_whose_file_cannot_be_written_is_tried_again_in_a_while_not_at_once(tmp_path):
+    """On a full disk a sealed round's file fails to write: every waiting call
+    tried again at once, each a temporary file made, written, refused and
+    removed under the lock's handoff, for its whole 20 s (thousands a second).
+    Now a round is tried again after ``WRITE_RETRY_S``, and closes once the
+    disk has room."""
+    import errno
+
+    from crucible.coordinator import outer as relay
+
+    c, ids = _coordinator(tmp_path)
+    tries, full = [], threading.Event()
+    full.set()
+    write = c.outer.store.write
+
+    def refusing_write(rnd):
+        tries.append(time.monotonic())
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(rnd)
+    c.outer.store.write = refusing_write
+    try:
+        good = _dense([1.0, 2.0, 3.0, 4.0])
+        threading.Timer(2.5, full.clear).start()
+        out, errors = _exchange_all(c, ids, 0, 0, {0: good, 1: good})
+        assert not errors and list(out[0].contributors) == [0, 1]
+        assert tries[-1] - tries[0] >= 2.0 and len(tries) <= 2.5 / relay.WRITE_RETRY_S + 2, len(tries)
+    finally:
+        c.stop()

@@ -90,6 +90,7 @@ KEEP_CLOSED = 64            # closed rounds kept on disk per stage ...
 KEEP_BYTES = 256 << 20      # ... or fewer, when they would take more than this (at least 4)
 WAIT_S = 20.0               # longest a call waits for its round before the worker asks again
 ROUND_FILE = struct.Struct("<I")   # length of the JSON header that starts a round file
+WRITE_RETRY_S = 1.0         # a round whose file could not be written (a full disk) is tried again after this
 EVENT_FLUSH_S = 5.0         # longest a round waits for its event to reach the metrics file
 LEAD_ROUNDS = 10            # how many rounds past its replica's steps a worker may open one
 AHEAD_POLL_S = 0.5          # a call waiting for its replica's steps looks again (a step wakes it sooner)
@@ -166,6 +167,7 @@ class Round:
     warned: bool = False
     answered: bool = False     # a reply went out: the round can no longer be abandoned
     abandoned: bool = False
+    retry_at: float = 0.0      # (monotonic) its file could not be written: not tried again before this
     logged: int = 0            # the metrics ticket of its event (0: not yet)
 
     def reply(self) -> pb.OuterReply:
@@ -359,8 +361,9 @@ class OuterRelay:
         finally:
             c.cv.acquire()
         rnd.writing = False
-        if not ok:
-            return      # the next waiter tries again (the event is logged once)
+        if not ok:      # a waiter tries again in a while (the event is logged once)
+            rnd.retry_at = time.monotonic() + WRITE_RETRY_S
+            return
         rnd.closed = True
         self.rounds.pop((rnd.stage, rnd.number), None)
         c.cv.notify_all()
@@ -441,7 +444,7 @@ class OuterRelay:
         while not rnd.closed:
             if not context.is_active() or self.c.stopping.is_set() or time.monotonic() > t_end:
                 raise rpc.RpcFault(grpc.StatusCode.UNAVAILABLE, "round still open; ask again")
-            if rnd.sealed and not rnd.writing:
+            if rnd.sealed and not rnd.writing and time.monotonic() >= rnd.retry_at:
                 self._finish(rnd)
                 continue
             self.c.cv.wait(0.5)
