@@ -487,7 +487,8 @@ class Membership:
     def round_step(self, round_no: int, H: int) -> int:
         """The step outer round ``round_no`` follows: every H steps, the round
         after step s numbered ``outer_origin + s // H - 1`` (crucible/worker/outer.py,
-        ``OuterRound``; the origin is 0 but after a --resume that changed H)."""
+        ``OuterRound``; a --resume sets the origin: crucible/coordinator/outer.py,
+        ``outer_origin``)."""
         return (round_no - self.outer_origin + 1) * H
 
     def all_done(self) -> bool:

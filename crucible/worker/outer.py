@@ -251,8 +251,8 @@ class OuterRound:
     contribute to the round of its stage (``ControlClient.outer_exchange``),
     apply what it closed with, and report it. Round numbers follow from the
     step (the round after step s is ``origin + s // H - 1``; the coordinator's
-    ``origin`` is 0 but after a --resume that changed H: the rounds then go
-    on from the checkpoint's, at the new H's multiples, crucible/coordinator/outer.py
+    ``origin``, set at a --resume, makes the rounds go on from the checkpoint's
+    at H's multiples, a changed H's too: crucible/coordinator/outer.py
     ``outer_origin``), so every replica syncs after the same steps; a round this stage
     already has (a replacement that pulled newer global weights) is skipped,
     rounds it missed while it joined its route are applied late first, each
