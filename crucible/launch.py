@@ -88,6 +88,7 @@ class Proc:
         self.exit_code: int | None = None
         self.died_at: float | None = None
         self.started_at = 0.0
+        self.comm: str | None = None        # the kernel's name for it (its OOM killer's log names it so)
         self.restarts = 0
         self.short_lives = 0               # deaths in a row after a short life: the back-off exponent
         self.last_error: tuple[float, str] | None = None   # (when, the one-line cause)
@@ -104,6 +105,7 @@ class Proc:
         log.close()
         self.exit_code, self.died_at, self.restart_at = None, None, None
         self.started_at = time.monotonic()
+        self.comm = procs.comm(self.popen.pid)   # (Popen returns once it has exec'd: the program's name)
 
     def error(self) -> str | None:
         """The one-line cause of an exit by exception, if the process left one."""
@@ -113,7 +115,7 @@ class Proc:
         """Book a death: (its cause, whether it repeats the last one within the
         crash-loop window, the back-off delay before a restart)."""
         err = self.error() if self.exit_code and self.exit_code > 0 else None
-        if self.exit_code == -signal.SIGKILL and procs.oom_killed(self.pid, self.started_at - 1.0):
+        if self.exit_code == -signal.SIGKILL and procs.oom_killed(self.pid, self.started_at - 1.0, self.comm):
             err = OOM_KILLED          # (twice in a row is a crash loop too: it would go on for ever)
         repeated = False
         if err is not None:

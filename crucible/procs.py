@@ -109,6 +109,16 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+def comm(pid: int) -> str | None:
+    """`pid`'s name as the kernel gives it (``/proc/PID/comm``: its program's
+    file name, 15 bytes at most); None if gone or without /proc."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().rstrip("\n") or None
+    except OSError:
+        return None
+
+
 def cmdline(pid: int) -> str | None:
     """`pid`'s command line, its arguments joined by spaces; None if gone or
     unknown. From /proc, else (macOS, BSD) from ``ps``."""
@@ -152,17 +162,20 @@ def started_at(pid: int | None = None) -> float | None:
         return None
 
 
-def oom_killed(pid: int, since: float) -> bool | None:
+def oom_killed(pid: int, since: float, name: str | None = None) -> bool | None:
     """Did the kernel's OOM killer kill `pid` at or after monotonic time
     `since` (the process's start: an older record names an earlier process
     of the same number)? Its log (``/dev/kmsg``, timestamped on the
-    monotonic clock) says ``Killed process PID (name)``. None where that log
-    cannot be read (not root, ``kernel.dmesg_restrict``; not Linux)."""
+    monotonic clock) says ``Killed process PID (name)``; with `name` (the
+    process's ``comm``), that name too: in a container with a PID namespace
+    of its own the log numbers processes as the host does, and another
+    process may have our number there. None where that log cannot be read
+    (not root, ``kernel.dmesg_restrict``; not Linux)."""
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None
-    said = f"Killed process {pid} (".encode()
+    said = f"Killed process {pid} ({name + ')' if name else ''}".encode()
     try:
         while True:
             try:

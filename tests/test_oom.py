@@ -94,6 +94,8 @@ def test_oom_killed_tells_an_oom_kill_from_a_sigkill(memcap):
         other.kill()
         assert other.wait(30) == -signal.SIGKILL
         assert procs.oom_killed(hog.pid, started) is True
+        assert procs.oom_killed(hog.pid, started, os.path.basename(sys.executable)[:15]) is True
+        assert procs.oom_killed(hog.pid, started, "another") is False      # (a host's process of that number)
         assert procs.oom_killed(other.pid, started) is False
         assert procs.oom_killed(hog.pid, time.monotonic()) is False      # an earlier process of that number
     finally:
