@@ -123,9 +123,12 @@ MIN_FREE_BYTES = 1 << 20    # a run directory's first files (token, state, logs,
 
 def free_bytes(path: str) -> int | None:
     """Bytes this process may still write on the file system of ``path``
-    (root may use the blocks reserved for it), or None where it cannot tell."""
+    (root may use the blocks reserved for it), or None where it cannot tell
+    (a FUSE file system that does not implement statfs says 0 blocks in all)."""
     try:
         st = os.statvfs(path)
     except OSError:
+        return None
+    if st.f_blocks == 0:
         return None
     return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize

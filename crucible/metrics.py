@@ -424,11 +424,28 @@ def size(run_dir_or_path: str) -> int:
         return 0
 
 
+def open_for_append(path: str) -> int:
+    """The log opened to append lines to (a file descriptor). A line cut off
+    by a writer that gave up (a full disk, then its end) is ended first, with
+    a newline of its own: the next line glued to it was lost too."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            with open(path, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    os.write(fd, b"\n")
+    except OSError:
+        pass            # (the writes that follow say what is wrong)
+    return fd
+
+
 def append_event(run_dir: str, event: dict) -> None:
     """One line appended by a writer other than the coordinator."""
     event.setdefault("time", time.time())
     line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode()
-    fd = os.open(os.path.join(run_dir, FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_for_append(os.path.join(run_dir, FILE))
     try:
         os.write(fd, line)
     finally:

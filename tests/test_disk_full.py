@@ -333,3 +333,19 @@ def test_a_commit_whose_manifest_does_not_fit_aborts_and_the_next_save_commits(t
             assert len(said) == 1 and "No space left on device" in said[0], job.output()
         finally:
             job.kill()
+
+
+def test_a_file_system_that_tells_no_sizes_is_not_taken_for_a_full_one(tmp_path, monkeypatch):
+    """A FUSE file system that does not implement statfs says 0 blocks in all
+    and 0 free: every command that checks for room refused it as full."""
+    from crucible import files
+
+    real = os.statvfs
+
+    class NoSizes:
+        def __init__(self, st):
+            self.f_frsize, self.f_blocks, self.f_bfree, self.f_bavail = st.f_frsize, 0, 0, 0
+
+    monkeypatch.setattr(os, "statvfs", lambda p: NoSizes(real(p)))
+    assert files.free_bytes(str(tmp_path)) is None
+    assert files.dir_problem(str(tmp_path / "run"), make=True) is None

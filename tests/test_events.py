@@ -74,3 +74,21 @@ def test_the_step_events_time_split_is_documented_field_by_field():
     named = set(re.findall(r"[a-z_]+", KINDS["step"]))
     assert fields - named == set(), f"fields of step/stage_step not in crucible/events.py: {fields - named}"
     assert set(STAGE_FIELDS) <= fields and "serialize_cpu_s" in STAGE_FIELDS
+
+
+def test_a_line_cut_off_in_the_log_is_ended_before_the_next_writer_appends(tmp_path):
+    """A coordinator that gave up on a full disk mid-line left the log without
+    its last newline: the next writer's line (the launcher's launch_start, the
+    next coordinator's coordinator_start) was glued to it, and both were lost."""
+    from crucible import metrics
+    from crucible.coordinator.persist import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"event":"step","step":1}\n{"event":"st')
+    metrics.append_event(str(tmp_path), {"event": "launch_start"})
+    log = MetricsLog(str(path))
+    path.write_bytes(path.read_bytes() + b'{"event":"ou')       # (cut again, with the log open: its next open ends it)
+    log.close()
+    MetricsLog(str(path)).close()
+    metrics.append_event(str(tmp_path), {"event": "job_done"})
+    assert [e["event"] for e in metrics.read_events(str(tmp_path))] == ["step", "launch_start", "job_done"]

@@ -117,7 +117,7 @@ from crucible.checkpoint.policies import (AnySavePolicy, DecisionContext, EndOfJ
 from crucible.config import CheckpointConfig, Config, changes as config_changes
 from crucible.coordinator.membership import Membership, Refused
 from crucible.coordinator.outer import outer_origin
-from crucible.metrics import each
+from crucible.metrics import Unreadable, each
 from crucible.slots import slot_name
 
 log = logging.getLogger("crucible.checkpoints")
@@ -270,13 +270,16 @@ class CheckpointManager:
         restarted by the launcher, or a ``--resume``), from the run's log, before
         this coordinator writes to it: status counted this process's alone, 0
         again after every restart. (The checkpoint directory holds only what
-        retention kept.)"""
-        for ev in each(self.run_dir, ("ckpt_commit", "ckpt_abort")):
-            if ev["event"] == "ckpt_commit":
-                self.committed += 1
-                self.last_commit_time = ev.get("time")
-            else:
-                self.aborted += 1
+        retention kept.) A log that cannot be read counts none."""
+        try:
+            for ev in each(self.run_dir, ("ckpt_commit", "ckpt_abort")):
+                if ev["event"] == "ckpt_commit":
+                    self.committed += 1
+                    self.last_commit_time = ev.get("time")
+                else:
+                    self.aborted += 1
+        except Unreadable as e:
+            log.warning("earlier saves not counted: %s", e)
 
     def _announce_policy(self) -> None:
         if self.cfg.enable_continuous_checkpointing and self.cfg.checkpoint_period != CheckpointConfig.checkpoint_period:

@@ -31,6 +31,7 @@ import os
 import threading
 import time
 
+from crucible import metrics
 from crucible.files import atomic_write
 from crucible.ledger import Ledgers
 
@@ -72,7 +73,7 @@ class MetricsLog:
     def __init__(self, path: str, failures: WriteFailures | None = None):
         self.path = path
         self.failures = failures or WriteFailures()
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = metrics.open_for_append(path)
         self._held = b""        # bytes of the batch in hand that the file has not taken yet
         self.refused = False    # the file's last write failed (what failed is held, tried again)
         self._q: collections.deque = collections.deque()
@@ -170,10 +171,11 @@ class MetricsLog:
             from crucible.coordinator import exporters
 
             exporters.close(self.exporters)
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        if not self._thread.is_alive():   # (else its next write could land in a file given this fd's number)
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
         if self.dropped:
             log.error("%d metrics events were dropped (the disk did not keep up)", self.dropped)
 
