@@ -335,7 +335,10 @@ class OuterRelay:
         round is on disk but before a queued event was flushed lost that round's
         line for good (its successor serves the round from disk). Killed between
         the two, the successor re-forms the round from the workers' retries and
-        logs it again; the later line is the round that stands."""
+        logs it again; the later line is the round that stands. A log that
+        refuses writes (its disk full, where ``outer/`` may still have room)
+        holds the event and the round goes on without waiting for it: killed
+        then, the coordinator loses that line (training is not held for it)."""
         c = self.c
         rnd.writing = True
         if rnd.abandoned:
