@@ -39,7 +39,7 @@ import torch
 from crucible import devices, exits, procs, rpc, sizing
 from crucible._pb import crucible_pb2 as pb
 from crucible.compress.activations import make_codec
-from crucible.config import Config
+from crucible.config import Config, ConfigError
 from crucible.data import Corpus, eval_batches
 from crucible.health import Health
 from crucible.model import build_stage, tokens_needed
@@ -126,7 +126,7 @@ class Worker:
             return self.exit_code
         except Exception as e:
             self.report_error(e)
-            if isinstance(e, sizing.TooBig):
+            if isinstance(e, ConfigError):       # (sizing.TooBig, control.OtherVersion)
                 self.exit_code = exits.USAGE      # (crucible.cli: a configuration error's status)
             raise
         finally:
