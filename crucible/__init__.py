@@ -9,3 +9,4 @@ PROTOCOL_VERSION = 7    # 2: HELLOs signed per registration (identity), outer ro
                         # 5: and rejoins (RegisterRequest.secret);
                         # 6: stage 0 registers with its corpus (RegisterRequest.corpus);
                         # 7: outer rounds are numbered from RegisterReply.outer_origin
+                        # (tests/test_proto.py pins each version's messages: a change fails it until bumped)

@@ -13,6 +13,70 @@ def test_generated_code_is_fresh():
     assert out.returncode == 0, out.stderr
 
 
+# The wire contract of each protocol version: wire_fingerprint() of the
+# messages, enums and methods its proto/crucible.proto declared. A worker and a
+# coordinator of the same PROTOCOL_VERSION must read each other's messages
+# alike, so a change of the proto changes the fingerprint and fails the test
+# below until PROTOCOL_VERSION is bumped and its fingerprint added here.
+WIRE = {
+    4: "caa6eaf9be29ba04",      # as written at 330d8a2 and f20ded0
+    6: "d2393628db375ace",      # as written at ebce930 (7ef1475 then added RegisterReply.outer_origin as 6)
+    7: "b7d9fa67d0845744",
+}
+
+
+def wire_fingerprint() -> str:
+    """A digest of what the generated proto declares that peers must agree
+    on: each message's fields (number, name, type, label, message or enum
+    type, oneof), enums and RPC methods; not comments, not options."""
+    import hashlib
+
+    from google.protobuf import descriptor_pb2
+
+    from crucible._pb import crucible_pb2 as pb
+
+    fdp = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(fdp)
+    lines = []
+
+    def enum(e, where):
+        lines.append(f"enum {where}{e.name} " + " ".join(f"{v.name}={v.number}" for v in e.value))
+
+    def message(m, where):
+        lines.append(f"message {where}{m.name}")
+        for f in m.field:
+            oneof = f.oneof_index if f.HasField("oneof_index") else ""
+            lines.append(f"  {f.number} {f.name} {f.type} {f.label} {f.type_name} {oneof}")
+        for e in m.enum_type:
+            enum(e, f"{where}{m.name}.")
+        for n in m.nested_type:
+            message(n, f"{where}{m.name}.")
+
+    for m in fdp.message_type:
+        message(m, "")
+    for e in fdp.enum_type:
+        enum(e, "")
+    for s in fdp.service:
+        for r in s.method:
+            lines.append(f"rpc {s.name}.{r.name} {r.input_type} {r.output_type} {r.client_streaming} "
+                         f"{r.server_streaming}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def test_a_change_of_the_wire_bumps_the_protocol_version():
+    """RegisterReply.outer_origin was added under protocol version 6: a worker
+    of the version before it (ebce930) was let into a job of the version after
+    and would number outer rounds without it after a --resume that changed
+    outer.H (it was refused only by a config key it did not know)."""
+    from crucible import PROTOCOL_VERSION
+
+    got = wire_fingerprint()
+    assert WIRE.get(PROTOCOL_VERSION) == got, (
+        f"proto/crucible.proto's messages are {got}, not those of protocol version {PROTOCOL_VERSION} "
+        f"({WIRE.get(PROTOCOL_VERSION)}): bump crucible.PROTOCOL_VERSION and add its fingerprint to WIRE")
+    assert list(WIRE.values()).count(got) == 1
+
+
 def test_control_plane_never_imports_torch():
     code = ("import sys, crucible.cli, crucible.launch, crucible.status, crucible.coordinator.server, "
             "crucible.config, crucible.rpc, crucible.kill; assert 'torch' not in sys.modules, 'torch imported'")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -303,6 +304,84 @@ def test_status_watch_into_a_closed_pipe_exits_quietly(tmp_path):
     finally:
         os.killpg(coord.pid, signal.SIGKILL)
         coord.wait(10)
+
+
+# ---- a worker of another Crucible -------------------------------------------------------------------------------
+
+def _address(run, coord) -> str:
+    """A coordinator's address, once it has written it (bounded)."""
+    t_end = time.monotonic() + 30
+    while not (run / "coordinator.addr").exists() or not (run / "coordinator.addr").read_text().strip():
+        assert time.monotonic() < t_end and coord.poll() is None, "the coordinator did not come up"
+        time.sleep(0.1)
+    return (run / "coordinator.addr").read_text().strip()
+
+
+# A real worker process that speaks the protocol version before this one (an
+# older Crucible, as far as the coordinator's version check can tell).
+_OLDER_WORKER = ("import sys, crucible; crucible.PROTOCOL_VERSION -= 1; from crucible.cli import main; "
+                 "sys.exit(main(sys.argv[1:]))")
+
+
+def test_a_worker_of_another_protocol_version_is_refused_in_one_line(tmp_path):
+    """A worker the coordinator refuses for its protocol version (a job mixing
+    Crucible releases) died of the gRPC error: a traceback, then the line, exit
+    status 1 (a supervisor restarts it, to be refused again). Now the line
+    alone, naming the coordinator and both versions, exit status 2."""
+    from crucible import PROTOCOL_VERSION
+
+    run = tmp_path / "run"
+    coord = subprocess.Popen(crucible_cmd("coordinator", "--run-dir", str(run), "--bind", "127.0.0.1:0", *JOB),
+                             cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        addr = _address(run, coord)
+        env = dict(child_env(), CRUCIBLE_TOKEN=(run / "token").read_text().strip())
+        done = subprocess.run([sys.executable, "-c", _OLDER_WORKER, "worker", "--coordinator", addr, "--replica",
+                               "0", "--stage", "0", "--bind", "127.0.0.1:0"], cwd=ROOT, env=env,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    finally:
+        os.killpg(coord.pid, signal.SIGKILL)
+        coord.wait(10)
+    lines = [x for x in done.stderr.splitlines() if " INFO " not in x]     # (the worker's log lines)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert lines == [f"crucible: the coordinator at {addr} refuses this worker: protocol version "
+                     f"{PROTOCOL_VERSION - 1} does not match the coordinator's {PROTOCOL_VERSION}: run the same "
+                     f"Crucible version everywhere"], done.stderr
+
+
+# A real coordinator whose configuration has a key this code does not know (a
+# later release of the same protocol version, as far as a worker can tell).
+_NEWER_COORDINATOR = ("import json, sys; from crucible import config; plain = config.Config.to_json; "
+                      "config.Config.to_json = lambda self: json.dumps({**json.loads(plain(self)), "
+                      "'train': {**self.to_dict()['train'], 'xyzzy': 1}}, sort_keys=True); "
+                      "from crucible.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_a_worker_given_a_configuration_key_it_does_not_know_says_the_coordinator_sent_it(tmp_path):
+    """A worker of an earlier release than its coordinator's (the same
+    protocol version, a configuration key added since) said only "unknown key
+    'debug.commit_delay_s' (did you mean 'debug.persist_delay_s'?)", as if the
+    user had mistyped it (seen in a job of ebce930's workers under a later
+    coordinator). Now the line says the coordinator sent it, and what to do."""
+    run = tmp_path / "run"
+    coord = subprocess.Popen([sys.executable, "-c", _NEWER_COORDINATOR, "coordinator", "--run-dir", str(run),
+                              "--bind", "127.0.0.1:0", *JOB], cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        addr = _address(run, coord)
+        env = dict(child_env(), CRUCIBLE_TOKEN=(run / "token").read_text().strip())
+        done = subprocess.run(crucible_cmd("worker", "--coordinator", addr, "--replica", "0", "--stage", "0",
+                                           "--bind", "127.0.0.1:0"), cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        os.killpg(coord.pid, signal.SIGKILL)
+        coord.wait(10)
+    lines = [x for x in done.stderr.splitlines() if " INFO " not in x]     # (the worker's log lines)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert lines == [f"crucible: the job's configuration from the coordinator at {addr} does not fit this worker "
+                     f"(unknown key train.xyzzy): run the same Crucible version everywhere"], \
+        done.stderr
 
 
 # ---- cosmetics -----------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ import grpc
 from crucible import PROTOCOL_VERSION, exits, health, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
+from crucible.config import ConfigError
 from crucible.retry import Backoff, retry
 
 log = logging.getLogger("crucible.control")
@@ -102,6 +103,12 @@ class Stopping(Exception):
 
 def _left_unfinished(round_: int) -> Stopping:
     return Stopping(f"outer round {round_} left unfinished: the worker is stopping")
+
+
+class OtherVersion(ConfigError):
+    """The coordinator refuses this worker's protocol version (another Crucible
+    release): one line and exit status 2, as a configuration error (crucible.cli),
+    since no restart of this worker will be let in."""
 
 
 class CoordinatorUnreachable(Exception):
@@ -170,9 +177,11 @@ class ControlClient:
 
         try:
             return retry(once, deadline_s, stop=self.stop)
-        except grpc.RpcError:
+        except grpc.RpcError as e:
             if self.stop.is_set():     # a SIGTERM while the coordinator was out of reach: a stop, not a failure
                 raise Stopping("stopped while the coordinator was out of reach") from None
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and (e.details() or "").startswith("protocol version"):
+                raise OtherVersion(f"the coordinator at {self.address} refuses this worker: {e.details()}") from None
             raise
 
     def job_info(self, replica: int, stage: int, deadline_s: float = 120.0) -> pb.JobInfoReply:

@@ -39,7 +39,7 @@ import torch
 from crucible import devices, exits, procs, rpc, sizing
 from crucible._pb import crucible_pb2 as pb
 from crucible.compress.activations import make_codec
-from crucible.config import Config
+from crucible.config import Config, ConfigError, all_keys
 from crucible.data import Corpus, eval_batches
 from crucible.health import Health
 from crucible.model import build_stage, tokens_needed
@@ -126,7 +126,7 @@ class Worker:
             return self.exit_code
         except Exception as e:
             self.report_error(e)
-            if isinstance(e, sizing.TooBig):
+            if isinstance(e, ConfigError):       # (sizing.TooBig, control.OtherVersion)
                 self.exit_code = exits.USAGE      # (crucible.cli: a configuration error's status)
             raise
         finally:
@@ -154,7 +154,19 @@ class Worker:
         self.phases["job_info"] = time.time()
         if info.replica < 0:
             raise RuntimeError(f"the job at {self.coordinator} has no vacant slot")
-        self.cfg = cfg = Config.from_dict(json.loads(info.config_json))
+        tree = json.loads(info.config_json)
+        try:
+            # A key this worker does not know comes from a coordinator of a later release (of the same
+            # protocol version), not from the user: named as such, with no "did you mean" of a typo.
+            known = set(all_keys())
+            unknown = sorted(f"{section}.{key}" for section, keys in tree.items() if isinstance(keys, dict)
+                             for key in keys if f"{section}.{key}" not in known)
+            if unknown:
+                raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+            self.cfg = cfg = Config.from_dict(tree)
+        except ConfigError as e:
+            raise ConfigError(f"the job's configuration from the coordinator at {self.coordinator} does not "
+                              f"fit this worker ({e}): run the same Crucible version everywhere") from None
         self.replica, self.stage, self.run_dir = info.replica, info.stage, info.run_dir
         self.first = self.stage == 0
         self.name = slot_name(self.replica, self.stage)
