@@ -70,6 +70,30 @@ def kill_group(pgid: int, proc: subprocess.Popen) -> None:
         pass
 
 
+def cgroup_move(pid: int, where: str, v2: bool) -> None:
+    """Put process `pid` in the cgroup folder `where`: on cgroup v2 the
+    process, on v1 each of its threads (v1 moves tasks). A thread or process
+    gone meanwhile is passed over."""
+    if v2:
+        _cgroup_write(os.path.join(where, "cgroup.procs"), str(pid))
+        return
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return
+    for tid in tids:
+        _cgroup_write(os.path.join(where, "tasks"), tid)
+
+
+def _cgroup_write(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:          # (ESRCH for a thread or process that just ended)
+        if e.errno != 3:
+            raise
+
+
 class Job:
     """A `crucible launch` in its own process group."""
 

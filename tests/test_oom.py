@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import TINY
+from conftest import TINY, cgroup_move
 from crucible import procs
 from crucible.launch import OOM_KILLED
 
@@ -50,18 +50,9 @@ class MemCap:
             pytest.skip(f"cannot make a memory-limited cgroup: {e}")
 
     def put(self, pid: int) -> None:
-        """`pid`, all its threads (v1 moves a process by its tasks; its memory
-        so far stays charged where it was, what it allocates next is charged here)."""
-        if self.v2:
-            with open(os.path.join(self.dir, "cgroup.procs"), "w") as f:
-                f.write(str(pid))
-            return
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(os.path.join(self.dir, "tasks"), "w") as f:
-                    f.write(tid)
-            except ProcessLookupError:
-                pass
+        """`pid` in it (its memory so far stays charged where it was; what it
+        allocates next is charged here)."""
+        cgroup_move(pid, self.dir, self.v2)
 
     def close(self) -> None:
         for _ in range(100):        # (a killed process leaves its cgroup once it is reaped)

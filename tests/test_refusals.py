@@ -323,6 +323,31 @@ _OLDER_WORKER = ("import sys, crucible; crucible.PROTOCOL_VERSION -= 1; from cru
                  "sys.exit(main(sys.argv[1:]))")
 
 
+def _worker_against(tmp_path, coordinator: list[str], worker: list[str]) -> tuple[str, subprocess.CompletedProcess]:
+    """A real coordinator (`coordinator`: its command, before its arguments)
+    and a real worker of stage 0 (`worker`: likewise) asking it to register:
+    (its address, the worker's exit)."""
+    run = tmp_path / "run"
+    coord = subprocess.Popen([*coordinator, "coordinator", "--run-dir", str(run), "--bind", "127.0.0.1:0", *JOB],
+                             cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        addr = _address(run, coord)
+        env = dict(child_env(), CRUCIBLE_TOKEN=(run / "token").read_text().strip())
+        done = subprocess.run([*worker, "worker", "--coordinator", addr, "--replica", "0", "--stage", "0",
+                               "--bind", "127.0.0.1:0"], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        os.killpg(coord.pid, signal.SIGKILL)
+        coord.wait(10)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    return addr, done
+
+
+def _said(done: subprocess.CompletedProcess) -> list[str]:
+    return [x for x in done.stderr.splitlines() if " INFO " not in x]     # (the worker's log lines)
+
+
 def test_a_worker_of_another_protocol_version_is_refused_in_one_line(tmp_path):
     """A worker the coordinator refuses for its protocol version (a job mixing
     Crucible releases) died of the gRPC error: a traceback, then the line, exit
@@ -330,24 +355,10 @@ def test_a_worker_of_another_protocol_version_is_refused_in_one_line(tmp_path):
     alone, naming the coordinator and both versions, exit status 2."""
     from crucible import PROTOCOL_VERSION
 
-    run = tmp_path / "run"
-    coord = subprocess.Popen(crucible_cmd("coordinator", "--run-dir", str(run), "--bind", "127.0.0.1:0", *JOB),
-                             cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        addr = _address(run, coord)
-        env = dict(child_env(), CRUCIBLE_TOKEN=(run / "token").read_text().strip())
-        done = subprocess.run([sys.executable, "-c", _OLDER_WORKER, "worker", "--coordinator", addr, "--replica",
-                               "0", "--stage", "0", "--bind", "127.0.0.1:0"], cwd=ROOT, env=env,
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
-    finally:
-        os.killpg(coord.pid, signal.SIGKILL)
-        coord.wait(10)
-    lines = [x for x in done.stderr.splitlines() if " INFO " not in x]     # (the worker's log lines)
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert lines == [f"crucible: the coordinator at {addr} refuses this worker: protocol version "
-                     f"{PROTOCOL_VERSION - 1} does not match the coordinator's {PROTOCOL_VERSION}: run the same "
-                     f"Crucible version everywhere"], done.stderr
+    addr, done = _worker_against(tmp_path, crucible_cmd(), [sys.executable, "-c", _OLDER_WORKER])
+    assert _said(done) == [f"crucible: the coordinator at {addr} refuses this worker: protocol version "
+                           f"{PROTOCOL_VERSION - 1} does not match the coordinator's {PROTOCOL_VERSION}: run the "
+                           f"same Crucible version everywhere"], done.stderr
 
 
 # A real coordinator whose configuration has a key this code does not know (a
@@ -364,24 +375,9 @@ def test_a_worker_given_a_configuration_key_it_does_not_know_says_the_coordinato
     'debug.commit_delay_s' (did you mean 'debug.persist_delay_s'?)", as if the
     user had mistyped it (seen in a job of ebce930's workers under a later
     coordinator). Now the line says the coordinator sent it, and what to do."""
-    run = tmp_path / "run"
-    coord = subprocess.Popen([sys.executable, "-c", _NEWER_COORDINATOR, "coordinator", "--run-dir", str(run),
-                              "--bind", "127.0.0.1:0", *JOB], cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        addr = _address(run, coord)
-        env = dict(child_env(), CRUCIBLE_TOKEN=(run / "token").read_text().strip())
-        done = subprocess.run(crucible_cmd("worker", "--coordinator", addr, "--replica", "0", "--stage", "0",
-                                           "--bind", "127.0.0.1:0"), cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=60)
-    finally:
-        os.killpg(coord.pid, signal.SIGKILL)
-        coord.wait(10)
-    lines = [x for x in done.stderr.splitlines() if " INFO " not in x]     # (the worker's log lines)
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert lines == [f"crucible: the job's configuration from the coordinator at {addr} does not fit this worker "
-                     f"(unknown key train.xyzzy): run the same Crucible version everywhere"], \
-        done.stderr
+    addr, done = _worker_against(tmp_path, [sys.executable, "-c", _NEWER_COORDINATOR], crucible_cmd())
+    assert _said(done) == [f"crucible: the job's configuration from the coordinator at {addr} does not fit this "
+                           f"worker (unknown key train.xyzzy): run the same Crucible version everywhere"], done.stderr
 
 
 # ---- cosmetics -----------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import TINY
+from conftest import TINY, cgroup_move
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +56,14 @@ class CpuCap:
         else:
             _write(os.path.join(self.dir, "cpu.cfs_period_us"), str(period))
             _write(os.path.join(self.dir, "cpu.cfs_quota_us"), str(int(share * period)))
-        self._move(pid, self.dir)
+        cgroup_move(pid, self.dir, self.v2)
 
     def release(self, pid: int) -> None:
         """Back where it came from, every thread (one a capped thread starts
         meanwhile too: moved until none is left), then the cgroup removed."""
         try:
             for _ in range(50):
-                self._move(pid, self.home)
+                cgroup_move(pid, self.home, self.v2)
                 if not self._members():
                     break
                 time.sleep(0.1)
@@ -93,28 +93,10 @@ class CpuCap:
         except FileNotFoundError:
             return []
 
-    def _move(self, pid: int, where: str) -> None:
-        if self.v2:
-            _write(os.path.join(where, "cgroup.procs"), str(pid), missing_ok=True)
-            return
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except FileNotFoundError:
-            return
-        for tid in tids:
-            _write(os.path.join(where, "tasks"), tid, missing_ok=True)
 
-
-def _write(path: str, text: str, missing_ok: bool = False) -> None:
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-    except ProcessLookupError:
-        if not missing_ok:
-            raise
-    except OSError as e:          # (ESRCH for a thread that just ended)
-        if not missing_ok or e.errno != 3:
-            raise
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def test_a_coordinator_starved_of_cpu_evicts_nobody(start_job):
