@@ -68,6 +68,8 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None,
 
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
+        if os.path.lexists(root):     # (the coordinator makes its folder there: it failed on a traceback)
+            raise CheckFailed(f"{root} is not a directory (the job's checkpoints go there): move it away")
         return
     done = store.list_checkpoints(root)
     if resume and verify and cfg is not None:

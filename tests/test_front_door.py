@@ -696,3 +696,18 @@ def test_temperature_zero_is_greedy(trained):
                            timeout=60) for seed in ("1", "2")]
     assert all(o.returncode == 0 for o in outs), outs[0].stderr
     assert outs[0].stdout == outs[1].stdout     # no randomness: the seed does not matter
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_checkpoints_path_that_is_no_directory_is_refused_before_anything_starts(tmp_path, resume):
+    """``checkpoints`` in the run directory a file (or a link to one): check
+    passed it, and the launch ended with 'the coordinator exited with 1:
+    FileExistsError'."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("not a folder")
+    code, out, secs = _launch(["--run-dir", str(run), "--replicas", "1", "--stages", "2", *SMALL,
+                               *(["--resume"] if resume else [])], child_env())
+    assert code == 1 and secs < 30, out
+    assert f"{run / 'checkpoints'} is not a directory (the job's checkpoints go there): move it away" in out, out
+    assert "Traceback" not in out and "FileExistsError" not in out, out
