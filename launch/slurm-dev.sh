@@ -6,7 +6,7 @@
 #
 #   bash launch/slurm-dev.sh up       # install (once), write the config, start munged, slurmctld, slurmd
 #   bash launch/slurm-dev.sh status   # exit 0 when the node answers and is idle/mixed/allocated
-#   bash launch/slurm-dev.sh down     # stop the daemons this script started (by their pids)
+#   bash launch/slurm-dev.sh down     # cancel its jobs, then stop the daemons this script started (by their pids)
 #
 # Idempotent: `up` on a running cluster does nothing; `down` on a stopped one
 # neither. The config is /etc/slurm/slurm.conf, written only when it is
@@ -159,7 +159,25 @@ stop_one() {   # stop_one NAME: SIGTERM the daemon this script started, SIGKILL 
     rm -f "$f"
 }
 
+drain() {   # cancel every job of this cluster and wait (30 s at most) for slurmd to end their steps:
+            # stopped first, slurmd left them running for ever (a test's workers outlived its run)
+    running slurmctld && running slurmd || return 0
+    local ids
+    ids=$(squeue -h -o %i 2>/dev/null) || return 0
+    [ -n "$ids" ] || return 0
+    # shellcheck disable=SC2086
+    scancel --signal=KILL $ids 2>/dev/null || true
+    # shellcheck disable=SC2086
+    scancel $ids 2>/dev/null || true
+    for _ in $(seq 300); do
+        [ -z "$(squeue -h -o %i 2>/dev/null)" ] && return 0
+        sleep 0.1
+    done
+    echo "slurm-dev: jobs still listed after 30 s: $(squeue -h -o %i | tr '\n' ' ')" >&2
+}
+
 down() {
+    drain
     stop_one slurmd
     stop_one slurmctld
     stop_one munged
