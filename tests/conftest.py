@@ -85,6 +85,20 @@ def cgroup_move(pid: int, where: str, v2: bool) -> None:
         _cgroup_write(os.path.join(where, "tasks"), tid)
 
 
+def cgroup_remove(where: str) -> bool:
+    """Remove the cgroup folder `where`, waiting up to 30 s for its last
+    process to leave (a killed one does once it is reaped): whether it is gone."""
+    for _ in range(300):
+        try:
+            os.rmdir(where)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
 def _cgroup_write(path: str, text: str) -> None:
     try:
         with open(path, "w") as f:

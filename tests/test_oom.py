@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import TINY, cgroup_move
+from conftest import TINY, cgroup_move, cgroup_remove
 from crucible import procs
 from crucible.launch import OOM_KILLED
 
@@ -55,14 +55,7 @@ class MemCap:
         cgroup_move(pid, self.dir, self.v2)
 
     def close(self) -> None:
-        for _ in range(100):        # (a killed process leaves its cgroup once it is reaped)
-            try:
-                os.rmdir(self.dir)
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)
+        assert cgroup_remove(self.dir), f"{self.dir} still holds a process"
 
 
 @pytest.fixture
@@ -112,7 +105,7 @@ def _next_pid(job, name: str, old: int) -> int:
     pytest.fail(f"no new {name} after 30 s:\n{job.output()}")
 
 
-def test_a_worker_killed_for_memory_twice_stops_the_job_in_one_line(start_job, memcap):
+def test_a_worker_killed_for_memory_twice_stops_the_job_in_one_line(memcap, start_job):
     """A SIGKILL is a SIGKILL; a replacement that does not fit its memory
     (moved into the limited cgroup as it starts: the OOM killer takes it while
     it imports) is out of memory, and the next one too stops the job."""

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import TINY, cgroup_move
+from conftest import TINY, cgroup_move, cgroup_remove
 
 pytestmark = pytest.mark.slow
 
@@ -68,15 +68,8 @@ class CpuCap:
                     break
                 time.sleep(0.1)
         finally:
-            for _ in range(50):
-                try:
-                    os.rmdir(self.dir)
-                    return
-                except FileNotFoundError:
-                    return
-                except OSError:
-                    time.sleep(0.1)
-            pytest.fail(f"could not remove {self.dir}: {self._members()} still in it")
+            if not cgroup_remove(self.dir):
+                pytest.fail(f"could not remove {self.dir}: {self._members()} still in it")
 
     def _cgroup_of(self, pid: int) -> str:
         with open(f"/proc/{pid}/cgroup") as f:
