@@ -33,6 +33,14 @@ def atomic_write(path: str, data: str | bytes, fsync: bool = True, mode: int | N
         raise
 
 
+def write_held(fd: int, held: bytearray) -> None:
+    """Write `held` to `fd`, taking what the OS took off its front: on an
+    OSError (a full disk) the rest stays in `held`, to the byte, for the next
+    try (a record the disk cut is finished then, never written twice)."""
+    while held:
+        del held[:os.write(fd, held)]
+
+
 def write_even_when_full(path: str, data: str) -> None:
     """``atomic_write`` for a file of a few bytes that a restarted coordinator
     must write on a full disk too (its incarnation, its address): where the

@@ -32,7 +32,7 @@ import threading
 import time
 
 from crucible import metrics
-from crucible.files import atomic_write
+from crucible.files import atomic_write, write_held
 from crucible.ledger import Ledgers
 
 log = logging.getLogger("crucible.coordinator")
@@ -74,7 +74,7 @@ class MetricsLog:
         self.path = path
         self.failures = failures or WriteFailures()
         self._fd = metrics.open_for_append(path)
-        self._held = b""        # bytes of the batch in hand that the file has not taken yet
+        self._held = bytearray()    # bytes of the batch in hand that the file has not taken yet
         self.refused = False    # the file's last write failed (what failed is held, tried again)
         self._q: collections.deque = collections.deque()
         self._cv = threading.Condition()
@@ -124,7 +124,7 @@ class MetricsLog:
                 self._q.clear()
                 closed = self._closed
             if items:
-                self._held = ("\n".join(line for line, _ in items) + "\n").encode()
+                self._held = bytearray(("\n".join(line for line, _ in items) + "\n").encode())
                 while not self._put():
                     with self._cv:
                         self._cv.wait(RETRY_S)      # (close wakes it: one more try, then what is held is lost)
@@ -144,8 +144,7 @@ class MetricsLog:
         close, given up on). A short write (the disk filled in the middle)
         keeps the rest, so a line is finished later, never repeated."""
         try:
-            while self._held:
-                self._held = self._held[os.write(self._fd, self._held):]
+            write_held(self._fd, self._held)
         except OSError as e:
             self.failures.failed("metrics.jsonl", e)
             with self._cv:
@@ -154,7 +153,7 @@ class MetricsLog:
                 if not self._closed:
                     return False
             log.error("metrics.jsonl: %d bytes of events never written: %s", len(self._held), e)
-            self._held = b""
+            self._held.clear()
             return True
         if self.refused:
             with self._cv:

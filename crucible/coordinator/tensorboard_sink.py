@@ -43,6 +43,7 @@ import threading
 import time
 
 from crucible.coordinator.persist import WriteFailures
+from crucible.files import write_held
 from crucible.ledger import PARTS
 
 log = logging.getLogger("crucible.tensorboard")
@@ -85,8 +86,7 @@ class _EventFile:
         if self.held and self._fd is None:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        while self.held:
-            del self.held[:os.write(self._fd, self.held)]
+        write_held(self._fd, self.held)
 
     def close(self) -> None:
         if self._fd is not None:
