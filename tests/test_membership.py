@@ -1105,11 +1105,11 @@ def test_a_round_whose_file_cannot_be_written_is_tried_again_in_a_while_not_at_o
     """On a full disk a sealed round's file fails to write: every waiting call
     tried again at once, each a temporary file made, written, refused and
     removed under the lock's handoff, for its whole 20 s (thousands a second).
-    Now a round is tried again after ``WRITE_RETRY_S``, and closes once the
+    Now a round is tried again after ``persist.RETRY_S``, as every refused write, and closes once the
     disk has room."""
     import errno
 
-    from crucible.coordinator import outer as relay
+    from crucible.coordinator import persist
 
     c, ids = _coordinator(tmp_path)
     tries, full = [], threading.Event()
@@ -1127,6 +1127,6 @@ def test_a_round_whose_file_cannot_be_written_is_tried_again_in_a_while_not_at_o
         threading.Timer(2.5, full.clear).start()
         out, errors = _exchange_all(c, ids, 0, 0, {0: good, 1: good})
         assert not errors and list(out[0].contributors) == [0, 1]
-        assert tries[-1] - tries[0] >= 2.0 and len(tries) <= 2.5 / relay.WRITE_RETRY_S + 2, len(tries)
+        assert tries[-1] - tries[0] >= 2.0 and len(tries) <= 2.5 / persist.RETRY_S + 2, len(tries)
     finally:
         c.stop()

@@ -77,6 +77,7 @@ import zstandard
 
 from crucible import rpc
 from crucible._pb import crucible_pb2 as pb
+from crucible.coordinator.persist import RETRY_S
 from crucible.files import atomic_write
 from crucible.slots import slot_name
 
@@ -90,7 +91,6 @@ KEEP_CLOSED = 64            # closed rounds kept on disk per stage ...
 KEEP_BYTES = 256 << 20      # ... or fewer, when they would take more than this (at least 4)
 WAIT_S = 20.0               # longest a call waits for its round before the worker asks again
 ROUND_FILE = struct.Struct("<I")   # length of the JSON header that starts a round file
-WRITE_RETRY_S = 1.0         # a round whose file could not be written (a full disk) is tried again after this
 EVENT_FLUSH_S = 5.0         # longest a round waits for its event to reach the metrics file
 LEAD_ROUNDS = 10            # how many rounds past its replica's steps a worker may open one
 AHEAD_POLL_S = 0.5          # a call waiting for its replica's steps looks again (a step wakes it sooner)
@@ -365,7 +365,7 @@ class OuterRelay:
             c.cv.acquire()
         rnd.writing = False
         if not ok:      # a waiter tries again in a while (the event is logged once)
-            rnd.retry_at = time.monotonic() + WRITE_RETRY_S
+            rnd.retry_at = time.monotonic() + RETRY_S
             return
         rnd.closed = True
         self.rounds.pop((rnd.stage, rnd.number), None)
