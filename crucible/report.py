@@ -41,6 +41,7 @@ from crucible.files import atomic_write
 import array
 import bisect
 import html
+import io
 import json
 import math
 import os
@@ -450,7 +451,11 @@ def _plt():
 
 
 def _save(fig, path: str) -> None:
-    fig.savefig(path, dpi=110)
+    """Replaces the figure atomically: a report opened (or re-made by a second
+    ``crucible report``) while this one draws shows the last whole figure."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    atomic_write(path, buf.getvalue(), fsync=False)
     import matplotlib.pyplot as plt
 
     plt.close(fig)

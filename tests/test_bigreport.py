@@ -255,3 +255,33 @@ def test_a_stopped_run_is_reported_stopped_and_a_resumed_one_running(tmp_path):
     resumed = log + [{"event": "coordinator_start", "time": 200.0}]
     assert state(resumed) == "running (or stopped before the end)"
     assert state(resumed + [{"event": "job_done", "time": 300.0}]) == "finished"
+
+
+def test_a_figure_cut_off_mid_write_leaves_the_last_whole_one(tmp_path, monkeypatch):
+    """A figure was written in place: a second ``crucible report`` that failed
+    (or was killed) while it drew left a torn PNG where a whole one had been."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / metrics.FILE).write_text("".join(json.dumps(e) + "\n" for e in [
+        {"event": "coordinator_start", "time": 100.0, "config": {"job": {"replicas": 1, "stages": 2}}},
+        {"event": "step", "time": 101.0, "replica": 0, "step": 0, "loss": 5.0, "step_s": 0.5, "tokens": 64}]))
+    out = tmp_path / "out" / "r.html"
+    report.build(str(run_dir), out=str(out))
+    png = tmp_path / "out" / "report" / "loss.png"
+    whole = png.read_bytes()
+    assert whole.startswith(b"\x89PNG")
+    from matplotlib.figure import Figure
+
+    def torn(self, fname, **kw):          # half a figure reaches the file, then the drawing fails
+        if hasattr(fname, "write"):
+            fname.write(whole[:100])
+        else:
+            with open(fname, "wb") as f:
+                f.write(whole[:100])
+        raise OSError("drawing failed")
+
+    monkeypatch.setattr(Figure, "savefig", torn)
+    with pytest.raises(OSError):
+        report.build(str(run_dir), out=str(out))
+    assert png.read_bytes() == whole
+    assert [p.name for p in png.parent.iterdir() if ".tmp" in p.name] == []
