@@ -98,7 +98,8 @@ KINDS: dict[str, str] = {
     "ckpt_clean": "leftovers of interrupted saves removed at start: removed",
     "ckpt_resume": "--resume chose a checkpoint: step, path, replicas, vacant, changed (this job's configuration "
                    "keys that differ from its own), outer_origin (the outer rounds' numbering from here on: "
-                   "crucible/coordinator/outer.py) (step None: none to resume)",
+                   "crucible/coordinator/outer.py), corpus_unchecked (the checkpoint records no corpus, an older "
+                   "Crucible's: the data read is not checked against it) (step None: none to resume)",
     "ckpt_damaged": "a checkpoint failed verification at --resume: step, path, problems",
     "ckpt_incomplete": "a checkpoint skipped at --resume: a stage has no shard in it: step, stages_missing",
     "ckpt_set_aside": "a checkpoint after the one resumed moved aside: step, path",

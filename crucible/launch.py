@@ -483,6 +483,8 @@ class Launcher:
         if resumed and resumed[-1].get("step") is not None:
             changed = [str(c) for c in resumed[-1].get("changed") or []]
             note = f" (its configuration differed: {', '.join(changed)})"[:400] if changed else ""
+            if resumed[-1].get("corpus_unchecked"):
+                note += " (it records no corpus, an older Crucible wrote it: the data is not checked against it)"
             print(f"crucible: resuming from checkpoint step {resumed[-1]['step']}{note}", flush=True)
         elif resumed:
             print(f"crucible: --resume: no checkpoint in {self.run_dir}: starting from step 0", flush=True)

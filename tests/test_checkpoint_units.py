@@ -507,6 +507,22 @@ def test_the_resume_reads_the_chosen_checkpoints_manifest_once(tmp_path, monkeyp
         assert ("nothing left to train" in caplog.text) == warned, caplog.text
 
 
+def test_a_checkpoint_that_records_no_corpus_is_resumed_saying_so(tmp_path, caplog):
+    """A checkpoint an older Crucible wrote records no corpus: its resume took
+    whatever stage 0 read without a word. It is still taken (refusing would
+    strand every run of that version), and the ckpt_resume event (which the
+    launcher prints) and the coordinator's log say the data is not checked."""
+    c = _coordinator(tmp_path)
+    (step,) = _commit_saves(c, 1)           # (these stand-in shards hold no "data": no corpus recorded)
+    for allow, unchecked in ((False, True), (True, False)):
+        c2 = _coordinator(tmp_path, **{"data.allow_new_corpus": allow})
+        caplog.clear()
+        c2.ckpt.prepare(resume=True)
+        (ev,) = [e for e in c2.metrics.events if e["event"] == "ckpt_resume"]
+        assert ev["step"] == step and ev["corpus_unchecked"] is unchecked
+        assert ("records no corpus" in caplog.text) is unchecked
+
+
 def test_fixed_interval_policy_targets_multiples_of_the_period(tmp_path):
     c = _coordinator(tmp_path, **{"checkpoint.enable_continuous_checkpointing": False,
                                   "checkpoint.checkpoint_period": 25})

@@ -486,3 +486,19 @@ def test_a_sigint_to_the_launcher_alone_is_the_signal_status_names(tmp_path):
     out = subprocess.run(crucible_cmd("status", "--run-dir", str(run_dir)), capture_output=True, text=True,
                          env=child_env(), cwd=ROOT, timeout=60)
     assert "stopped by SIGINT" in out.stderr, out.stderr
+
+
+def test_the_terminal_says_when_a_resumed_checkpoint_records_no_corpus(tmp_path, capsys):
+    """The coordinator's ckpt_resume says a checkpoint records no corpus (an
+    older Crucible's): the launcher's resume line says the data is not checked."""
+    import types
+
+    from crucible import launch, metrics
+
+    for unchecked in (True, False):
+        (tmp_path / metrics.FILE).write_text(json.dumps(
+            {"event": "ckpt_resume", "step": 40, "changed": [], "corpus_unchecked": unchecked}) + "\n")
+        launch.Launcher._say_where_it_resumes(types.SimpleNamespace(run_dir=str(tmp_path)), 0, wait_s=0)
+        out = capsys.readouterr().out
+        assert out.startswith("crucible: resuming from checkpoint step 40"), out
+        assert ("records no corpus" in out) is unchecked, out

@@ -323,13 +323,17 @@ class CheckpointManager:
         self.resume_dir, self.resume_manifest = chosen.path, m
         self.latest_committed_step = chosen.step
         corpus = None if self.job_cfg.data.allow_new_corpus else self._trained_on(chosen, m)
+        unchecked = corpus is None and not self.job_cfg.data.allow_new_corpus
+        if unchecked:   # (written before checkpoints recorded their corpus: whatever stage 0 reads now is taken)
+            log.warning("checkpoint step %d records no corpus (an older Crucible wrote it): the data this job "
+                        "reads is not checked against what it trained on", chosen.step)
         origin = outer_origin(m, chosen.step, self.job_cfg.outer.H)
         with self.cv:
             self.m.resume_at({int(r): int(info.get("step", chosen.step))
                               for r, info in (m.get("replicas") or {}).items()}, corpus=corpus, outer_origin=origin)
         self.metrics.write({"event": "ckpt_resume", "step": chosen.step, "path": chosen.path,
                             "replicas": m.get("replicas"), "vacant": m.get("vacant", []), "changed": changed,
-                            "outer_origin": origin})
+                            "outer_origin": origin, "corpus_unchecked": unchecked})
         log.info("resuming from %s (step %d)", chosen.path, chosen.step)
         done = store.nothing_left(chosen, self.job_cfg.train.steps, m)
         if done:    # (a coordinator started by hand: `launch` and `check` refuse this; here the job ends at once)
