@@ -46,18 +46,21 @@ def write_even_when_full(path: str, data: str) -> None:
     must write on a full disk too (its incarnation, its address): where the
     disk has no room for the new copy, the file there is overwritten in
     place, in one write within the block it already has (no new one is
-    needed). Never shorter there than before: a number that only grows, an
-    address that stays the same across restarts."""
+    needed), then cut to the new length. Not atomic then: a reader between
+    the write and the cut could see old bytes past the new end, which the
+    two files never have: a restart writes the same address, and an
+    incarnation that only grows."""
     try:
         atomic_write(path, data)
     except OSError as e:
-        if e.errno not in FULL or not os.path.exists(path) or len(data.encode()) > 4096:
+        raw = data.encode()
+        if e.errno not in FULL or not os.path.exists(path) or len(raw) > 4096:
             raise
         fd = os.open(path, os.O_WRONLY)
         try:
-            os.pwrite(fd, data.encode(), 0)
-            if os.fstat(fd).st_size > len(data.encode()):
-                os.ftruncate(fd, len(data.encode()))
+            os.pwrite(fd, raw, 0)
+            if os.fstat(fd).st_size > len(raw):
+                os.ftruncate(fd, len(raw))
             os.fsync(fd)
         finally:
             os.close(fd)
