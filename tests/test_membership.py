@@ -602,8 +602,13 @@ def test_a_workers_newer_route_watch_ends_its_older_one(tmp_path):
             assert len(ended) == 29, sorted(ended)       # ended (OK) by the newer ones
             (kept,) = set(range(30)) - ended
             assert updates[kept] and updates[kept][-1] == c.epoch
+            assert list(c._watches) == [wid]
             for w in watches:
                 w.cancel()
+            t_end = time.monotonic() + 10      # (its entry went with its last watch: one per worker ever seen, before)
+            while c._watches and time.monotonic() < t_end:
+                time.sleep(0.1)
+            assert c._watches == {}
     finally:
         c.stop()
 

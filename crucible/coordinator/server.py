@@ -227,7 +227,8 @@ class Coordinator:
         self._probing: set[tuple[int, int]] = set()
         self.backlog: Backlog | None = None      # how late this coordinator reads its beats (started with it)
         self._steps_saved_at = -math.inf
-        self._watches: dict[str, int] = {}     # worker id -> its newest WatchRoutes (the one kept)
+        self._watches: dict[str, int] = {}     # worker id -> its newest WatchRoutes (the one kept), while open
+        self._watch_seq = 0                     # (numbers every watch: an ended one's number is never reused)
         self.links = LinkRates()     # each boundary's throughput, for status
         self.suspicions = SuspicionBook(cfg.job.stages, cfg.fault.suspicion_limit, cfg.fault.suspicion_window_s)
         self._evidence_probe_at: dict[str, float] = {}     # isolated: when each silent worker was last probed
@@ -493,18 +494,24 @@ class Coordinator:
         with self.cv:
             w = self.member(req.worker_id)
             self._own(w, req.secret, "WatchRoutes")
-            mine = self._watches[w.worker_id] = self._watches.get(w.worker_id, 0) + 1
+            self._watch_seq += 1
+            mine = self._watches[w.worker_id] = self._watch_seq
             self.cv.notify_all()
         sent = -1
-        while context.is_active() and not self.stopping.is_set():
+        try:
+            while context.is_active() and not self.stopping.is_set():
+                with self.cv:
+                    if self._watches.get(w.worker_id) != mine:
+                        return
+                    if self.epoch == sent:
+                        self.cv.wait(timeout=1.0)
+                        continue
+                    update, sent = self._route_update(w), self.epoch
+                yield update
+        finally:        # (the newest watch of a worker gone for good: its entry goes too, in a week of replacements)
             with self.cv:
-                if self._watches.get(w.worker_id) != mine:
-                    return
-                if self.epoch == sent:
-                    self.cv.wait(timeout=1.0)
-                    continue
-                update, sent = self._route_update(w), self.epoch
-            yield update
+                if self._watches.get(w.worker_id) == mine:
+                    del self._watches[w.worker_id]
 
     def Report(self, req: pb.ReportRequest, context) -> pb.ReportReply:
         if len(req.events_json) > MAX_EVENTS_PER_REPORT:
