@@ -321,6 +321,17 @@ def test_a_job_that_can_never_start_is_one_line_from_up(tmp_path, monkeypatch):
     sup.tick(now=2.0)
     assert len(said) == 3 and said[0].startswith("coordinator: job 101 may never start as asked: pending for "
                                                  "PartitionConfig"), said
+    # `up --foreground` said job 101 already: its supervisor does not say it again
+    said.clear()
+    sup = slurm.Supervisor(run, say=said.append, told={101})
+    sup.tick(now=1.0)
+    assert [m.split(":")[0] for m in said] == ["r0s0", "r0s1"] and sup.told == {101, 102, 103}, said
+    # a job gone from the queue is forgotten (a week of resubmissions kept every one)
+    gone = json.dumps({"jobs": json.loads(squeue)["jobs"][:1]})
+    monkeypatch.setattr(slurm, "query_jobs", lambda names: slurm.parse_squeue_json(gone))
+    monkeypatch.setattr(slurm, "submit", lambda run, slot, start: 200 + len(said))
+    sup.tick(now=2.0)
+    assert sup.told == {101}, sup.told
 
 
 def test_status_says_why_the_coordinator_shows_no_job(tmp_path):

@@ -423,7 +423,7 @@ def has_checkpoint(run_dir: str) -> bool:
 # ---- the supervisor -------------------------------------------------------------------------------
 
 class Supervisor:
-    def __init__(self, run: SlurmRun, say=None):
+    def __init__(self, run: SlurmRun, say=None, told: set[int] | None = None):
         self.run = run
         self.say = say or (lambda msg: print(f"{time.strftime('%H:%M:%S')} crucible slurm: {msg}", flush=True))
         self.finished = False
@@ -433,7 +433,7 @@ class Supervisor:
         self._status_client = None
         self._status_addr = ""
         self.clock = procs.SteadyClock()    # (resubmission delays, the stuck check: no wall-clock step moves them)
-        self.told: set[int] = set()         # jobs said to be unable to start
+        self.told: set[int] = set(told or ())   # jobs said to be unable to start (by `up`, too), while queued
         self.held_since: dict[tuple[int, int], float] = {}   # (job, restarts) -> when first seen held
 
     def stopping(self) -> bool:
@@ -512,6 +512,9 @@ class Supervisor:
                     run_cmd(["scontrol", "update", f"jobid={info.job_id}", "StartTime=now"])
                 except SlurmError as e:
                     log.debug("releasing requeued job %s: %s", info.job_id, e)
+        # (what is known of jobs no longer queued goes: a supervisor of a week's resubmissions kept it all)
+        self.told &= set(jobs)
+        self.held_since = {k: t for k, t in self.held_since.items() if k[0] in jobs}
         if not (self.finished or self.stopping()):
             self._check_stuck(jobs, now)
             running_workers = any(jobs.get(run.slots[s].job_id) is not None
@@ -717,8 +720,8 @@ def cmd_up(args) -> int:
               f"{j.never_starts}, or the nodes it needs are down); `crucible slurm down --run-dir "
               f"{shlex.quote(args.run_dir)}`, then `up` with other options, unless that passes", file=sys.stderr,
               flush=True)
-    if args.foreground:
-        return Supervisor(run).loop()
+    if args.foreground:     # (the jobs said above are not said again)
+        return Supervisor(run, told={j.job_id for j in never}).loop()
     sup_log = os.path.join(run_dir, "logs", "slurm-supervisor.log")
     with open(sup_log, "ab") as out:
         p = subprocess.Popen([sys.executable, "-m", "crucible", "slurm", "supervise", "--run-dir", run_dir],
