@@ -129,7 +129,7 @@ def cmd_verify(args) -> int:
         print(json.dumps({"root": str(root), "checkpoints": results, "resume_step": usable,
                           "deleted_meanwhile": deleted}, indent=1))
     else:
-        if not results:
+        if not results and not deleted:
             print(f"no committed checkpoint in {root}")
         for r in results:
             if r["problems"]:
@@ -192,11 +192,17 @@ def cmd_inspect(args) -> int:
     try:
         m = store.read_manifest(one)
     except store.CheckpointCorrupt as e:
-        print(f"{one}: {e}")
+        print(f"{one}: deleted by the job's preservation policy while being inspected" if not os.path.lexists(one)
+              else f"{one}: {e}")
         return 1
     shards = []
     for s in m["shards"]:
         shards.append({**s, **_shard_header(one / s["name"])})
+    if any("error" in s for s in shards) and not os.path.lexists(one):
+        # (a running job's preservation policy deleted it between the manifest and a shard: half an
+        # inspection was printed, each shard it missed "No such file", exit 0)
+        print(f"{one}: deleted by the job's preservation policy while being inspected", file=sys.stderr)
+        return 1
     if args.json:
         m = dict(m)
         m["shards"] = shards

@@ -369,7 +369,7 @@ def _coordinator(args) -> int:
         return exits.ERROR
     except rpc.BindError as e:   # (a port in use: a usage error naming the flag)
         raise UsageError(f"--bind {e}") from None
-    except ConfigError:          # (metrics.prometheus_port in use: one line naming the key, exit status 2)
+    except (ConfigError, UsageError):   # (metrics.prometheus_port in use, checkpoints/ another job's: one line, exit 2)
         raise
     except Exception as e:  # noqa: BLE001
         return _fatal("coordinator", e)

@@ -121,7 +121,7 @@ def checkpoint_state(ckpt: str, replica: int | None = None, use_global: bool = F
     try:
         manifest = store.read_manifest(path)
     except store.CheckpointCorrupt as e:
-        raise ExportError(str(e)) from None
+        raise ExportError(_gone(path) or str(e)) from None
     if not isinstance(manifest.get("config"), dict):
         raise ExportError(f"{path}/{store.MANIFEST} has no job configuration (written by an older Crucible)")
     cfg = Config.from_dict(manifest["config"], validate=False)
@@ -166,10 +166,20 @@ def _load(path: Path, name: str) -> dict:
         sd = store.load_shard(path, name)
     except (store.CheckpointCorrupt, OSError) as e:
         # (CheckpointCorrupt names the file itself)
-        raise ExportError(str(e) if str(path) in str(e) else f"{path}/{name}: {e}") from None
+        raise ExportError(_gone(path) or (str(e) if str(path) in str(e) else f"{path}/{name}: {e}")) from None
     if not isinstance(sd.get("model"), dict):
         raise ExportError(f"{path}/{name}: not a worker state (no model)")
     return sd
+
+
+def _gone(path: Path) -> str | None:
+    """The line for a checkpoint that a running job's preservation policy
+    deleted while it was read (its files then read as missing, which is no
+    damage), or None while it is there."""
+    if os.path.lexists(path):
+        return None
+    return (f"{path}: deleted by the job's preservation policy while being read; nothing was written "
+            f"(give the run directory for its newest checkpoint)")
 
 
 def _global_state(cfg: Config, stage: int, sd: dict) -> dict:

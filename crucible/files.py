@@ -84,6 +84,44 @@ def lock_held(path: str) -> bool:
     return False
 
 
+CKPT_LOCK = ".lock"     # in checkpoints/: held by the one job that writes there (take_lock)
+
+
+def take_lock(path: str, owner: str):
+    """Hold the flock on ``path`` (made when missing) and write ``owner`` into
+    it, for ``lock_owner`` to name; the open file, which holds the lock until
+    it is closed or this process ends. BlockingIOError when another process
+    holds it."""
+    import fcntl
+
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        f.close()
+        raise
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(owner + "\n")
+        f.flush()
+    except OSError:
+        pass          # (a full disk: the lock holds all the same; a refusal then names no owner)
+    return f
+
+
+def lock_owner(path: str) -> str | None:
+    """What the process holding the flock on ``path`` wrote there (``take_lock``;
+    "" where it wrote nothing), or None when nobody holds it."""
+    if not lock_held(path):
+        return None
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
 def dir_problem(path: str, make: bool = False, room: bool = True) -> str | None:
     """Why ``path`` is not a directory and cannot become one (a file is there,
     or at a folder above it), or None: a directory, or a path that

@@ -46,7 +46,7 @@ import time
 
 from crucible import exits, extras, metrics, procs, rpc, sizing
 from crucible.config import Config
-from crucible.files import atomic_write, dir_problem, lock_held
+from crucible.files import CKPT_LOCK, atomic_write, dir_problem, lock_held, lock_owner, take_lock
 from crucible.slots import slot_name, slot_of
 
 CRASH_LOOP_WINDOW_S = 120.0   # the same error twice within this: the job stops
@@ -155,6 +155,11 @@ class Launcher:
             # removed its coordinator.addr, so that `crucible status` lost it, before it was refused)
             raise exits.UsageError(f"--run-dir {args.run_dir or self.run_dir}: a job is running there (its "
                                    f"coordinator holds coordinator.lock); let it end, or choose another --run-dir")
+        owner = lock_owner(os.path.join(self.run_dir, "checkpoints", CKPT_LOCK))
+        if owner is not None:
+            # (checkpoints/ a symlink to another run's: its resume, retention and clean-up deleted
+            # the running job's checkpoints and saves in flight, and the job's retention its own)
+            raise exits.UsageError(self._checkpoints_in_use(owner))
         delay = getattr(args, "respawn_delay", procs.RESPAWN_DELAY_S)
         if delay is not None and not math.isfinite(delay):
             raise exits.UsageError(f"--respawn-delay {delay:g}: must be a finite number of seconds "
@@ -196,6 +201,7 @@ class Launcher:
         self.mps = None                   # crucible.mps.Mps, with job.mps=on
         self.mps_warned = False           # (its daemon's death, said once)
         self.launch_lock = None           # launch.lock, held while this launcher lives (_hold_launch_lock)
+        self.ckpt_lock = None             # checkpoints/.lock, likewise (_hold_checkpoints_lock)
 
     # ---- processes ------------------------------------------------------
 
@@ -380,6 +386,36 @@ class Launcher:
         except OSError as e:        # (metrics.jsonl a folder, not writable: the coordinator could not log either)
             raise exits.UsageError(f"--run-dir {where}: {e.filename or metrics.FILE}: {e.strerror or e}") from None
 
+    def _hold_checkpoints_lock(self) -> None:
+        """Take checkpoints/.lock (files.CKPT_LOCK) for as long as this launcher
+        lives, naming this launcher and its run directory in it: checkpoints/
+        may be shared with another run (a symlink), and two jobs saving,
+        pruning and cleaning one folder delete each other's checkpoints. Held
+        here, not only by the coordinator, so that no other job takes it while
+        ours is restarted; our coordinator finds it held by its launcher."""
+        where = self.args.run_dir or self.run_dir
+        path = os.path.join(self.run_dir, "checkpoints", CKPT_LOCK)
+        if self.ckpt_lock is not None:
+            return
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.ckpt_lock = take_lock(path, f"{os.getpid()} {self.run_dir}")
+        except BlockingIOError:
+            raise exits.UsageError(self._checkpoints_in_use(lock_owner(path) or "")) from None
+        except OSError as e:
+            raise exits.UsageError(f"--run-dir {where}: {e.strerror or e} ({e.filename})") from None
+
+    def _checkpoints_in_use(self, owner: str) -> str:
+        """The refusal of a run whose checkpoints/ another job holds (``owner``:
+        what its holder wrote in the lock: "pid run_dir")."""
+        root = os.path.join(self.run_dir, "checkpoints")
+        real = os.path.realpath(root)
+        other = owner.partition(" ")[2]
+        return (f"--run-dir {self.args.run_dir or self.run_dir}: its checkpoints/ "
+                f"{'(' + real + ') ' if real != root else ''}is in use by "
+                f"{'the job in ' + other if other else 'another job'} (it holds checkpoints/{CKPT_LOCK}); "
+                f"let it end, or give each run a checkpoints/ of its own")
+
     def run(self) -> int:
         if os.path.isdir(self.run_dir):    # (a new one holds no earlier job for status to misread yet)
             self._hold_launch_lock()
@@ -392,6 +428,7 @@ class Launcher:
             print(f"crucible: --run-dir {self.run_dir}: {e.strerror or e} ({e.filename})", file=sys.stderr)
             return exits.USAGE
         self._hold_launch_lock()
+        self._hold_checkpoints_lock()      # (after the pre-flight: a refused launch leaves checkpoints/ as it was)
         self.token = rpc.read_token(self.run_dir) if self.args.resume else ""
         if not self.token:
             self.token = os.environ.get(rpc.TOKEN_ENV) or rpc.new_token()

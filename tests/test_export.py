@@ -297,3 +297,40 @@ def test_export_of_a_run_passes_over_damaged_checkpoints_as_resume_does(tmp_path
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"crucible export: {run}: none of the 3 checkpoint(s) in {root} verifies (newest, step 30: "
                           f"damaged: r0s1.shard: "), err
+
+
+def test_a_checkpoint_its_job_deletes_while_it_is_read_is_said_gone_not_damaged(tmp_path, capsys, monkeypatch):
+    """A running job's preservation policy deleting a checkpoint (store.delete)
+    while `crucible export`, `sample` or `ckpt inspect` read it (found with the
+    real commands against a live job, a shard's open held back with strace):
+    export and sample said `.../r0s1.shard: unreadable ([Errno 2] No such file
+    or directory ...)`, as if it were damaged, and inspect printed half an
+    inspection, each shard it missed `No such file`, with exit status 0. Now
+    one line that the job deleted it, a non-zero exit, nothing written."""
+    from crucible.checkpoint import shard
+
+    run = tmp_path / "run"
+    _checkpoints(run)
+    root = str(run / "checkpoints")
+    real = shard.read_header
+    doomed = []
+
+    def read_header(*a, **k):          # the first shard's header read: the job deletes the checkpoint
+        got = real(*a, **k)
+        while doomed:
+            store.delete(doomed.pop())
+        return got
+
+    monkeypatch.setattr(shard, "read_header", read_header)
+    gone = "deleted by the job's preservation policy while being"
+    for step, args in ((30, ("export", "--out", str(tmp_path / "out"))), (20, ("sample", "--tokens", "3")),
+                       (10, ("ckpt", "inspect"))):
+        path = str(store.step_dir(root, step))
+        doomed.append(path)
+        argv = [*args[:-2], path, *args[-2:]] if args[0] == "export" else [*args, path] if args[0] == "ckpt" \
+            else [args[0], path, *args[1:]]
+        code, out, err = _cli(capsys, *argv)
+        lines = (out + err).splitlines()
+        assert code != 0 and len(lines) == 1 and gone in lines[0] and path in lines[0], (argv, code, out, err)
+        assert not doomed and not os.path.lexists(path)
+    assert not (tmp_path / "out").exists()

@@ -15,11 +15,12 @@ import time
 
 import pytest
 
-from conftest import ROOT, child_env, crucible_cmd, tree_digest
+from conftest import ROOT, child_env, crucible_cmd, kill_group, run_bounded, tree_digest
 
 JOB = ["--replicas", "1", "--stages", "2", "--steps", "3"]
 SMALL = JOB + ["model.preset=small", "data.max_bytes=2000000"]
 CANNOT_MAKE = "/proc/crucible-test/run"     # /proc refuses a new folder, to root too
+LOCK = os.path.join("checkpoints", ".lock")  # the job's lock on its checkpoints/ (not a checkpoint)
 
 
 def _run(*args: str, env: dict | None = None, timeout: float = 60) -> tuple[int, list[str], str]:
@@ -84,6 +85,45 @@ def test_a_launch_while_another_launch_starts_there_is_refused_and_changes_nothi
                         f"crucible: --run-dir {run}: another `crucible launch` runs there (it holds "
                         f"launch.lock: its coordinator is starting or restarting); let it end, or choose "
                         f"another --run-dir")
+
+
+def test_a_run_whose_checkpoints_another_job_holds_is_refused_and_changes_nothing(tmp_path):
+    """checkpoints/ a symlink to a running job's (storage shared by two runs):
+    a launch there, --resume or not, ran a second job in the same folder: it
+    removed the first job's save in flight, resumed from its checkpoints,
+    and each job's retention then deleted the other's checkpoints (the second
+    job's workers died loading one the first had deleted). Now refused in one
+    line naming the job that holds the folder, exit 2; its files untouched;
+    a coordinator started alone there likewise."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    coord = subprocess.Popen(crucible_cmd("coordinator", "--run-dir", str(a), "--bind", "127.0.0.1:0", *JOB),
+                             cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        t_end = time.monotonic() + 30
+        while not (a / "coordinator.addr").exists() or not (a / "coordinator.addr").read_text().strip():
+            assert time.monotonic() < t_end and coord.poll() is None, "the coordinator did not come up"
+            time.sleep(0.1)
+        flight = a / "checkpoints" / ".tmp-step_00000005"      # the job's save in flight
+        flight.mkdir()
+        (flight / "r0s0.shard").write_bytes(b"x" * 100)
+        before = tree_digest(a / "checkpoints")
+        b.mkdir()
+        (b / "checkpoints").symlink_to(a / "checkpoints")
+        held = (f"crucible: --run-dir {b}: its checkpoints/ ({os.path.realpath(a / 'checkpoints')}) is in use by "
+                f"the job in {a} (it holds checkpoints/.lock)")
+        for extra in ([], ["--resume"], ["--no-check", "--resume"]):
+            code, out, _, _ = run_bounded(crucible_cmd("launch", "--run-dir", str(b), *extra, *JOB), 40,
+                                          stderr=subprocess.STDOUT)
+            assert code == 2 and out.splitlines() == [f"{held}; let it end, or give each run a checkpoints/ of "
+                                                      f"its own"], (extra, code, out)
+            assert tree_digest(a / "checkpoints") == before
+        code, out, _, _ = run_bounded(crucible_cmd("coordinator", "--run-dir", str(b), "--resume", *JOB), 40,
+                                      stderr=subprocess.STDOUT)
+        assert code == 2 and out.splitlines()[-1] == held and "Traceback" not in out, out
+        assert tree_digest(a / "checkpoints") == before and coord.poll() is None
+    finally:
+        kill_group(coord.pid, coord)
 
 
 # ---- a run directory that cannot be made (was a traceback after the pre-flight, or `check passed`) ----------
@@ -264,7 +304,7 @@ def test_resume_over_damaged_checkpoints_fails_the_check_with_the_coordinators_l
     # launch: the coordinator's line, nothing moved
     code, lines, out = _run("launch", "--run-dir", str(run), "--resume", *SMALL)
     assert code == 1 and f"the coordinator exited with 1: {want}" in out and "CannotResume" not in out, out
-    assert {k: v for k, v in tree_digest(run).items() if k.startswith("checkpoints")} == before
+    assert {k: v for k, v in tree_digest(run).items() if k.startswith("checkpoints") and k != LOCK} == before
     # the coordinator alone (what `launch --no-check` shows): the line, no class path
     code, lines, out = _run("coordinator", "--run-dir", str(run), "--resume", *SMALL)
     assert code == 1 and lines[-1].startswith(f"crucible coordinator: {want}"), out
@@ -272,7 +312,7 @@ def test_resume_over_damaged_checkpoints_fails_the_check_with_the_coordinators_l
     # launch --no-check: the launcher shows the coordinator's line, without a class path either
     code, lines, out = _run("launch", "--no-check", "--run-dir", str(run), "--resume", *SMALL)
     assert code == 1 and f"the coordinator exited with 1: {want}" in out and "CannotResume" not in out, out
-    assert {k: v for k, v in tree_digest(run).items() if k.startswith("checkpoints")} == before
+    assert {k: v for k, v in tree_digest(run).items() if k.startswith("checkpoints") and k != LOCK} == before
 
 
 # ---- the reader of stdout goes away ----------------------------------------------------------------------------

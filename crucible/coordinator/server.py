@@ -87,6 +87,7 @@ from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import Config
 from crucible.events import KINDS, REPORTED
+from crucible.exits import UsageError
 from crucible.health import Health
 from crucible.coordinator import exporters
 from crucible.coordinator.checkpoints import CheckpointManager
@@ -95,7 +96,7 @@ from crucible.coordinator.membership import Membership, Refused, WorkerInfo, lef
 from crucible.coordinator.outer import OuterRelay
 from crucible.coordinator.persist import LatestFile, MetricsLog, WriteFailures, last_sequence_numbers
 from crucible.coordinator.suspicion import SuspicionBook
-from crucible.files import write_even_when_full
+from crucible.files import CKPT_LOCK, lock_owner, take_lock, write_even_when_full
 from crucible.slots import slot_name
 from crucible.version import version as crucible_version
 
@@ -204,6 +205,7 @@ class Coordinator:
         self.token = token
         os.makedirs(self.run_dir, exist_ok=True)
         self._lock_file = self._take_lock()
+        self._ckpt_lock_file = self._take_checkpoints_lock()
         self.incarnation = self._bump_incarnation()
         self.cv = threading.Condition()
         self.m = self._membership()
@@ -250,6 +252,26 @@ class Coordinator:
         except BlockingIOError:
             raise RuntimeError(f"another coordinator holds {self.run_dir}/coordinator.lock") from None
         return f
+
+    def _take_checkpoints_lock(self):
+        """checkpoints/.lock (files.CKPT_LOCK), before anything there is read or
+        cleaned: taken here (a coordinator started alone), or held for us by
+        the launcher that started us (it names itself in it; we die with it).
+        Another job's: refused, as a second coordinator is (checkpoints/ may be
+        shared, a symlink: two jobs' saves, retention and clean-up in one
+        folder delete each other's checkpoints)."""
+        root = os.path.join(self.run_dir, "checkpoints")
+        os.makedirs(root, exist_ok=True)
+        path = os.path.join(root, CKPT_LOCK)
+        try:
+            return take_lock(path, f"{os.getpid()} {self.run_dir}")
+        except BlockingIOError:
+            owner = lock_owner(path) or ""
+        pid, _, other = owner.partition(" ")
+        if pid and pid == os.environ.get(procs.PARENT_ENV) and other == self.run_dir:
+            return None
+        raise UsageError(f"--run-dir {self.run_dir}: its checkpoints/ ({os.path.realpath(root)}) is in use by "
+                         f"{'the job in ' + other if other else 'another job'} (it holds checkpoints/{CKPT_LOCK})")
 
     def _bump_incarnation(self) -> int:
         path = os.path.join(self.run_dir, "incarnation")
