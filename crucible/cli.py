@@ -312,6 +312,9 @@ def _check(args) -> int:
 
     cfg = _job_config(args)
     cfg.validate_here()           # (a ConfigError: exit status 2, as launch's)
+    problem = preflight.checkpoints_problem(args.run_dir, cfg)
+    if problem:
+        raise UsageError(f"--run-dir {args.run_dir}: {problem}")
     try:
         lines = preflight.run(cfg, run_dir=args.run_dir, resume=args.resume, device=args.device,
                               verify=not args.no_verify)

@@ -169,6 +169,11 @@ class Launcher:
                 self.overrides.append(f"{key}={val}")
                 self.given_flags += [flag, str(val)]
         self.cfg = Config.load(args.config, self.overrides)   # fail early, naming the bad key
+        from crucible.preflight import checkpoints_problem
+
+        problem = checkpoints_problem(self.run_dir, self.cfg)
+        if problem:
+            raise exits.UsageError(f"--run-dir {args.run_dir or self.run_dir}: {problem}")
         extras.check_config(self.cfg)                          # ... or the missing optional package
         self.chaos = None
         if args.chaos:                                         # ... or the bad --chaos item, before anything starts
@@ -702,10 +707,8 @@ class Launcher:
             self.ckpt_failing = why
             if not metrics.whole(ev.get("step")) or ev["step"] >= self.cfg.train.steps:
                 continue      # (the save of the last step: the summary says it)
-            from crucible.checkpoint.store import list_checkpoints
-
-            ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
-            newest = f"step {ckpts[-1].step}" if ckpts else "none"
+            ckpts, unlisted = self._checkpoints()
+            newest = f"step {ckpts[-1].step}" if ckpts else f"unknown ({unlisted})" if unlisted else "none"
             print(f"{start}crucible: the checkpoint of step {ev.get('step')} failed: {why[:300]}; training goes "
                   f"on, checkpoints are retried (newest checkpoint: {newest})", flush=True)
 
@@ -735,13 +738,11 @@ class Launcher:
         newest checkpoint, so that nobody resumes believing it is at the end."""
         if not self.cfg.checkpoint.enable_checkpointing:
             return ""
-        from crucible.checkpoint.store import list_checkpoints
-
-        ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
+        ckpts, unlisted = self._checkpoints()
         if ckpts and ckpts[-1].step >= self.cfg.train.steps:
             return ""
         why = f": its save failed ({self.ckpt_failing[:300]})" if self.ckpt_failing else ""
-        newest = f"step {ckpts[-1].step}" if ckpts else "none"
+        newest = f"step {ckpts[-1].step}" if ckpts else f"unknown ({unlisted})" if unlisted else "none"
         return (f"\ncrucible: warning: no checkpoint of the last step ({self.cfg.train.steps}){why}; "
                 f"the newest checkpoint is {newest}")
 
@@ -834,11 +835,10 @@ class Launcher:
         """Where a stopped job can go on from, and the command that does it."""
         if not self.cfg.checkpoint.enable_checkpointing:
             return "crucible: no checkpoints (checkpoint.enable_checkpointing = false): nothing to resume"
-        from crucible.checkpoint.store import list_checkpoints
         from crucible.preflight import CheckFailed, check_steps_left
 
-        ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
-        if not ckpts:
+        ckpts, unlisted = self._checkpoints()
+        if not ckpts and not unlisted:
             return "crucible: no checkpoint was committed: a new launch starts from step 0"
         try:
             check_steps_left(ckpts, self.cfg)     # (the pre-flight's rule: the checkpoint a resume would take)
@@ -857,7 +857,22 @@ class Launcher:
         # The options as the user gave them (--steps 40, not train.steps=40; a relative
         # data.path is the user's to keep right).
         argv += self.given_flags + self.given
+        if unlisted:
+            return f"crucible: newest checkpoint: unknown ({unlisted}); once they can be read, go on from the " \
+                   f"newest with\n  {shlex.join(argv)}"
         return f"crucible: newest checkpoint: step {ckpts[-1].step}; go on from it with\n  {shlex.join(argv)}"
+
+    def _checkpoints(self) -> tuple[list, str]:
+        """The committed checkpoints, and why they cannot be listed just now
+        ("" when they can): a checkpoints/ whose mode changed under the job
+        (chmod 000) ended the launcher on a traceback, and the job with it."""
+        from crucible.checkpoint.store import list_checkpoints
+
+        root = os.path.join(self.run_dir, "checkpoints")
+        try:
+            return list_checkpoints(root), ""
+        except OSError as e:
+            return [], f"cannot list {root}: {e.strerror or e}"
 
     def _summary(self, ending: str) -> str:
         """How the job ended, then final loss per replica, its time ledger, and the faults seen:

@@ -103,6 +103,20 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None,
                           f"add --resume to continue from it, or choose another --run-dir")
 
 
+def checkpoints_problem(run_dir: str | None, cfg: Config) -> str | None:
+    """Why this job could not write its checkpoints in ``run_dir``'s existing
+    ``checkpoints/`` (another user's, a read-only mount, a full one), or None:
+    the run directory itself writable, the job trained to its end with every
+    save failing, and exited 0."""
+    from crucible.files import dir_problem
+
+    root = os.path.join(run_dir or "", "checkpoints")
+    if not run_dir or not cfg.checkpoint.enable_checkpointing or not os.path.isdir(root):
+        return None
+    problem = dir_problem(root, make=True)
+    return f"checkpoints/: {problem}" if problem else None
+
+
 def check_steps_left(done: list, cfg: Config) -> None:
     """A resume from a checkpoint whose every replica is at or past
     train.steps has nothing to train: refused (it would start the job only to
