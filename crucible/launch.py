@@ -34,7 +34,6 @@ failed (the cause is printed), 128 + N when stopped by signal N (130 Ctrl-C,
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -497,11 +496,14 @@ class Launcher:
             self._on_hangup()
         self.stopping = signum
 
-    def _output_to_log(self) -> None:
+    def _output_to_log(self, failed: OSError | None = None) -> None:
         """The terminal hung up (SIGHUP: an ssh session dropped, the window
         closed; or its writes fail, where a hangup was ignored or the launch
-        disowned): what we still say (the job's progress, the final
-        checkpoint, the summary, the resume hint) goes to logs/launcher.log."""
+        disowned; or a redirect's disk is full): what we still say (the job's
+        progress, the final checkpoint, the summary, the resume hint) goes to
+        logs/launcher.log, after the line that says why (``failed``: the
+        write refused), or to /dev/null where the log cannot be written
+        either."""
         if self.output_in_log:
             return
         self.output_in_log = True
@@ -510,6 +512,13 @@ class Launcher:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError:
             fd = os.open(os.devnull, os.O_WRONLY)
+        if failed is not None:
+            try:
+                os.write(fd, f"crucible: the launcher's output could not be written ({failed.strerror or failed}): "
+                             f"it goes on here\n".encode())
+            except OSError:
+                os.close(fd)
+                fd = os.open(os.devnull, os.O_WRONLY)
         for out in (1, 2):
             os.dup2(fd, out)
         os.close(fd)
@@ -936,9 +945,11 @@ def _fmt(x) -> str:
 class TerminalOrLog:
     """The launcher's stdout or stderr. A write that the terminal refuses
     with EIO (it hung up, and the launch ignored SIGHUP or was disowned: it
-    is meant to go on) moves the launcher's output to its log (``to_log``)
-    and is written there, instead of ending the launch, and with it the job,
-    on a traceback at its next progress line."""
+    is meant to go on), or that a redirect refuses (its disk full,
+    /dev/full), moves the launcher's output to its log (``to_log``) and is
+    written there, instead of ending the launch, and with it the job, on a
+    traceback at its next progress line. A broken pipe is not moved: its
+    reader went away, and the launch stops for it (``Launcher.run``)."""
 
     def __init__(self, stream, to_log):
         self._stream, self._to_log = stream, to_log
@@ -946,10 +957,10 @@ class TerminalOrLog:
     def _retry(self, what, *args):
         try:
             return what(*args)
+        except BrokenPipeError:
+            raise
         except OSError as e:
-            if e.errno != errno.EIO:
-                raise
-            self._to_log()                # (file descriptors 1 and 2 now the log: the same stream writes there)
+            self._to_log(e)               # (file descriptors 1 and 2 now the log: the same stream writes there)
             return what(*args)
 
     def write(self, text):
