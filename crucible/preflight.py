@@ -71,7 +71,10 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None,
         if os.path.lexists(root):     # (the coordinator makes its folder there: it failed on a traceback)
             raise CheckFailed(f"{root} is not a directory (the job's checkpoints go there): move it away")
         return
-    done = store.list_checkpoints(root)
+    try:
+        done = store.list_checkpoints(root)
+    except OSError as e:        # (another user's, mode 0700: a traceback; what it holds is not known)
+        raise CheckFailed(f"{root}: cannot read it ({e.strerror or e}): the job's checkpoints go there") from None
     if resume and verify and cfg is not None:
         try:
             chosen, unusable = store.choose_resume(root, done, cfg.to_dict())

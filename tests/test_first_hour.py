@@ -319,3 +319,36 @@ def test_a_checkpoints_folder_made_unreadable_mid_run_is_one_line_and_the_job_go
         kill_group(proc.pid, proc)
         log.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_checkpoints_the_user_may_not_list_are_one_line():
+    """Another user's checkpoints/ (mode 0700) in a run directory one may
+    read: `ckpt list|verify|inspect`, `export` and `sample` ended on a
+    PermissionError traceback from listing it, and so did a launch (its
+    pre-flight) into a run directory of one's own holding such a folder.
+    Now one line naming the folder: exit 2 (1 for the launch's pre-flight,
+    as its other refusals of the run directory)."""
+    as_user = _user_cmd()
+    base = _users_folder()
+    try:
+        run = base / "run"
+        (run / "checkpoints").mkdir(parents=True)
+        os.chmod(run / "checkpoints", 0o700)        # (root's)
+        ckpts = run / "checkpoints"
+        for cmd, want in ((["ckpt", "list", str(run)], f"crucible ckpt: cannot read {ckpts}: Permission denied"),
+                          (["ckpt", "verify", str(run)], f"crucible ckpt: cannot read {ckpts}: Permission denied"),
+                          (["ckpt", "inspect", str(run)], f"crucible ckpt: cannot read {ckpts}: Permission denied"),
+                          (["export", str(run), "--out", str(base / "model")],
+                           f"crucible export: {run}: cannot read {ckpts}: Permission denied"),
+                          (["sample", str(run)], f"crucible sample: {run}: cannot read {ckpts}: Permission denied")):
+            code, out, err, _ = run_bounded([*as_user, *cmd], timeout=60)
+            assert (code, out, err.strip()) == (2, "", want), (cmd, code, out, err)
+        shutil.chown(run, USER)
+        for resume in ([], ["--resume"]):
+            code, out, err, _ = run_bounded([*as_user, "launch", "--no-check", *resume, "--run-dir", str(run),
+                                             "--replicas", "1", "--stages", "2", *TINY], timeout=60)
+            assert (code, out, err.strip()) == (1, "", f"crucible: {ckpts}: cannot read it (Permission denied): "
+                                                       f"the job's checkpoints go there"), (resume, code, out, err)
+        assert not {"token", "logs", "coordinator.addr"} & set(os.listdir(run))     # (nothing started)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
