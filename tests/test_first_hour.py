@@ -352,3 +352,28 @@ def test_checkpoints_the_user_may_not_list_are_one_line():
         assert not {"token", "logs", "coordinator.addr"} & set(os.listdir(run))     # (nothing started)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_status_of_a_run_whose_log_the_user_may_not_read_does_not_guess_how_it_ended():
+    """Another user's ended run whose metrics.jsonl is theirs alone (0600):
+    `status` could not read how the job ended and said it "may be
+    restarting, or the job stopped before the end", with a resume command,
+    for a job that had finished. Now it says the log cannot be read."""
+    as_user = _user_cmd()
+    base = pathlib.Path(tempfile.mkdtemp(prefix="crucible-first-hour-"))
+    try:
+        os.chmod(base, 0o755)
+        run = base / "run"
+        run.mkdir()
+        with socket.socket() as s:          # (an address nothing answers on)
+            s.bind(("127.0.0.1", 0))
+            addr = f"127.0.0.1:{s.getsockname()[1]}"
+        (run / "coordinator.addr").write_text(addr + "\n")
+        (run / "metrics.jsonl").write_text('{"event":"coordinator_start","time":1}\n{"event":"job_done","time":2}\n')
+        os.chmod(run / "metrics.jsonl", 0o600)
+        code, out = _status(str(run), child_env(), as_user)
+        assert code == 1
+        assert out == f"crucible status: coordinator at {addr} does not answer; whether its job has ended is not " \
+                      f"known: cannot read {run}/metrics.jsonl: Permission denied (run status as the job's owner)", out
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
