@@ -238,6 +238,12 @@ def main(args) -> int:
     except exits.UsageError as e:
         print(f"crucible ckpt: {e}", file=sys.stderr)
         return exits.USAGE
+    except exits.OutputFailed:
+        raise
+    except OSError as e:    # (a folder it cannot list: another user's checkpoints/, mode 0700; unreadable files are
+        #                      said per checkpoint or shard)
+        print(f"crucible ckpt: cannot read {e.filename or args.dir}: {e.strerror or e}", file=sys.stderr)
+        return exits.USAGE if isinstance(e, PermissionError) else exits.ERROR
 
 
 def interval_main(args) -> int:

@@ -209,6 +209,9 @@ def _stopped_during_startup(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from crucible import exits
+
+    exits.usable_output()        # (before the parser: --help writes too)
     if argv is None and sys.argv[1:2] == ["worker"]:
         # First thing, before the parser and the heavy imports (grpc, torch alone
         # 1-2 s): a worker may be SIGTERMed at any moment (the launcher stopping,
@@ -219,12 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     _expand_home(args)
-    from crucible import exits
     from crucible.config import ConfigError
     from crucible.tls import TlsError
 
     try:
-        return _run(args)
+        code = _run(args)
+        sys.stdout.flush()      # (here, not at exit: an output that cannot be written is said in one line)
+        return code
+    except exits.OutputFailed as e:
+        return exits.output_failed(e)
     except (ConfigError, TlsError, UsageError) as e:
         exits.write_error(str(e))          # under `launch`: the cause it shows, and its crash-loop rule's
         print(f"crucible: {e}", file=sys.stderr)
@@ -312,6 +318,9 @@ def _check(args) -> int:
 
     cfg = _job_config(args)
     cfg.validate_here()           # (a ConfigError: exit status 2, as launch's)
+    problem = preflight.checkpoints_problem(args.run_dir, cfg)
+    if problem:
+        raise UsageError(f"--run-dir {args.run_dir}: {problem}")
     try:
         lines = preflight.run(cfg, run_dir=args.run_dir, resume=args.resume, device=args.device,
                               verify=not args.no_verify)

@@ -41,6 +41,84 @@ def interrupted(signum: int) -> int:
     return 128 + int(signum)
 
 
+class OutputFailed(OSError):
+    """Our stdout or stderr refused a write (/dev/full, a full disk under a
+    redirect): ``crucible.cli.main`` ends on one line for it."""
+
+
+class Output:
+    """stdout or stderr, whose refused writes raise ``OutputFailed`` (a broken
+    pipe stays a BrokenPipeError: its reader went away, said elsewhere)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _do(self, what, *args):
+        try:
+            return what(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OutputFailed(e.errno, e.strerror) from None
+
+    def write(self, text):
+        return self._do(self._stream.write, text)
+
+    def flush(self):
+        return self._do(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def usable_output() -> None:
+    """stdin, stdout and stderr made usable, whatever the caller left: a closed
+    one (``>&-``) is /dev/null (else sys.stdout was None, and the first file
+    opened took its number: a launcher ended on a traceback, a C library's
+    message could land in that file); a character the output's encoding
+    cannot spell (a user's path, the θ of --help, under
+    PYTHONIOENCODING=ascii) is written escaped (``\\xfc``), as Python's own
+    stderr does, not a UnicodeEncodeError; and refused writes raise
+    ``OutputFailed``."""
+    import sys
+
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False,
+                                    errors=None if fd == 0 else "backslashreplace"))
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+        if not isinstance(stream, Output):
+            setattr(sys, name, Output(stream))
+
+
+def output_failed(e: OSError) -> int:
+    """Our output refused a write: one line where it may still be read (stderr,
+    unless that is what failed), then stdout and stderr to /dev/null, so that
+    what is still said, and the flush at exit, do not fail again; ERROR."""
+    import sys
+
+    try:
+        sys.stderr.write(f"crucible: cannot write the output: {e.strerror or e}\n")
+        sys.stderr.flush()
+    except OSError:
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    return ERROR
+
+
 def quiet_after_broken_pipe() -> int:
     """The reader of our stdout went away (``crucible ... | head``): stdout to
     /dev/null, so that what is still said, and the flush at exit, do not fail

@@ -100,8 +100,11 @@ def resolve_checkpoint(path: str, passed_over: list | None = None) -> Path:
         return p
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     damaged = []
-    info = store.latest_valid(root, on_damaged=lambda c, problems: damaged.append(
-        {"step": c.step, "path": c.path, "problems": problems}))
+    try:
+        info = store.latest_valid(root, on_damaged=lambda c, problems: damaged.append(
+            {"step": c.step, "path": c.path, "problems": problems}))
+    except OSError as e:        # (another user's checkpoints/, mode 0700: unreadable shards are said as damaged)
+        raise ExportError(f"{path}: cannot read {e.filename or root}: {e.strerror or e}") from None
     if info is not None:
         if passed_over is not None:
             passed_over.extend(damaged)

@@ -34,7 +34,6 @@ failed (the cause is printed), 128 + N when stopped by signal N (130 Ctrl-C,
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -174,6 +173,11 @@ class Launcher:
                 self.overrides.append(f"{key}={val}")
                 self.given_flags += [flag, str(val)]
         self.cfg = Config.load(args.config, self.overrides)   # fail early, naming the bad key
+        from crucible.preflight import checkpoints_problem
+
+        problem = checkpoints_problem(self.run_dir, self.cfg)
+        if problem:
+            raise exits.UsageError(f"--run-dir {args.run_dir or self.run_dir}: {problem}")
         extras.check_config(self.cfg)                          # ... or the missing optional package
         self.chaos = None
         if args.chaos:                                         # ... or the bad --chaos item, before anything starts
@@ -531,11 +535,14 @@ class Launcher:
             self._on_hangup()
         self.stopping = signum
 
-    def _output_to_log(self) -> None:
+    def _output_to_log(self, failed: OSError | None = None) -> None:
         """The terminal hung up (SIGHUP: an ssh session dropped, the window
         closed; or its writes fail, where a hangup was ignored or the launch
-        disowned): what we still say (the job's progress, the final
-        checkpoint, the summary, the resume hint) goes to logs/launcher.log."""
+        disowned; or a redirect's disk is full): what we still say (the job's
+        progress, the final checkpoint, the summary, the resume hint) goes to
+        logs/launcher.log, after the line that says why (``failed``: the
+        write refused), or to /dev/null where the log cannot be written
+        either."""
         if self.output_in_log:
             return
         self.output_in_log = True
@@ -544,6 +551,13 @@ class Launcher:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError:
             fd = os.open(os.devnull, os.O_WRONLY)
+        if failed is not None:
+            try:
+                os.write(fd, f"crucible: the launcher's output could not be written ({failed.strerror or failed}): "
+                             f"it goes on here\n".encode())
+            except OSError:
+                os.close(fd)
+                fd = os.open(os.devnull, os.O_WRONLY)
         for out in (1, 2):
             os.dup2(fd, out)
         os.close(fd)
@@ -741,10 +755,8 @@ class Launcher:
             self.ckpt_failing = why
             if not metrics.whole(ev.get("step")) or ev["step"] >= self.cfg.train.steps:
                 continue      # (the save of the last step: the summary says it)
-            from crucible.checkpoint.store import list_checkpoints
-
-            ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
-            newest = f"step {ckpts[-1].step}" if ckpts else "none"
+            ckpts, unlisted = self._checkpoints()
+            newest = f"step {ckpts[-1].step}" if ckpts else f"unknown ({unlisted})" if unlisted else "none"
             print(f"{start}crucible: the checkpoint of step {ev.get('step')} failed: {why[:300]}; training goes "
                   f"on, checkpoints are retried (newest checkpoint: {newest})", flush=True)
 
@@ -774,13 +786,11 @@ class Launcher:
         newest checkpoint, so that nobody resumes believing it is at the end."""
         if not self.cfg.checkpoint.enable_checkpointing:
             return ""
-        from crucible.checkpoint.store import list_checkpoints
-
-        ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
+        ckpts, unlisted = self._checkpoints()
         if ckpts and ckpts[-1].step >= self.cfg.train.steps:
             return ""
         why = f": its save failed ({self.ckpt_failing[:300]})" if self.ckpt_failing else ""
-        newest = f"step {ckpts[-1].step}" if ckpts else "none"
+        newest = f"step {ckpts[-1].step}" if ckpts else f"unknown ({unlisted})" if unlisted else "none"
         return (f"\ncrucible: warning: no checkpoint of the last step ({self.cfg.train.steps}){why}; "
                 f"the newest checkpoint is {newest}")
 
@@ -873,11 +883,10 @@ class Launcher:
         """Where a stopped job can go on from, and the command that does it."""
         if not self.cfg.checkpoint.enable_checkpointing:
             return "crucible: no checkpoints (checkpoint.enable_checkpointing = false): nothing to resume"
-        from crucible.checkpoint.store import list_checkpoints
         from crucible.preflight import CheckFailed, check_steps_left
 
-        ckpts = list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
-        if not ckpts:
+        ckpts, unlisted = self._checkpoints()
+        if not ckpts and not unlisted:
             return "crucible: no checkpoint was committed: a new launch starts from step 0"
         try:
             check_steps_left(ckpts, self.cfg)     # (the pre-flight's rule: the checkpoint a resume would take)
@@ -896,7 +905,22 @@ class Launcher:
         # The options as the user gave them (--steps 40, not train.steps=40; a relative
         # data.path is the user's to keep right).
         argv += self.given_flags + self.given
+        if unlisted:
+            return f"crucible: newest checkpoint: unknown ({unlisted}); once they can be read, go on from the " \
+                   f"newest with\n  {shlex.join(argv)}"
         return f"crucible: newest checkpoint: step {ckpts[-1].step}; go on from it with\n  {shlex.join(argv)}"
+
+    def _checkpoints(self) -> tuple[list, str]:
+        """The committed checkpoints, and why they cannot be listed just now
+        ("" when they can): a checkpoints/ whose mode changed under the job
+        (chmod 000) ended the launcher on a traceback, and the job with it."""
+        from crucible.checkpoint.store import list_checkpoints
+
+        root = os.path.join(self.run_dir, "checkpoints")
+        try:
+            return list_checkpoints(root), ""
+        except OSError as e:
+            return [], f"cannot list {root}: {e.strerror or e}"
 
     def _summary(self, ending: str) -> str:
         """How the job ended, then final loss per replica, its time ledger, and the faults seen:
@@ -960,9 +984,11 @@ def _fmt(x) -> str:
 class TerminalOrLog:
     """The launcher's stdout or stderr. A write that the terminal refuses
     with EIO (it hung up, and the launch ignored SIGHUP or was disowned: it
-    is meant to go on) moves the launcher's output to its log (``to_log``)
-    and is written there, instead of ending the launch, and with it the job,
-    on a traceback at its next progress line."""
+    is meant to go on), or that a redirect refuses (its disk full,
+    /dev/full), moves the launcher's output to its log (``to_log``) and is
+    written there, instead of ending the launch, and with it the job, on a
+    traceback at its next progress line. A broken pipe is not moved: its
+    reader went away, and the launch stops for it (``Launcher.run``)."""
 
     def __init__(self, stream, to_log):
         self._stream, self._to_log = stream, to_log
@@ -970,10 +996,10 @@ class TerminalOrLog:
     def _retry(self, what, *args):
         try:
             return what(*args)
+        except BrokenPipeError:
+            raise
         except OSError as e:
-            if e.errno != errno.EIO:
-                raise
-            self._to_log()                # (file descriptors 1 and 2 now the log: the same stream writes there)
+            self._to_log(e)               # (file descriptors 1 and 2 now the log: the same stream writes there)
             return what(*args)
 
     def write(self, text):

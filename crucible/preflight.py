@@ -71,7 +71,10 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None,
         if os.path.lexists(root):     # (the coordinator makes its folder there: it failed on a traceback)
             raise CheckFailed(f"{root} is not a directory (the job's checkpoints go there): move it away")
         return
-    done = store.list_checkpoints(root)
+    try:
+        done = store.list_checkpoints(root)
+    except OSError as e:        # (another user's, mode 0700: a traceback; what it holds is not known)
+        raise CheckFailed(f"{root}: cannot read it ({e.strerror or e}): the job's checkpoints go there") from None
     if resume and verify and cfg is not None:
         try:
             chosen, unusable = store.choose_resume(root, done, cfg.to_dict())
@@ -101,6 +104,20 @@ def check_run_dir(run_dir: str | None, resume: bool, cfg: Config | None = None,
     if done:
         raise CheckFailed(f"run directory {run_dir} already holds checkpoints (newest: step {done[-1].step}): "
                           f"add --resume to continue from it, or choose another --run-dir")
+
+
+def checkpoints_problem(run_dir: str | None, cfg: Config) -> str | None:
+    """Why this job could not write its checkpoints in ``run_dir``'s existing
+    ``checkpoints/`` (another user's, a read-only mount, a full one), or None:
+    the run directory itself writable, the job trained to its end with every
+    save failing, and exited 0."""
+    from crucible.files import dir_problem
+
+    root = os.path.join(run_dir or "", "checkpoints")
+    if not run_dir or not cfg.checkpoint.enable_checkpointing or not os.path.isdir(root):
+        return None
+    problem = dir_problem(root, make=True)
+    return f"checkpoints/: {problem}" if problem else None
 
 
 def check_steps_left(done: list, cfg: Config) -> None:

@@ -163,6 +163,14 @@ def no_answer(addr: str, run_dir: str | None, ends: Ends | None = None) -> str:
     if last.get("event") == "job_stopped":
         return f"crucible status: {run_dir}: the job was stopped{metrics.stopped_by(last)} before its last step " \
                f"({resume})"
+    log = metrics.path_of(run_dir)
+    try:
+        open(log, "rb").close()
+    except FileNotFoundError:
+        pass
+    except OSError as e:      # (another user's, mode 0600: a finished job was said to be restarting, or stopped)
+        return f"{line()}; whether its job has ended is not known: cannot read {log}: {e.strerror or e} (run " \
+               f"status as the job's owner)"
     return (f"{line()}; nothing holds its coordinator.lock: it may be restarting, or the job stopped before "
             f"the end ({resume})")
 

@@ -349,3 +349,44 @@ def test_a_file_system_that_tells_no_sizes_is_not_taken_for_a_full_one(tmp_path,
     monkeypatch.setattr(os, "statvfs", lambda p: NoSizes(real(p)))
     assert files.free_bytes(str(tmp_path)) is None
     assert files.dir_problem(str(tmp_path / "run"), make=True) is None
+
+
+@pytest.mark.slow
+def test_checkpoints_on_a_file_system_remounted_read_only_fail_in_one_line_and_commit_again(tmp_path):
+    """checkpoints/ remounted read-only under a running job (EROFS, as a file
+    system that hit an error does): one line for the failed save, training
+    goes on, and saves commit again once it is writable. This behaved before
+    too (checked by hand, and a run directory on ext4 forced read-only by
+    its trigger_fs_error): the test keeps it so."""
+    run = tmp_path / "run"
+    with mounted_tmpfs(run / "checkpoints", "16m") as ckpts:
+        overrides = [o for o in TINY if not o.startswith("checkpoint.")] + [
+            "checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=0",
+            "checkpoint.max_num_checkpoints_to_keep=2", "net.link_mbps=4"]
+        job = Job(str(run), ["--replicas", "1", "--stages", "2", "--steps", "100000"], overrides)
+
+        def remount(how):       # (refused, EBUSY, while a shard is open for writing: tried again)
+            wait(lambda: subprocess.run(["mount", "-o", f"remount,{how}", ckpts], capture_output=True).returncode
+                 == 0, f"remount {how}")
+
+        def wait(cond, what):
+            t_end = time.monotonic() + 90
+            while not cond():
+                assert time.monotonic() < t_end and job.proc.poll() is None, (what, job.output())
+                time.sleep(0.2)
+
+        try:
+            wait(lambda: job.events("ckpt_commit"), "a first commit")
+            remount("ro")
+            wait(lambda: "training goes on" in job.output().split("--- ")[0], "the failed save's line")
+            step = job.status()["replicas"][0]["step"]
+            job.wait_for(lambda st: st["replicas"][0]["step"] >= step + 10, 60, "steps on the read-only disk")
+            remount("rw")
+            wait(lambda: "crucible: checkpoints commit again" in job.output(), "a commit once writable")
+            said = [x for x in job.output().split("--- ")[0].splitlines() if "failed: " in x]
+            assert len(said) == 1 and "Read-only file system" in said[0], job.output()
+            from crucible.checkpoint import store
+
+            assert all(store.verify(c.path) == [] for c in store.list_checkpoints(ckpts))
+        finally:
+            job.kill()

@@ -233,3 +233,147 @@ def test_a_prometheus_port_in_use_is_refused_before_the_launch_starts(tmp_path):
     assert code == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == f"crucible: metrics.prometheus_port: cannot serve /metrics on " \
                                            f"127.0.0.1:{port}: [Errno 98] Address already in use", err
+
+
+def _users_folder() -> pathlib.Path:
+    """A folder of this test's user's own, under one every user may enter."""
+    base = pathlib.Path(tempfile.mkdtemp(prefix="crucible-first-hour-"))
+    os.chmod(base, 0o755)
+    shutil.chown(base, USER)
+    return base
+
+
+def test_a_launch_whose_checkpoints_folder_it_cannot_write_is_one_line():
+    """A run directory of the user's whose checkpoints/ is root's (mode 0755):
+    the launch trained to its end, every save failing ("PermissionError: ...
+    .tmp-step_N"), and said "finished", exit 0, with no checkpoint. Now
+    launch and check refuse it before anything starts, in one line naming the
+    folder, exit 2, and write nothing."""
+    from conftest import tree_digest
+
+    as_user = _user_cmd()
+    base = _users_folder()
+    try:
+        run = base / "run"
+        run.mkdir()
+        shutil.chown(run, USER)
+        (run / "checkpoints").mkdir()            # (root's)
+        before = tree_digest(run)
+        for cmd in (["launch", "--no-check", "--steps", "2"], ["launch", "--steps", "2"], ["check"]):
+            code, out, err, secs = run_bounded([*as_user, *cmd, "--run-dir", str(run), "--replicas", "1",
+                                                "--stages", "2", *TINY, "checkpoint.enable_checkpointing=true"],
+                                               timeout=60)
+            assert code == 2 and out == "", (cmd, code, out, err)
+            assert err.strip() == f"crucible: --run-dir {run}: checkpoints/: cannot write in it: " \
+                                  f"{run}/checkpoints: Permission denied", (cmd, err)
+            assert secs < 20, secs
+        assert tree_digest(run) == before and sorted(os.listdir(run)) == ["checkpoints"]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_checkpoints_folder_made_unreadable_mid_run_is_one_line_and_the_job_goes_on():
+    """checkpoints/ chmod 000 under a running job (its owner's, not root: root
+    ignores modes): the launcher read the folder to say the newest checkpoint
+    and ended on a PermissionError traceback, its workers with it. Now the
+    failed save is one line, training goes on, and saves commit again once
+    the folder is readable."""
+    as_user = _user_cmd()
+    base = _users_folder()
+    run = base / "run"
+    log = open(base / "launch.log", "wb")
+    overrides = [o for o in TINY if not o.startswith("checkpoint.")] + [
+        "checkpoint.enable_checkpointing=true", "checkpoint.minimum_interval_s=0",
+        "checkpoint.max_num_checkpoints_to_keep=2", "net.link_mbps=4"]
+    proc = subprocess.Popen([*as_user, "launch", "--no-check", "--run-dir", str(run), "--replicas", "1",
+                             "--stages", "2", "--steps", "100000", *overrides],
+                            cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+    def said() -> str:
+        return (base / "launch.log").read_text(errors="replace")
+
+    def wait_until(cond, timeout: float, what: str) -> None:
+        t_end = time.monotonic() + timeout
+        while not cond():
+            assert proc.poll() is None, f"the launch ended ({proc.returncode}) waiting for {what}:\n{said()}"
+            assert time.monotonic() < t_end, f"no {what} in {timeout}s:\n{said()}"
+            time.sleep(0.2)
+
+    ckpts = run / "checkpoints"
+    try:
+        wait_until(lambda: ckpts.is_dir() and any(n.startswith("step_") for n in os.listdir(ckpts)), 120,
+                   "first checkpoint")
+        os.chmod(ckpts, 0)
+        wait_until(lambda: "training goes on" in said(), 60, "failed save")
+        os.chmod(ckpts, 0o755)
+        wait_until(lambda: "crucible: checkpoints commit again" in said(), 60, "commit after the chmod back")
+        out = said()
+        assert "Traceback" not in out, out
+        failed = [x for x in out.splitlines() if "failed: " in x]
+        assert len(failed) == 1 and "Permission denied" in failed[0] and \
+            f"(newest checkpoint: unknown (cannot list {ckpts}: Permission denied))" in failed[0], out
+    finally:
+        if ckpts.exists():
+            os.chmod(ckpts, 0o755)
+        kill_group(proc.pid, proc)
+        log.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_checkpoints_the_user_may_not_list_are_one_line():
+    """Another user's checkpoints/ (mode 0700) in a run directory one may
+    read: `ckpt list|verify|inspect`, `export` and `sample` ended on a
+    PermissionError traceback from listing it, and so did a launch (its
+    pre-flight) into a run directory of one's own holding such a folder.
+    Now one line naming the folder: exit 2 (1 for the launch's pre-flight,
+    as its other refusals of the run directory)."""
+    as_user = _user_cmd()
+    base = _users_folder()
+    try:
+        run = base / "run"
+        (run / "checkpoints").mkdir(parents=True)
+        os.chmod(run / "checkpoints", 0o700)        # (root's)
+        ckpts = run / "checkpoints"
+        for cmd, want in ((["ckpt", "list", str(run)], f"crucible ckpt: cannot read {ckpts}: Permission denied"),
+                          (["ckpt", "verify", str(run)], f"crucible ckpt: cannot read {ckpts}: Permission denied"),
+                          (["ckpt", "inspect", str(run)], f"crucible ckpt: cannot read {ckpts}: Permission denied"),
+                          (["export", str(run), "--out", str(base / "model")],
+                           f"crucible export: {run}: cannot read {ckpts}: Permission denied"),
+                          (["sample", str(run)], f"crucible sample: {run}: cannot read {ckpts}: Permission denied")):
+            code, out, err, _ = run_bounded([*as_user, *cmd], timeout=60)
+            assert (code, out, err.strip()) == (2, "", want), (cmd, code, out, err)
+        shutil.chown(run, USER)
+        for resume in ([], ["--resume"]):
+            code, out, err, _ = run_bounded([*as_user, "launch", "--no-check", *resume, "--run-dir", str(run),
+                                             "--replicas", "1", "--stages", "2", *TINY], timeout=60)
+            assert (code, out, err.strip()) == (1, "", f"crucible: {ckpts}: cannot read it (Permission denied): "
+                                                       f"the job's checkpoints go there"), (resume, code, out, err)
+        assert not {"token", "logs", "coordinator.addr"} & set(os.listdir(run))     # (nothing started)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_status_of_a_run_whose_log_the_user_may_not_read_does_not_guess_how_it_ended():
+    """Another user's ended run whose metrics.jsonl is theirs alone (0600):
+    `status` could not read how the job ended and said it "may be
+    restarting, or the job stopped before the end", with a resume command,
+    for a job that had finished. Now it says the log cannot be read."""
+    as_user = _user_cmd()
+    base = pathlib.Path(tempfile.mkdtemp(prefix="crucible-first-hour-"))
+    try:
+        os.chmod(base, 0o755)
+        run = base / "run"
+        run.mkdir()
+        with socket.socket() as s:          # (an address nothing answers on)
+            s.bind(("127.0.0.1", 0))
+            addr = f"127.0.0.1:{s.getsockname()[1]}"
+        (run / "coordinator.addr").write_text(addr + "\n")
+        (run / "metrics.jsonl").write_text('{"event":"coordinator_start","time":1}\n{"event":"job_done","time":2}\n')
+        os.chmod(run / "metrics.jsonl", 0o600)
+        code, out = _status(str(run), child_env(), as_user)
+        assert code == 1
+        assert out == f"crucible status: coordinator at {addr} does not answer; whether its job has ended is not " \
+                      f"known: cannot read {run}/metrics.jsonl: Permission denied (run status as the job's owner)", out
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

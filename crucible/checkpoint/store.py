@@ -457,7 +457,7 @@ def clean_tmp(ckpt_root: str | os.PathLike, keep_step: int | None = None) -> lis
     root = Path(ckpt_root)
     try:
         entries = list(os.scandir(root))
-    except FileNotFoundError:
+    except OSError:     # (none, or unreadable just now: chmod 000 under a running job; a later abort cleans)
         return []
     keep = None if keep_step is None else tmp_dir(root, keep_step, create=False).name
     removed = []
