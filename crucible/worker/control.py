@@ -251,12 +251,15 @@ class ControlClient:
         """An urgent event (a suspected neighbour): the reporter sends it at once."""
         self.report(event)
 
-    def report_shard(self, req: pb.ShardReport, deadline_s: float = 30.0) -> bool:
+    def report_shard(self, req: pb.ShardReport, deadline_s: float = 30.0) -> bool | None:
         """Tell the coordinator a checkpoint shard is written (or failed):
         retried while the coordinator is unreachable, for ``deadline_s``, but
         not once the worker is told to stop (a SIGTERM, the coordinator's
         stop: it exits, and a coordinator that is gone would hold that exit
-        for the deadline). Whether it was accepted; False when not delivered."""
+        for the deadline). Whether it was accepted; None when the coordinator
+        stayed silent (the report may still be wanted: the checkpointer sends
+        it again when a heartbeat reply names its save), False when it was
+        refused or could not be sent."""
         delay, t_end = 0.1, time.monotonic() + deadline_s
         while True:
             req.worker_id, req.secret = self.worker_id, self.secret
@@ -270,7 +273,8 @@ class ControlClient:
                     continue
                 log.warning("%s: shard report for step %d not delivered: %s %s", req.name, req.ckpt_step,
                             e.code().name, e.details())
-                return False
+                return None if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                    else False
             except ValueError:  # the channel was closed (shutting down)
                 return False
 
