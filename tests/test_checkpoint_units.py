@@ -765,8 +765,8 @@ def test_a_worker_reports_its_end_shard_again_until_the_end_save_is_committed(tm
 
 
 def test_a_stall_of_the_coordinator_itself_counts_against_no_save(tmp_path):
-    """The manager's tick came 70 s late (the coordinator SIGSTOPped, its VM
-    paused) while every replica had passed the save's target, its shards being
+    """The coordinator was stopped for 70 s (SIGSTOP, its VM paused) while
+    every replica had passed the save's target, its shards being
     written: the save is not judged on that time (its 60 s after the replicas
     passed, its 600 s in all), and the step rate is measured again (the steps
     it holds are stale until the next beats). Before, it was aborted on waking
@@ -780,7 +780,8 @@ def test_a_stall_of_the_coordinator_itself_counts_against_no_save(tmp_path):
         rep.step = t + 1
     m._tick()                                     # every replica past T: its 60 s start
     now = time.monotonic()
-    m.ticked, m.pending.passed_mono, m.pending.started_mono = now - 70, now - 70, now - 650
+    m.pending.passed_mono, m.pending.started_mono = now - 70, now - 650
+    m.stops = types.SimpleNamespace(stopped=lambda: 70.0, GAP_S=1.0)      # (procs.StopWatch: 70 s stopped)
     m._tick()
     assert m.pending is not None and m.target() == t, c.metrics.events[-1]
     assert m.moving_since is None and not m.samples and m.sample_from > now

@@ -108,7 +108,7 @@ from typing import Callable
 
 import grpc
 
-from crucible import rpc
+from crucible import procs, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible.checkpoint import store
 from crucible.checkpoint.policies import (AnySavePolicy, DecisionContext, EndOfJobPolicy,
@@ -125,7 +125,6 @@ log = logging.getLogger("crucible.checkpoints")
 TICK_S = 0.05
 PAUSED_GRACE_S = 2.0     # how long a save waits for paused replicas' frozen shards once the rest is in
 RETRY_CAP_S = 8.0        # the longest back-off after aborted saves in a row
-STALL_S = 1.0            # a tick this much late: this coordinator was stopped or starved (see _stalled)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _REPORT_KEYS = ("replica", "stage", "step", "outer_round", "stall_s", "persist_s")
 
@@ -220,8 +219,9 @@ class CheckpointManager:
         self.boost = 1.0
         self.samples: collections.deque = collections.deque(maxlen=200)   # (monotonic, highest step)
         self.moving_since: float | None = None      # the sample before the steps first moved
-        self.sample_from = 0.0                      # no samples before this (monotonic): after a stall
-        self.ticked: float | None = None            # when the loop's last tick ended (monotonic)
+        self.sample_from = 0.0                      # no samples before this (monotonic): after a stop
+        self.stops: procs.StopWatch | None = None   # this process's stops (the loop's; None before it runs)
+        self.stopped_mark = 0.0                     # ... up to the last tick
         self.final = FinalSave(metrics, lock)
         self.end_started = False                    # the end save was named (once)
         self.early: dict[str, dict] = {}            # shards of the end save reported before it was named
@@ -511,7 +511,8 @@ class CheckpointManager:
     # ---- the loop ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        self.ticked = time.monotonic()
+        self.stops = procs.StopWatch.get()
+        self.stopped_mark = self.stops.stopped()
         while not self.stopping.is_set():
             self._wake.wait(TICK_S)
             self._wake.clear()
@@ -520,15 +521,14 @@ class CheckpointManager:
             except Exception:  # never let a bug stop checkpointing silently
                 log.exception("checkpoint manager tick failed")
                 again = False
-            self.ticked = time.monotonic()
             if again:
                 self._wake.set()
 
     def _tick(self) -> bool:
         with self.cv:
             mono = time.monotonic()
-            if self.ticked is not None and mono - self.ticked - TICK_S > STALL_S:
-                self._stalled(mono - self.ticked - TICK_S, mono)
+            if self.stops is not None:
+                self._stalled(mono)
             steps = self.m.replica_steps()
             if steps and mono >= self.sample_from:
                 top = max(steps.values())
@@ -563,26 +563,32 @@ class CheckpointManager:
         self._commit(p)
         return True
 
-    def _stalled(self, lag: float, mono: float) -> None:
-        """Under the lock: this tick came ``lag`` seconds late, this coordinator
-        stopped (SIGSTOP, its VM or host paused) or starved meanwhile, as its
-        monitor credits every worker with its own stalls (``server.py``). The
-        save in flight is not judged on that time either: its shards may be
-        waiting unread in the server's queue (a stop of over a minute aborted
-        a save whose every shard was written: "missing 60s after every replica
-        passed"). And the steps held are stale until each replica's next beat:
-        the rate is measured again from then (the jump to the steps trained
-        meanwhile read as hundreds of steps a second, a save named minutes out)."""
+    def _stalled(self, mono: float) -> None:
+        """Under the lock: this process's stops since the last tick (SIGSTOP,
+        its VM or host paused, or starved: ``procs.StopWatch``), as its monitor
+        credits every worker with its own stalls (``server.py``). The save in
+        flight is not judged on them either: its shards may be waiting unread
+        in the server's queue (a stop of over a minute aborted a save whose
+        every shard was written: "missing 60s after every replica passed").
+        And after a stop the steps held are stale until each replica's next
+        beat: the rate is measured again from then (the jump to the steps
+        trained meanwhile read as hundreds of steps a second, a save named
+        minutes out)."""
+        stopped = self.stops.stopped()
+        lag, self.stopped_mark = stopped - self.stopped_mark, max(stopped, self.stopped_mark)
+        if lag <= 0:
+            return
         p = self.pending
         if p is not None:
             p.stalled_s += lag
             p.passed_mono = p.passed_mono + lag if p.passed_mono is not None else None
             p.required_in_mono = p.required_in_mono + lag if p.required_in_mono is not None else None
-        self.samples.clear()
-        self.moving_since = None
-        self.sample_from = mono + 2 * self.job_cfg.fault.heartbeat_interval_s + TICK_S
-        log.warning("this coordinator ran %.1fs late (stopped or starved): no checkpoint deadline counts that "
-                    "time, and the step rate is measured again", lag)
+        if lag >= self.stops.GAP_S:     # (not the rest of one, seen as it ends)
+            self.samples.clear()
+            self.moving_since = None
+            self.sample_from = mono + 2 * self.job_cfg.fault.heartbeat_interval_s + TICK_S
+            log.warning("this coordinator was stopped (or starved) for %.1fs: no checkpoint deadline counts that "
+                        "time, and the step rate is measured again", lag)
 
     def _all_in(self, p: Save, mono: float) -> bool:
         """Under the lock: every required shard is in, and the paused replicas'
