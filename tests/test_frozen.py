@@ -56,3 +56,59 @@ def test_a_save_in_flight_survives_its_coordinator_stopped_for_over_a_minute(sta
     after = job.wait_for(lambda s: [e for e in job.events("ckpt_start") if e["step"] > target], 30,
                          "the next save named")[0]
     assert after["time"] - t_woke < 15 and after["margin"] <= 10 + 4 * max(margins), (after, margins)
+
+
+
+def test_a_worker_woken_after_it_was_declared_dead_leaves_quietly(start_job):
+    """A worker SIGSTOPped past the heartbeat timeout is declared dead; woken,
+    it finds its heartbeat refused and exits 3, with a warning and no error in
+    its log, and the launcher says so in one line."""
+    job = start_job(["--replicas", "2", "--stages", "2", "--steps", "1000000", "--respawn-delay", "-1"],
+                    TINY + ["outer.H=2"])
+    st = job.wait_for(lambda s: s if s["replicas"][0]["step"] >= 3 else None, 120, "training")
+    victim = next(w for w in st["workers"] if (w["replica"], w["stage"]) == (0, 1))["pid"]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        job.wait_for(lambda s: [e for e in job.events("fault") if e.get("pid") == victim], 15, "r0s1 declared dead")
+        time.sleep(1.0)     # (its neighbour's frames and its own pending events are waiting for it)
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    job.wait_for(lambda s: "r0s1 exited with 3" in job.output(), 30, "r0s1 gone, exit 3")
+    with open(os.path.join(job.run_dir, "logs", "r0s1.log")) as f:
+        log = f.read()
+    assert " ERROR " not in log and "Traceback" not in log, log
+    assert "declared dead" in log and "exiting with 3" in log, log
+    with open(job.log_path) as f:
+        said = [line for line in f if "r0s1" in line]
+    assert len(said) == 1 and said[0].startswith("crucible: r0s1 exited with 3;"), said
+
+
+def test_the_events_of_a_worker_declared_dead_are_dropped_without_an_error(caplog):
+    """Its last events, refused because its slot was given up (it was frozen
+    past the heartbeat timeout, and woke), are dropped with an info line: they
+    were logged as 'refused for good' at ERROR level, on its way out (seen with
+    a 3 x 2 job whose r2s1 was stopped for 6 s)."""
+    import grpc
+
+    from crucible import health, rpc
+    from crucible._pb import crucible_pb2 as pb
+    from crucible.coordinator.server import SERVICE
+    from crucible.worker.control import ControlClient
+
+    def refuse(req, context):
+        raise rpc.RpcFault(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"worker {req.worker_id} was declared dead: rejoin as a replacement")
+
+    server, port = rpc.make_server(SERVICE, {"Report": rpc.unary("Report", pb.ReportRequest, pb.ReportReply, refuse)},
+                                   "t", "127.0.0.1:0", max_workers=2, health=health.Health(SERVICE, True))
+    cli = ControlClient(f"127.0.0.1:{port}", "t")
+    cli.worker_id = "r0s1-x"
+    try:
+        cli.report({"event": "outer_skipped", "round": 3})
+        with caplog.at_level("INFO", logger="crucible.control"):
+            assert cli._send_batch(timeout=10)
+        assert not cli._pending
+        assert [r.levelname for r in caplog.records] == ["INFO"] and "declared dead" in caplog.text, caplog.text
+    finally:
+        cli.channel.close()
+        server.stop(0)

@@ -275,8 +275,11 @@ class ControlClient:
             if e.code() in TRANSIENT:
                 log.debug("report deferred (%s); %d events pending", e.code().name, len(self._pending))
                 return False
-            log.error("report of %d events refused for good (%s: %s): dropped", len(batch), e.code().name,
-                      e.details())
+            if _evicted(e):     # (its last events: what it did after its slot was given up is not the slot's)
+                log.info("report of %d events dropped: this worker was declared dead", len(batch))
+            else:
+                log.error("report of %d events refused for good (%s: %s): dropped", len(batch), e.code().name,
+                          e.details())
         with self._rcv:
             while self._pending and self._pending[0][0] <= batch[-1][0]:
                 self._pending.popleft()
