@@ -24,6 +24,9 @@ restart            no stage-0 worker able to train after one was lost: from
                    replacement's start-up (from its process's start),
                    registration, weights and wait for its route, to the start
                    of its first step
+stopped            the stage-0 worker did not run: stopped (SIGSTOP, its VM or
+                   host paused, a debugger) or starved for over a second at a
+                   time (``procs.StopWatch``)
 =================  ==========================================================
 
 ``goodput`` is compute / wall time.
@@ -72,7 +75,8 @@ from crucible import metrics
 # the events ``Ledgers.feed`` reads (the rest pass it by)
 EVENTS = ("coordinator_start", "job_restart", "goodput", "eval", "step_aborted", "step", "snapshot",
           "worker_registered", "fault")
-PARTS = ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering", "eval", "restart")
+PARTS = ("compute", "communication", "checkpoint_stall", "lost", "paused", "recovering", "eval", "restart",
+         "stopped")
 KEYS = tuple(p + "_s" for p in PARTS)
 
 

@@ -1,12 +1,15 @@
 """Process helpers shared by every Crucible process: dying with a parent,
 what the kernel says about a process (Linux ``/proc``; elsewhere these do
-nothing or answer None), and a clock that the wall clock's steps do not move."""
+nothing or answer None), a clock that the wall clock's steps do not move, and
+a watch of this process's own stops."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
+import threading
 import time
 
 PR_SET_PDEATHSIG = 1
@@ -29,6 +32,53 @@ class SteadyClock:
 
     def __call__(self) -> float:
         return self.wall0 + (time.monotonic() - self.mono0)
+
+
+class StopWatch:
+    """Notices this process being stopped (SIGSTOP, the whole job or its VM
+    paused): a thread that wakes every ``TICK_S``; waking more than ``GAP_S``
+    late is a stop (or a host too loaded to run it). One per process."""
+
+    TICK_S = 0.25
+    GAP_S = 1.0
+    _one: StopWatch | None = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self.last = time.monotonic()
+        self.woke = -math.inf            # when it last woke late
+        self.stopped_s = 0.0             # the stops so far, in seconds
+        self._seen = threading.Lock()
+        threading.Thread(target=self._run, daemon=True, name="stop-watch").start()
+
+    @classmethod
+    def get(cls) -> StopWatch:
+        with cls._lock:
+            if cls._one is None:
+                cls._one = StopWatch()
+            return cls._one
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.TICK_S)
+            with self._seen:
+                now = time.monotonic()
+                if now - self.last > self.TICK_S + self.GAP_S:
+                    self.woke = now
+                    self.stopped_s += now - self.last - self.TICK_S
+                self.last = now
+
+    def stopped(self) -> float:
+        """Seconds this process has been stopped so far, a stop it is waking
+        from (the thread has not run yet) included."""
+        with self._seen:
+            late = time.monotonic() - self.last - self.TICK_S
+            return self.stopped_s + (late if late > self.GAP_S else 0.0)
+
+    def stopped_since(self, t: float) -> bool:
+        """Was this process stopped since monotonic time ``t``, or is it waking
+        from a stop (the thread has not run yet)?"""
+        return self.woke >= t or time.monotonic() - self.last > self.TICK_S + self.GAP_S
 
 
 def die_with_parent(parent: int | None = None) -> None:

@@ -61,7 +61,8 @@ MARKS = {   # kind: (label, color, strip marker, strip label)
 LEDGER = [("compute_s", "compute", "#2ca02c"), ("communication_s", "communication", "#1f77b4"),
           ("checkpoint_stall_s", "checkpoint stall", "#1f3b99"), ("lost_s", "lost work", "#d62728"),
           ("paused_s", "paused", "#ff7f0e"), ("recovering_s", "recovering", "#bcbd22"),
-          ("eval_s", "evaluation", "#17becf"), ("restart_s", "restart", "#7f7f7f")]
+          ("eval_s", "evaluation", "#17becf"), ("restart_s", "restart", "#7f7f7f"),
+          ("stopped_s", "stopped", "#8c564b")]
 
 
 def read_events(path: str) -> tuple[list[dict], int]:

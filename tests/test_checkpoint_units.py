@@ -779,6 +779,66 @@ def test_a_worker_reports_its_end_shard_again_until_the_end_save_is_committed(tm
     assert answers == [] and time.monotonic() - t0 < 5
 
 
+
+def test_a_stall_of_the_coordinator_itself_counts_against_no_save(tmp_path):
+    """The coordinator was stopped for 70 s (SIGSTOP, its VM paused) while
+    every replica had passed the save's target, its shards being
+    written: the save is not judged on that time (its 60 s after the replicas
+    passed, its 600 s in all), and the step rate is measured again (the steps
+    it holds are stale until the next beats). Before, it was aborted on waking
+    ("missing 60s after every replica passed"). (tests/test_frozen.py: a real one.)"""
+    c = _coordinator(tmp_path)
+    m = c.ckpt
+    m.prepare(resume=False)
+    m._tick()
+    t = m.target()
+    for rep in c.replicas:
+        rep.step = t + 1
+    m._tick()                                     # every replica past T: its 60 s start
+    now = time.monotonic()
+    m.pending.passed_mono, m.pending.started_mono = now - 70, now - 650
+    m.stops = types.SimpleNamespace(stopped=lambda: 70.0, GAP_S=1.0)      # (procs.StopWatch: 70 s stopped)
+    m._tick()
+    assert m.pending is not None and m.target() == t, c.metrics.events[-1]
+    assert m.moving_since is None and not m.samples and m.sample_from > now
+    for wid in sorted(c.workers):
+        assert _report(c, wid, t).accepted
+    m._tick()
+    assert m.latest_committed_step == t and not [e for e in c.metrics.events if e["event"] == "ckpt_abort"]
+
+
+def test_a_shard_report_the_silent_coordinator_missed_is_sent_again_while_its_save_is_named(tmp_path):
+    """A shard report that found the coordinator silent for its whole deadline
+    (None: not delivered) is sent again when a heartbeat reply still names its
+    save, once; a reply naming another save drops it."""
+    w = _stage_worker(tmp_path, n_layer=2, step=12)
+    w.cfg.checkpoint.persister = "thread"
+    sent, answers = [], [None, True]
+
+    def coordinator(req):
+        sent.append(req.ckpt_step)
+        return answers.pop(0) if answers else True
+
+    ck = _parts_checkpointer(w, send_shard=coordinator)
+    try:
+        ck.save(12)
+        assert ck._idle.wait(30) and sent == [12] and ck.undelivered is not None
+        ck.on_heartbeat(types.SimpleNamespace(ckpt_step=12))
+        t_end = time.monotonic() + 10
+        while len(sent) < 2 and time.monotonic() < t_end:
+            time.sleep(0.01)
+        assert sent == [12, 12] and ck.undelivered is None
+        ck.on_heartbeat(types.SimpleNamespace(ckpt_step=12))      # delivered: not again
+        answers.append(None)
+        ck.save(13)
+        assert ck._idle.wait(30) and ck.undelivered is not None
+        ck.on_heartbeat(types.SimpleNamespace(ckpt_step=40))      # that save is over: dropped
+        time.sleep(0.2)
+        assert sent == [12, 12, 13] and ck.undelivered is None
+    finally:
+        ck.close(end=False)
+
+
 def test_a_shard_reported_again_while_its_save_commits_is_taken(tmp_path, monkeypatch):
     """(A worker waiting for the end save asks again): taken while the commit is
     written, refused once the save is committed."""

@@ -217,6 +217,29 @@ def test_the_workers_ledger_gives_every_second_to_one_part(monkeypatch):
         pytest.approx((4.0, 0.25, 0.25, 1.0))
 
 
+
+def test_the_time_a_stage0_worker_was_stopped_is_stopped_not_compute_or_communication(monkeypatch):
+    """A whole job SIGSTOPped for 30 s: the stop fell in a step's compute on
+    one replica (it read as 31 s of compute, goodput 0.72 for about 0.4) and
+    between steps on the other (communication). Now it is ``stopped``, taken
+    from the longer of the step's compute and its waiting first."""
+    from crucible.worker import stats
+
+    clock, stopped = [1000.0], [0.0]
+    monkeypatch.setattr(stats.time, "perf_counter", lambda: clock[0])
+    reports = []
+    led = stats.Ledger(reports.append, 0, stopped=lambda: stopped[0])
+    clock[0] += 30.5
+    stopped[0] += 30.0
+    led.committed(30.2, recovering=False)          # the stop inside the compute
+    clock[0] += 31.0
+    stopped[0] += 30.0
+    led.committed(0.2, recovering=False)           # the stop in the wait for the other stages
+    led.maybe_report(2, force=True)
+    got = reports[-1]
+    assert (got["stopped_s"], got["compute_s"], got["communication_s"]) == pytest.approx((60.0, 0.4, 1.1))
+    assert sum(got[k] for k in KEYS) == pytest.approx(got["wall_s"])
+
 # ---- a real job ----------------------------------------------------------------------------------
 
 # (the replica's ledger starts when its first stage-0 worker builds its stage, a moment

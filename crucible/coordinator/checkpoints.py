@@ -108,7 +108,7 @@ from typing import Callable
 
 import grpc
 
-from crucible import rpc
+from crucible import procs, rpc
 from crucible._pb import crucible_pb2 as pb
 from crucible.checkpoint import store
 from crucible.checkpoint.policies import (AnySavePolicy, DecisionContext, EndOfJobPolicy,
@@ -145,6 +145,7 @@ class Save:
     abort: str | None = None
     committing: bool = False
     passed_mono: float | None = None    # when every expected replica had passed T
+    stalled_s: float = 0.0              # this coordinator's own stalls since it was named (not the save's)
 
 
 class FinalSave:
@@ -218,6 +219,9 @@ class CheckpointManager:
         self.boost = 1.0
         self.samples: collections.deque = collections.deque(maxlen=200)   # (monotonic, highest step)
         self.moving_since: float | None = None      # the sample before the steps first moved
+        self.sample_from = 0.0                      # no samples before this (monotonic): after a stop
+        self.stops: procs.StopWatch | None = None   # this process's stops (the loop's; None before it runs)
+        self.stopped_mark = 0.0                     # ... up to the last tick
         self.final = FinalSave(metrics, lock)
         self.end_started = False                    # the end save was named (once)
         self.early: dict[str, dict] = {}            # shards of the end save reported before it was named
@@ -511,6 +515,8 @@ class CheckpointManager:
     # ---- the loop ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        self.stops = procs.StopWatch.get()
+        self.stopped_mark = self.stops.stopped()
         while not self.stopping.is_set():
             self._wake.wait(TICK_S)
             self._wake.clear()
@@ -525,8 +531,10 @@ class CheckpointManager:
     def _tick(self) -> bool:
         with self.cv:
             mono = time.monotonic()
+            if self.stops is not None:
+                self._stalled(mono)
             steps = self.m.replica_steps()
-            if steps:
+            if steps and mono >= self.sample_from:
                 top = max(steps.values())
                 if self.moving_since is None and self.samples and top > self.samples[-1][1]:
                     self.moving_since = self.samples[-1][0]
@@ -558,6 +566,33 @@ class CheckpointManager:
             return False
         self._commit(p)
         return True
+
+    def _stalled(self, mono: float) -> None:
+        """Under the lock: this process's stops since the last tick (SIGSTOP,
+        its VM or host paused, or starved: ``procs.StopWatch``), as its monitor
+        credits every worker with its own stalls (``server.py``). The save in
+        flight is not judged on them either: its shards may be waiting unread
+        in the server's queue (a stop of over a minute aborted a save whose
+        every shard was written: "missing 60s after every replica passed").
+        And after a stop the steps held are stale until each replica's next
+        beat: the rate is measured again from then (the jump to the steps
+        trained meanwhile read as hundreds of steps a second, a save named
+        minutes out)."""
+        stopped = self.stops.stopped()
+        lag, self.stopped_mark = stopped - self.stopped_mark, max(stopped, self.stopped_mark)
+        if lag <= 0:
+            return
+        p = self.pending
+        if p is not None:
+            p.stalled_s += lag
+            p.passed_mono = p.passed_mono + lag if p.passed_mono is not None else None
+            p.required_in_mono = p.required_in_mono + lag if p.required_in_mono is not None else None
+        if lag >= self.stops.GAP_S:     # (not the rest of one, seen as it ends)
+            self.samples.clear()
+            self.moving_since = None
+            self.sample_from = mono + 2 * self.job_cfg.fault.heartbeat_interval_s + TICK_S
+            log.warning("this coordinator was stopped (or starved) for %.1fs: no checkpoint deadline counts that "
+                        "time, and the step rate is measured again", lag)
 
     def _all_in(self, p: Save, mono: float) -> bool:
         """Under the lock: every required shard is in, and the paused replicas'
@@ -718,7 +753,7 @@ class CheckpointManager:
                 continue
             if w.state == "done":
                 return f"r{slot[0]}s{slot[1]} finished without a shard"   # (it reports before it says done)
-        if mono - p.started_mono > self.save_timeout_s:
+        if mono - p.started_mono - p.stalled_s > self.save_timeout_s:
             return f"not complete after {self.save_timeout_s:.0f}s"
         expecting = {r for r, _ in p.required.values()}
         if p.passed_mono is None and all(steps.get(r, 0) > p.step for r in expecting):

@@ -13,7 +13,7 @@ it needs from its worker as narrow callables; it never sees the Worker::
         set_step=worker_set_step,            # a restore sets the step it resumes at
         route_state=lambda: route.state,     # "training" | "paused" | ... | None (no route yet)
         report=ctl.report,                   # events for metrics.jsonl
-        send_shard=ctl.report_shard,         # ReportShard(pb.ShardReport) -> accepted
+        send_shard=ctl.report_shard,         # ReportShard(pb.ShardReport) -> accepted (None: not delivered)
         stopped=ctl.stop.is_set,             # the worker is told to stop (the end wait gives up)
         on_stall=lambda s: ledger.add("checkpoint_stall", s),
         pin=device.type == "cuda")           # pin the snapshot region
@@ -215,6 +215,8 @@ class WorkerCheckpointer:
         self.last_persist_s = 0.0
         self.saves = 0
         self.end_report: pb.ShardReport | None = None   # this worker's shard of the end save, accepted
+        self.undelivered: pb.ShardReport | None = None  # a shard report the coordinator's silence kept out
+        self._undelivered_lock = threading.Lock()
 
     @property
     def outer_round(self) -> int:
@@ -226,8 +228,19 @@ class WorkerCheckpointer:
     # ---- coordinator → worker ---------------------------------------------------
 
     def on_heartbeat(self, reply) -> None:
-        """From the heartbeat thread: the pending checkpoint's target step."""
+        """From the heartbeat thread: the pending checkpoint's target step. A
+        shard report that found the coordinator silent for its whole deadline
+        (it was stopped, its VM paused, or cut off) is sent again once the
+        coordinator answers and still names its save: that save waited for it
+        (its deadlines leave its own stalls out), and would have been aborted
+        for a shard written long before."""
         self.target = int(getattr(reply, "ckpt_step", 0) or 0)
+        with self._undelivered_lock:
+            req, self.undelivered = self.undelivered, None
+        if req is not None and req.ckpt_step == self.target:
+            log.info("%s: the coordinator answers again: the shard report of step %d is sent again", self.name,
+                     req.ckpt_step)
+            self._send_async(req)
 
     # ---- the consistent cut -------------------------------------------------------
 
@@ -362,11 +375,18 @@ class WorkerCheckpointer:
                              persist_s=self.last_persist_s, error=err)
         if info is not None:
             req.bytes, req.checksum = int(info["bytes"]), info["checksum"]
-        if self.send_shard(req) and not err and ckpt_step == self.cfg.train.steps:
+        self._send(req)
+
+    def _send(self, req: pb.ShardReport) -> None:
+        accepted = self.send_shard(req)
+        if accepted is None and not req.error:
+            with self._undelivered_lock:
+                self.undelivered = req
+        if accepted and not req.error and req.ckpt_step == self.cfg.train.steps:
             self.end_report = req
 
     def _send_async(self, req: pb.ShardReport) -> None:
-        threading.Thread(target=self.send_shard, args=(req,), daemon=True, name="ckpt-report").start()
+        threading.Thread(target=self._send, args=(req,), daemon=True, name="ckpt-report").start()
 
     # ---- restore ---------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ the data plane works: nothing of the training loop waits on it for long.
 ``last_ok`` is when it last answered; an outer round that hears nothing from
 it for ``fault.heartbeat_timeout_s`` raises ``CoordinatorUnreachable`` (the
 worker skips the round, see ``crucible/coordinator/outer.py``; when this
-process was itself stopped while the call waited (``StopWatch``) it asks the
+process was itself stopped while the call waited (``procs.StopWatch``) it asks the
 coordinator's health service first: the silence may have been ours), and a
 call refused because this worker was declared dead ends the worker (exit
 status 3).
@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import math
 import os
 import socket
 import threading
@@ -43,6 +42,7 @@ from typing import Callable
 import grpc
 
 from crucible import PROTOCOL_VERSION, exits, health, rpc
+from crucible.procs import StopWatch
 from crucible._pb import crucible_pb2 as pb
 from crucible._pb import crucible_pb2_grpc as pbg
 from crucible.config import ConfigError
@@ -55,42 +55,6 @@ TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 MAX_BATCH = 500
 OUTER_CALL_S = 60.0     # the longest one outer call waits (the coordinator answers "ask again" after 20 s)
 MAX_PENDING = 100_000
-
-
-class StopWatch:
-    """Notices this process being stopped (SIGSTOP, the whole job or its VM
-    paused): a thread that wakes every ``TICK_S``; waking more than ``GAP_S``
-    late is a stop (or a host too loaded to run it). One per process."""
-
-    TICK_S = 0.25
-    GAP_S = 1.0
-    _one: StopWatch | None = None
-    _lock = threading.Lock()
-
-    def __init__(self):
-        self.last = time.monotonic()
-        self.woke = -math.inf            # when it last woke late
-        threading.Thread(target=self._run, daemon=True, name="stop-watch").start()
-
-    @classmethod
-    def get(cls) -> StopWatch:
-        with cls._lock:
-            if cls._one is None:
-                cls._one = StopWatch()
-            return cls._one
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(self.TICK_S)
-            now = time.monotonic()
-            if now - self.last > self.TICK_S + self.GAP_S:
-                self.woke = now
-            self.last = now
-
-    def stopped_since(self, t: float) -> bool:
-        """Was this process stopped since monotonic time ``t``, or is it waking
-        from a stop (the thread has not run yet)?"""
-        return self.woke >= t or time.monotonic() - self.last > self.TICK_S + self.GAP_S
 
 
 class RoundGone(Exception):
@@ -251,12 +215,15 @@ class ControlClient:
         """An urgent event (a suspected neighbour): the reporter sends it at once."""
         self.report(event)
 
-    def report_shard(self, req: pb.ShardReport, deadline_s: float = 30.0) -> bool:
+    def report_shard(self, req: pb.ShardReport, deadline_s: float = 30.0) -> bool | None:
         """Tell the coordinator a checkpoint shard is written (or failed):
         retried while the coordinator is unreachable, for ``deadline_s``, but
         not once the worker is told to stop (a SIGTERM, the coordinator's
         stop: it exits, and a coordinator that is gone would hold that exit
-        for the deadline). Whether it was accepted; False when not delivered."""
+        for the deadline). Whether it was accepted; None when the coordinator
+        stayed silent (the report may still be wanted: the checkpointer sends
+        it again when a heartbeat reply names its save), False when it was
+        refused or could not be sent."""
         delay, t_end = 0.1, time.monotonic() + deadline_s
         while True:
             req.worker_id, req.secret = self.worker_id, self.secret
@@ -270,7 +237,8 @@ class ControlClient:
                     continue
                 log.warning("%s: shard report for step %d not delivered: %s %s", req.name, req.ckpt_step,
                             e.code().name, e.details())
-                return False
+                return None if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                    else False
             except ValueError:  # the channel was closed (shutting down)
                 return False
 
@@ -307,8 +275,11 @@ class ControlClient:
             if e.code() in TRANSIENT:
                 log.debug("report deferred (%s); %d events pending", e.code().name, len(self._pending))
                 return False
-            log.error("report of %d events refused for good (%s: %s): dropped", len(batch), e.code().name,
-                      e.details())
+            if _evicted(e):     # (its last events: what it did after its slot was given up is not the slot's)
+                log.info("report of %d events dropped: this worker was declared dead", len(batch))
+            else:
+                log.error("report of %d events refused for good (%s: %s): dropped", len(batch), e.code().name,
+                          e.details())
         with self._rcv:
             while self._pending and self._pending[0][0] <= batch[-1][0]:
                 self._pending.popleft()

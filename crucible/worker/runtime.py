@@ -46,7 +46,7 @@ from crucible.model import build_stage, tokens_needed
 from crucible.slots import slot_name
 from crucible.worker import optim, pulse
 from crucible.worker.checkpointing import DataCursor, RngState, WorkerCheckpointer
-from crucible.worker.control import ControlClient, Stopping
+from crucible.worker.control import ControlClient, StopWatch, Stopping
 from crucible.worker.dataplane import SERVICE, FrameDecoder, Inbox, StageService
 from crucible.worker.debug import DebugHooks
 from crucible.worker.driver import Driver
@@ -222,7 +222,7 @@ class Worker:
                                     overlap=overlapping(cfg.net.overlap_copies, self.device))
         # (above what the schedule ever has in flight)
         self.inbox = Inbox(cap=2 * (cfg.train.microbatches + cfg.train.eval_batches) + 8)
-        self.ledger = Ledger(self._report, self.replica)
+        self.ledger = Ledger(self._report, self.replica, stopped=StopWatch.get().stopped)
         self.debug = DebugHooks(cfg.debug, self.run_dir, self.name)
         if self.first:
             self.corpus = corpus = Corpus(cfg)

@@ -18,13 +18,16 @@ class Ledger:
     it started goes to one part (``crucible.ledger.PARTS``, whose docstring
     says what each means), so the parts add up to ``wall_s``. ``lap(part)``
     gives the time since the previous lap to a part (less the checkpoint
-    stalls in it, which are ``checkpoint_stall``, and the compute given).
+    stalls in it, which are ``checkpoint_stall``, the compute given, and the
+    time this process was stopped, ``stopped``: seconds so far).
     Reported as ``goodput`` events, every ``every_s``."""
 
     KINDS = PARTS
 
-    def __init__(self, report: Callable[[dict], None], replica: int, every_s: float = 10.0):
+    def __init__(self, report: Callable[[dict], None], replica: int, every_s: float = 10.0,
+                 stopped: Callable[[], float] = lambda: 0.0):
         self.report, self.replica, self.every_s = report, replica, every_s
+        self.stopped, self.stopped_mark = stopped, stopped()
         self.t0 = self.mark = time.perf_counter()
         self.secs = dict.fromkeys(self.KINDS, 0.0)
         self.stalled = 0.0          # checkpoint stalls since the last lap
@@ -48,8 +51,22 @@ class Ledger:
         checkpoint stalls (already added) and ``compute`` apart; returns the lap's time."""
         now = time.perf_counter()
         took, self.mark = now - self.mark, now
-        self.secs["compute"] += compute
-        self.secs[kind] += max(0.0, took - compute - self.stalled)
+        stopped = self.stopped()
+        stop, self.stopped_mark = max(0.0, stopped - self.stopped_mark), max(stopped, self.stopped_mark)
+        rest = max(0.0, took - compute - self.stalled)
+        # A stop (SIGSTOP, the VM paused) trained nothing: it is neither compute nor
+        # waiting (a whole job frozen for 30 s read as 31 s of compute). Which one it
+        # fell in is not known; it made that one at least as long as itself: the
+        # longer one first.
+        if rest >= compute:
+            from_rest = min(stop, rest)
+            from_compute = min(stop - from_rest, compute)
+        else:
+            from_compute = min(stop, compute)
+            from_rest = min(stop - from_compute, rest)
+        self.secs["stopped"] += from_rest + from_compute
+        self.secs["compute"] += compute - from_compute
+        self.secs[kind] += rest - from_rest
         self.stalled = 0.0
         return took
 
