@@ -192,16 +192,16 @@ def cmd_inspect(args) -> int:
     try:
         m = store.read_manifest(one)
     except store.CheckpointCorrupt as e:
-        print(f"{one}: deleted by the job's preservation policy while being inspected" if not os.path.lexists(one)
-              else f"{one}: {e}")
+        print(store.gone(one, "inspected") or f"{one}: {e}", file=sys.stderr)
         return 1
     shards = []
     for s in m["shards"]:
         shards.append({**s, **_shard_header(one / s["name"])})
-    if any("error" in s for s in shards) and not os.path.lexists(one):
+    gone = any("error" in s for s in shards) and store.gone(one, "inspected")
+    if gone:
         # (a running job's preservation policy deleted it between the manifest and a shard: half an
         # inspection was printed, each shard it missed "No such file", exit 0)
-        print(f"{one}: deleted by the job's preservation policy while being inspected", file=sys.stderr)
+        print(gone, file=sys.stderr)
         return 1
     if args.json:
         m = dict(m)

@@ -22,7 +22,7 @@ KINDS: dict[str, str] = {
     "eval": "stage 0: held-out loss: replica, step, loss, seconds",
     "goodput": "stage 0, every 10 s and when its replica is done: its worker's time ledger (crucible.ledger): "
                "replica, step, compute_s communication_s checkpoint_stall_s lost_s paused_s recovering_s eval_s "
-               "restart_s (adding up to wall_s, since the worker started: a replacement's process start) goodput",
+               "restart_s stopped_s (adding up to wall_s, since the worker started: a replacement's process start) goodput",
     "replica_done": "stage 0: its replica trained every step: replica, step",
     "outer": "a stage's outer round applied: replica, stage, round, step, mode, contributors, left_out, "
              "undecodable, bytes_sent, bytes_received, dense_bytes, encode_s, apply_s, seconds",

@@ -176,13 +176,9 @@ def _load(path: Path, name: str) -> dict:
 
 
 def _gone(path: Path) -> str | None:
-    """The line for a checkpoint that a running job's preservation policy
-    deleted while it was read (its files then read as missing, which is no
-    damage), or None while it is there."""
-    if os.path.lexists(path):
-        return None
-    return (f"{path}: deleted by the job's preservation policy while being read; nothing was written "
-            f"(give the run directory for its newest checkpoint)")
+    """``store.gone``, and what to do (the newest checkpoint is another now)."""
+    gone = store.gone(path, "read")
+    return gone and f"{gone}; nothing was written (run it again for the newest one)"
 
 
 def _global_state(cfg: Config, stage: int, sd: dict) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 FULL = (errno.ENOSPC, errno.EDQUOT)     # a write refused for want of room
 
@@ -84,29 +85,36 @@ def lock_held(path: str) -> bool:
     return False
 
 
-CKPT_LOCK = ".lock"     # in checkpoints/: held by the one job that writes there (take_lock)
+CKPT_LOCK = ".lock"     # in checkpoints/: held by the one job that writes there (hold_checkpoints)
 
 
 def take_lock(path: str, owner: str):
     """Hold the flock on ``path`` (made when missing) and write ``owner`` into
     it, for ``lock_owner`` to name; the open file, which holds the lock until
     it is closed or this process ends. BlockingIOError when another process
-    holds it."""
+    holds it (tried again twice, 50 ms apart: ``lock_held`` takes it for a
+    moment to look)."""
     import fcntl
 
-    f = open(path, "a+")
+    f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b", buffering=0)
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for left in (2, 1, 0):
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not left:
+                    raise
+                time.sleep(0.05)
     except BaseException:
         f.close()
         raise
-    try:
-        f.seek(0)
-        f.truncate()
-        f.write(owner + "\n")
-        f.flush()
+    raw = (owner + "\n").encode()
+    try:    # (written over the old owner, then cut: on a full disk the block the file has takes it)
+        os.pwrite(f.fileno(), raw, 0)
+        os.ftruncate(f.fileno(), len(raw))
     except OSError:
-        pass          # (a full disk: the lock holds all the same; a refusal then names no owner)
+        pass          # (no room at all: the lock holds all the same; a refusal then names no owner)
     return f
 
 
@@ -120,6 +128,42 @@ def lock_owner(path: str) -> str | None:
             return f.read().strip()
     except (OSError, UnicodeDecodeError):
         return ""
+
+
+def hold_checkpoints(run_dir: str):
+    """Take ``run_dir``'s checkpoints/.lock for this process, naming it and the
+    run directory there ("pid run_dir"): the one job that saves, prunes and
+    cleans that folder (it may be shared, a symlink: two jobs there delete
+    each other's checkpoints). The open file (``take_lock``); BlockingIOError
+    when another process holds it (``checkpoints_holder`` says who), OSError
+    when the folder cannot be written."""
+    path = os.path.join(run_dir, "checkpoints", CKPT_LOCK)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return take_lock(path, f"{os.getpid()} {run_dir}")
+
+
+def checkpoints_holder(run_dir: str) -> tuple[str, str] | None:
+    """(pid, run directory) of the job holding ``run_dir``'s checkpoints/.lock
+    ("" for what it could not write), or None when nobody holds it."""
+    owner = lock_owner(os.path.join(run_dir, "checkpoints", CKPT_LOCK))
+    if owner is None:
+        return None
+    pid, _, other = owner.partition(" ")
+    return pid, other
+
+
+def checkpoints_in_use(shown: str, run_dir: str, holder: tuple[str, str]) -> str:
+    """The refusal of a job whose checkpoints/ ``holder`` (``checkpoints_holder``)
+    holds; ``shown``: the run directory as the user gave it."""
+    other = holder[1]
+    if other and os.path.realpath(other) == os.path.realpath(run_dir):
+        return (f"--run-dir {shown}: a job is running there (it holds checkpoints/{CKPT_LOCK}); let it end, "
+                f"or choose another --run-dir")
+    root = os.path.join(run_dir, "checkpoints")
+    real = os.path.realpath(root)
+    return (f"--run-dir {shown}: its checkpoints/ {'(' + real + ') ' if real != root else ''}is in use by "
+            f"{'the job in ' + other if other else 'another job'} (it holds checkpoints/{CKPT_LOCK}); let it end, "
+            f"or give each run a checkpoints/ of its own")
 
 
 def dir_problem(path: str, make: bool = False, room: bool = True) -> str | None:

@@ -45,7 +45,8 @@ import time
 
 from crucible import exits, extras, metrics, procs, rpc, sizing
 from crucible.config import Config
-from crucible.files import CKPT_LOCK, atomic_write, dir_problem, lock_held, lock_owner, take_lock
+from crucible.files import (atomic_write, checkpoints_holder, checkpoints_in_use, dir_problem, hold_checkpoints,
+                            lock_held)
 from crucible.slots import slot_name, slot_of
 
 CRASH_LOOP_WINDOW_S = 120.0   # the same error twice within this: the job stops
@@ -154,11 +155,11 @@ class Launcher:
             # removed its coordinator.addr, so that `crucible status` lost it, before it was refused)
             raise exits.UsageError(f"--run-dir {args.run_dir or self.run_dir}: a job is running there (its "
                                    f"coordinator holds coordinator.lock); let it end, or choose another --run-dir")
-        owner = lock_owner(os.path.join(self.run_dir, "checkpoints", CKPT_LOCK))
-        if owner is not None:
+        holder = checkpoints_holder(self.run_dir)
+        if holder is not None:
             # (checkpoints/ a symlink to another run's: its resume, retention and clean-up deleted
             # the running job's checkpoints and saves in flight, and the job's retention its own)
-            raise exits.UsageError(self._checkpoints_in_use(owner))
+            raise exits.UsageError(checkpoints_in_use(args.run_dir or self.run_dir, self.run_dir, holder))
         delay = getattr(args, "respawn_delay", procs.RESPAWN_DELAY_S)
         if delay is not None and not math.isfinite(delay):
             raise exits.UsageError(f"--respawn-delay {delay:g}: must be a finite number of seconds "
@@ -391,34 +392,21 @@ class Launcher:
             raise exits.UsageError(f"--run-dir {where}: {e.filename or metrics.FILE}: {e.strerror or e}") from None
 
     def _hold_checkpoints_lock(self) -> None:
-        """Take checkpoints/.lock (files.CKPT_LOCK) for as long as this launcher
-        lives, naming this launcher and its run directory in it: checkpoints/
-        may be shared with another run (a symlink), and two jobs saving,
-        pruning and cleaning one folder delete each other's checkpoints. Held
-        here, not only by the coordinator, so that no other job takes it while
-        ours is restarted; our coordinator finds it held by its launcher."""
-        where = self.args.run_dir or self.run_dir
-        path = os.path.join(self.run_dir, "checkpoints", CKPT_LOCK)
-        if self.ckpt_lock is not None:
+        """Take checkpoints/.lock (``files.hold_checkpoints``) for as long as
+        this launcher lives: held here, not only by the coordinator, so that
+        no other job takes it while ours is restarted; our coordinator finds
+        it held by its launcher. (A job without checkpoints takes none: its
+        coordinator takes it where it can.)"""
+        if self.ckpt_lock is not None or not self.cfg.checkpoint.enable_checkpointing:
             return
+        where = self.args.run_dir or self.run_dir
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self.ckpt_lock = take_lock(path, f"{os.getpid()} {self.run_dir}")
+            self.ckpt_lock = hold_checkpoints(self.run_dir)
         except BlockingIOError:
-            raise exits.UsageError(self._checkpoints_in_use(lock_owner(path) or "")) from None
+            raise exits.UsageError(checkpoints_in_use(where, self.run_dir,
+                                                      checkpoints_holder(self.run_dir) or ("", ""))) from None
         except OSError as e:
             raise exits.UsageError(f"--run-dir {where}: {e.strerror or e} ({e.filename})") from None
-
-    def _checkpoints_in_use(self, owner: str) -> str:
-        """The refusal of a run whose checkpoints/ another job holds (``owner``:
-        what its holder wrote in the lock: "pid run_dir")."""
-        root = os.path.join(self.run_dir, "checkpoints")
-        real = os.path.realpath(root)
-        other = owner.partition(" ")[2]
-        return (f"--run-dir {self.args.run_dir or self.run_dir}: its checkpoints/ "
-                f"{'(' + real + ') ' if real != root else ''}is in use by "
-                f"{'the job in ' + other if other else 'another job'} (it holds checkpoints/{CKPT_LOCK}); "
-                f"let it end, or give each run a checkpoints/ of its own")
 
     def run(self) -> int:
         if os.path.isdir(self.run_dir):    # (a new one holds no earlier job for status to misread yet)
@@ -542,8 +530,15 @@ class Launcher:
         progress, the final checkpoint, the summary, the resume hint) goes to
         logs/launcher.log, after the line that says why (``failed``: the
         write refused), or to /dev/null where the log cannot be written
-        either."""
+        either. Where the log refuses a write too (its disk full), the rest
+        goes to /dev/null: the job goes on (its events are in metrics.jsonl),
+        where the write's OSError ended the launcher, and the job with it."""
         if self.output_in_log:
+            if failed is not None:
+                null = os.open(os.devnull, os.O_WRONLY)
+                for out in (1, 2):
+                    os.dup2(null, out)
+                os.close(null)
             return
         self.output_in_log = True
         path = os.path.join(self.run_dir, "logs", "launcher.log")

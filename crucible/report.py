@@ -10,7 +10,8 @@ writes ``RUN_DIR/report.html`` and its figures under ``RUN_DIR/report/``:
                      row each in the event strip under the time panel)
     throughput.png   tokens/s per replica against time (median of 5 steps), faults marked
     goodput.png      each replica's time ledger (stage 0's: compute, communication,
-                     checkpoint stall, lost work, paused, recovering, evaluation, restart;
+                     checkpoint stall, lost work, paused, recovering, evaluation, restart,
+                     stopped;
                      crucible.ledger) as a stacked bar, the parts adding up to its wall time
     checkpoints.png  per committed save: snapshot stall (the largest of the workers) and
                      background persist time; aborted saves counted in the title

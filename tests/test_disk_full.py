@@ -390,3 +390,37 @@ def test_checkpoints_on_a_file_system_remounted_read_only_fail_in_one_line_and_c
             assert all(store.verify(c.path) == [] for c in store.list_checkpoints(ckpts))
         finally:
             job.kill()
+
+
+def test_a_coordinator_restarted_on_a_read_only_checkpoints_folder_comes_up(tmp_path, caplog):
+    """checkpoints/.lock is taken by every coordinator: on a checkpoints/
+    remounted read-only (EROFS) the restored coordinator died opening it, and
+    the launcher's crash-loop rule then ended the job, where a read-only
+    checkpoints/ is meant to fail saves in one line, as a full disk does. It
+    comes up, saying it holds no lock; another job's lock still refuses."""
+    from crucible.config import Config
+    from crucible.coordinator.server import Coordinator
+    from crucible.exits import UsageError
+    from crucible.files import checkpoints_holder, checkpoints_in_use, hold_checkpoints
+
+    cfg = Config.load(None, {"job.replicas": 1, "job.stages": 2})
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with mounted_tmpfs(run / "checkpoints", "1m") as ckpts:
+        c = Coordinator(cfg, str(run), token="t")
+        c.release_locks()
+        assert subprocess.run(["mount", "-o", "remount,ro", str(ckpts)], capture_output=True).returncode == 0
+        try:
+            c2 = Coordinator(cfg, str(run), token="t", restore=True)
+            assert c2._ckpt_lock_file is None and "checkpoints/.lock not taken" in caplog.text
+            c2.release_locks()
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(ckpts)], capture_output=True)
+    held = hold_checkpoints(str(run))        # (this process holds it, as another job would)
+    try:
+        with pytest.raises(UsageError, match="a job is running there"):
+            Coordinator(cfg, str(run), token="t", restore=True)
+        assert checkpoints_in_use("b", str(tmp_path / "b"), checkpoints_holder(str(run))).startswith(
+            f"--run-dir b: its checkpoints/ is in use by the job in {run}")
+    finally:
+        held.close()

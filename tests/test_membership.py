@@ -405,7 +405,7 @@ def test_a_forged_rejoin_after_a_coordinator_restart_evicts_nobody(tmp_path):
     c, ids = _coordinator(tmp_path)
     wid, secret = ids[(0, 1)], _secret(c, ids[(0, 1)])
     c.stop()
-    c._lock_file.close()
+    c.release_locks()
     c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)
 
     def rejoin(proof: bytes, address: str = "h:01") -> pb.RegisterReply:
@@ -462,7 +462,7 @@ def test_the_coordinator_refuses_a_stage_0_on_other_data_and_keeps_the_jobs_corp
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and str(e.value) == REFUSAL_B
     assert c.m.holder((1, 0)) is None
     c.stop()
-    c._lock_file.close()
+    c.release_locks()
     c2 = Coordinator(cfg, str(tmp_path / "run"), token="t", restore=True)
     try:
         assert c2.m.corpus == A
@@ -472,7 +472,7 @@ def test_the_coordinator_refuses_a_stage_0_on_other_data_and_keeps_the_jobs_corp
         _register(c2, 1, 0, dict(A, path="/mnt/c.txt"), pid=3)
     finally:
         c2.stop()
-        c2._lock_file.close()
+        c2.release_locks()
 
     # --resume: a checkpoint whose stage 0 read B (r1s0's shard: r0s0 is vacant in it)
     run = tmp_path / "resumed"
@@ -503,7 +503,7 @@ def test_the_coordinator_refuses_a_stage_0_on_other_data_and_keeps_the_jobs_corp
             assert c3.m.corpus == taken
         finally:
             c3.stop()
-            c3._lock_file.close()
+            c3.release_locks()
 
 
 def test_every_call_that_speaks_for_a_worker_needs_its_secret(tmp_path):
@@ -818,7 +818,7 @@ def test_a_closed_round_is_replayed_from_disk_by_a_restarted_coordinator(tmp_pat
     a, b = _dense([1.0, 0.0, 0.0, 0.0]), _dense([0.0, 2.0, 0.0, 0.0])
     out, _ = _exchange_all(c, ids, 1, 0, {0: a, 1: b})
     c.stop()
-    c._lock_file.close()
+    c.release_locks()
     from crucible.coordinator.server import Coordinator
 
     c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)     # continues: same ids
@@ -935,7 +935,7 @@ def test_a_restarted_coordinator_counts_elapsed_from_the_jobs_start(tmp_path):
     c.m.created -= 100.0                      # the job began 100 s ago
     c.state_file.put(c.m.to_dict())
     c.stop()
-    c._lock_file.close()
+    c.release_locks()
     c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)
     try:
         assert 100.0 <= c2.status()["elapsed_s"] < 130.0
@@ -956,7 +956,7 @@ def test_a_restarted_coordinator_counts_the_runs_checkpoints(tmp_path):
     c.metrics.write({"event": "ckpt_abort", "step": 16})
     last = time.time()
     c.stop()
-    c._lock_file.close()
+    c.release_locks()
     c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)
     try:
         c2.ckpt.prepare(resume=False)
@@ -983,7 +983,7 @@ def test_a_restarted_coordinator_starts_from_the_replicas_recent_steps(tmp_path)
             time.sleep(0.05)
     finally:
         c.stop()
-        c._lock_file.close()
+        c.release_locks()
     c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)
     try:
         assert 40 - 1.0 / 0.05 <= c2.m.replicas[0].step <= 40     # (a second's steps at most behind)

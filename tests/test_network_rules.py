@@ -214,7 +214,7 @@ def test_a_skipped_round_is_abandoned_for_everyone(tmp_path):
                                                 step=3, peek=True), _Ctx()).abandoned
     finally:
         c.stop()
-    c._lock_file.close()
+    c.release_locks()
     from crucible.coordinator.server import Coordinator
 
     c2 = Coordinator(c.cfg, str(tmp_path), token="t", restore=True)

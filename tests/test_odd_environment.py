@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 from conftest import ROOT, TINY, child_env, crucible_cmd, run_bounded
 
@@ -89,3 +90,29 @@ def test_a_short_command_whose_output_is_refused_ends_on_one_line(tmp_path):
     code, out, err, _ = run_bounded(["sh", "-c", 'exec "$@" >&-', "sh", *crucible_cmd("ckpt", "list", str(run))],
                                     timeout=60)
     assert code == 0 and err == "", (code, err)
+
+
+def test_a_launcher_whose_log_refuses_its_output_too_goes_on(tmp_path):
+    """The launcher's output moved to logs/launcher.log (a hangup; or its
+    terminal refused it); when that log's disk refuses it as well, the next
+    write's OSError ended the launcher, and with it the job (its finally
+    stops every process, with no final checkpoint). What it still says goes
+    to /dev/null now; it goes on."""
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "launcher.log").symlink_to("/dev/full")      # (a log whose every write is ENOSPC)
+    code = ("import os, sys, types\n"
+            "from crucible import exits, launch\n"
+            "exits.usable_output()\n"
+            "it = types.SimpleNamespace(output_in_log=False, run_dir=sys.argv[1])\n"
+            "to_log = lambda e=None: launch.Launcher._output_to_log(it, e)\n"
+            "sys.stdout = launch.TerminalOrLog(sys.stdout, to_log)\n"
+            "to_log()\n"                       # (a hangup moved the output to the log first)
+            "for i in range(3):\n"
+            "    print('progress', i, flush=True)\n"
+            "open(os.path.join(sys.argv[1], 'went-on'), 'w').close()\n")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-c", code, str(run)],
+                              cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    assert proc.returncode == 0 and (run / "went-on").exists(), proc.stderr

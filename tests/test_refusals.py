@@ -111,17 +111,20 @@ def test_a_run_whose_checkpoints_another_job_holds_is_refused_and_changes_nothin
         b.mkdir()
         (b / "checkpoints").symlink_to(a / "checkpoints")
         held = (f"crucible: --run-dir {b}: its checkpoints/ ({os.path.realpath(a / 'checkpoints')}) is in use by "
-                f"the job in {a} (it holds checkpoints/.lock)")
+                f"the job in {a} (it holds checkpoints/.lock); let it end, or give each run a checkpoints/ of its own")
         for extra in ([], ["--resume"], ["--no-check", "--resume"]):
             code, out, _, _ = run_bounded(crucible_cmd("launch", "--run-dir", str(b), *extra, *JOB), 40,
                                           stderr=subprocess.STDOUT)
-            assert code == 2 and out.splitlines() == [f"{held}; let it end, or give each run a checkpoints/ of "
-                                                      f"its own"], (extra, code, out)
+            assert code == 2 and out.splitlines() == [held], (extra, code, out)
             assert tree_digest(a / "checkpoints") == before
         code, out, _, _ = run_bounded(crucible_cmd("coordinator", "--run-dir", str(b), "--resume", *JOB), 40,
                                       stderr=subprocess.STDOUT)
         assert code == 2 and out.splitlines()[-1] == held and "Traceback" not in out, out
         assert tree_digest(a / "checkpoints") == before and coord.poll() is None
+        # a second launch into the job's own run directory is told a job runs there
+        code, out, _, _ = run_bounded(crucible_cmd("launch", "--run-dir", str(a), "--resume", *JOB), 40,
+                                      stderr=subprocess.STDOUT)
+        assert code == 2 and out.splitlines()[-1].startswith(f"crucible: --run-dir {a}: a job is running there"), out
     finally:
         kill_group(coord.pid, coord)
 

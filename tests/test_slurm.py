@@ -637,3 +637,13 @@ def test_resume_then_scancel_coordinator_every_worker_keeps_its_slot(job):
     st = job.wait_for(lambda s: s if s["job"] else None, 30, "the coordinator answering")   # busy: no answer in 2 s
     now = {(w["replica"], w["stage"]): w["pid"] for w in st["job"]["workers"]}
     assert now == pids, f"a worker was replaced while training went on: {now} != {pids}"
+
+
+def test_a_checkpoints_folder_that_cannot_be_listed_is_no_start_over(tmp_path):
+    """The supervisor asks whether to start its coordinator with --resume: a
+    checkpoints/ it cannot list (its mode changed; here a file in its place)
+    ended the supervisor on a traceback. It counts as holding one: the
+    coordinator, started with --resume, says what it cannot read."""
+    assert slurm.has_checkpoint(str(tmp_path)) is False
+    (tmp_path / "checkpoints").write_text("")
+    assert slurm.has_checkpoint(str(tmp_path)) is True

@@ -378,6 +378,15 @@ def _info_from(path: Path, step: int) -> CkptInfo:
     return CkptInfo(step=step, time=t, path=str(path), metrics=metrics)
 
 
+def gone(path: str | os.PathLike, doing: str) -> str | None:
+    """The line for a checkpoint that its running job's preservation policy
+    deleted while a command read it (``doing``: "read", "inspected"): its
+    files then read as missing, which is no damage. None while it is there."""
+    if os.path.lexists(path):
+        return None
+    return f"{path}: deleted by the job's preservation policy while being {doing}"
+
+
 def list_checkpoints(ckpt_root: str | os.PathLike) -> list[CkptInfo]:
     """Committed checkpoints (every ``step_<N>``), sorted by step. Temporary
     and deleting directories are never listed. A checkpoint whose manifest is

@@ -415,9 +415,18 @@ def submit(run: SlurmRun, slot: Slot, start: str = "restart") -> int:
 
 
 def has_checkpoint(run_dir: str) -> bool:
+    """A committed checkpoint to resume from. checkpoints/ unreadable just now
+    (its mode changed): True, so that the coordinator is started with
+    --resume and says what it cannot read, where a supervisor that took it
+    for none would start the job over (and this one died on the traceback)."""
     from crucible.checkpoint.store import list_checkpoints
 
-    return bool(list_checkpoints(os.path.join(run_dir, "checkpoints")))
+    try:
+        return bool(list_checkpoints(os.path.join(run_dir, "checkpoints")))
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
 
 
 # ---- the supervisor -------------------------------------------------------------------------------

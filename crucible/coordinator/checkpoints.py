@@ -125,6 +125,7 @@ log = logging.getLogger("crucible.checkpoints")
 TICK_S = 0.05
 PAUSED_GRACE_S = 2.0     # how long a save waits for paused replicas' frozen shards once the rest is in
 RETRY_CAP_S = 8.0        # the longest back-off after aborted saves in a row
+STOP_RESETS_RATE_S = 5.0  # a stop of this process this long: the step rate is measured again (shorter: kept)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _REPORT_KEYS = ("replica", "stage", "step", "outer_round", "stall_s", "persist_s")
 
@@ -587,7 +588,9 @@ class CheckpointManager:
             p.stalled_s += lag
             p.passed_mono = p.passed_mono + lag if p.passed_mono is not None else None
             p.required_in_mono = p.required_in_mono + lag if p.required_in_mono is not None else None
-        if lag >= self.stops.GAP_S:     # (not the rest of one, seen as it ends)
+        # (a long stop, not the rest of one seen as it ends, nor a starved host's late wake-ups: each
+        # would hold the next save back while the rate is measured again, and say so every time)
+        if lag >= max(self.stops.GAP_S, STOP_RESETS_RATE_S):
             self.samples.clear()
             self.moving_since = None
             self.sample_from = mono + 2 * self.job_cfg.fault.heartbeat_interval_s + TICK_S

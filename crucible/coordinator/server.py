@@ -96,7 +96,7 @@ from crucible.coordinator.membership import Membership, Refused, WorkerInfo, lef
 from crucible.coordinator.outer import OuterRelay
 from crucible.coordinator.persist import LatestFile, MetricsLog, WriteFailures, last_sequence_numbers
 from crucible.coordinator.suspicion import SuspicionBook
-from crucible.files import CKPT_LOCK, lock_owner, take_lock, write_even_when_full
+from crucible.files import checkpoints_holder, checkpoints_in_use, hold_checkpoints, write_even_when_full
 from crucible.slots import slot_name
 from crucible.version import version as crucible_version
 
@@ -254,24 +254,31 @@ class Coordinator:
         return f
 
     def _take_checkpoints_lock(self):
-        """checkpoints/.lock (files.CKPT_LOCK), before anything there is read or
-        cleaned: taken here (a coordinator started alone), or held for us by
-        the launcher that started us (it names itself in it; we die with it).
-        Another job's: refused, as a second coordinator is (checkpoints/ may be
-        shared, a symlink: two jobs' saves, retention and clean-up in one
-        folder delete each other's checkpoints)."""
-        root = os.path.join(self.run_dir, "checkpoints")
-        os.makedirs(root, exist_ok=True)
-        path = os.path.join(root, CKPT_LOCK)
+        """checkpoints/.lock (``files.hold_checkpoints``), before anything there
+        is read or cleaned: taken here (a coordinator started alone), or held
+        for us by the launcher that started us (it names itself in it; we die
+        with it). Another job's: refused, as a second coordinator is. Where
+        checkpoints/ cannot be written (read-only, its mode changed), none is
+        taken: a restarted coordinator comes up, and its saves fail in one
+        line as on a full disk."""
         try:
-            return take_lock(path, f"{os.getpid()} {self.run_dir}")
+            return hold_checkpoints(self.run_dir)
         except BlockingIOError:
-            owner = lock_owner(path) or ""
-        pid, _, other = owner.partition(" ")
-        if pid and pid == os.environ.get(procs.PARENT_ENV) and other == self.run_dir:
+            holder = checkpoints_holder(self.run_dir) or ("", "")
+        except OSError as e:
+            log.warning("checkpoints/.lock not taken (%s): nothing keeps another job out of this run's "
+                        "checkpoints/", e)
             return None
-        raise UsageError(f"--run-dir {self.run_dir}: its checkpoints/ ({os.path.realpath(root)}) is in use by "
-                         f"{'the job in ' + other if other else 'another job'} (it holds checkpoints/{CKPT_LOCK})")
+        if holder[0] and holder[0] == os.environ.get(procs.PARENT_ENV) and holder[1] == self.run_dir:
+            return None
+        raise UsageError(checkpoints_in_use(self.run_dir, self.run_dir, holder))
+
+    def release_locks(self) -> None:
+        """Let another coordinator of this run start in this process (the
+        process's end does it otherwise)."""
+        for f in (self._lock_file, self._ckpt_lock_file):
+            if f is not None:
+                f.close()
 
     def _bump_incarnation(self) -> int:
         path = os.path.join(self.run_dir, "incarnation")
