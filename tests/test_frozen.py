@@ -59,6 +59,7 @@ def test_a_save_in_flight_survives_its_coordinator_stopped_for_over_a_minute(sta
 
 
 
+@pytest.mark.slow   # (a real job, about 9 s)
 def test_a_worker_woken_after_it_was_declared_dead_leaves_quietly(start_job):
     """A worker SIGSTOPped past the heartbeat timeout is declared dead; woken,
     it finds its heartbeat refused and exits 3, with a warning and no error in

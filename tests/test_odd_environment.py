@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, TINY, child_env, crucible_cmd, run_bounded
 
 CKPT = [o for o in TINY if not o.startswith("checkpoint.")] + ["checkpoint.enable_checkpointing=true"]
@@ -54,6 +56,7 @@ def test_an_ascii_terminal_gets_every_path_and_help_escaped(tmp_path):
         assert "\\xfc" in out or "\\u03b8_global" in out, (cmd, out)
 
 
+@pytest.mark.slow   # (three launches, about 16 s: the main suite keeps under 10 minutes)
 def test_a_launch_whose_output_is_closed_or_refused_trains_and_saves(tmp_path):
     """stdout or stderr closed (`>&-`), or stdout on /dev/full: the launcher
     ended on a traceback at its first line (sys.stdout None: AttributeError;
