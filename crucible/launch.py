@@ -976,7 +976,7 @@ def _fmt(x) -> str:
     return f"{x:.3f}" if metrics.number(x) else "-"
 
 
-class TerminalOrLog:
+class TerminalOrLog(exits.Output):
     """The launcher's stdout or stderr. A write that the terminal refuses
     with EIO (it hung up, and the launch ignored SIGHUP or was disowned: it
     is meant to go on), or that a redirect refuses (its disk full,
@@ -986,9 +986,10 @@ class TerminalOrLog:
     reader went away, and the launch stops for it (``Launcher.run``)."""
 
     def __init__(self, stream, to_log):
-        self._stream, self._to_log = stream, to_log
+        super().__init__(stream)
+        self._to_log = to_log
 
-    def _retry(self, what, *args):
+    def _do(self, what, *args):
         try:
             return what(*args)
         except BrokenPipeError:
@@ -996,15 +997,6 @@ class TerminalOrLog:
         except OSError as e:
             self._to_log(e)               # (file descriptors 1 and 2 now the log: the same stream writes there)
             return what(*args)
-
-    def write(self, text):
-        return self._retry(self._stream.write, text)
-
-    def flush(self):
-        return self._retry(self._stream.flush)
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
 
 
 def preempt(coord_proc, worker_procs, ckpt_cfg, out=None, sig: int = signal.SIGTERM) -> None:
