@@ -93,10 +93,12 @@ def take_lock(path: str, owner: str):
     it, for ``lock_owner`` to name; the open file, which holds the lock until
     it is closed or this process ends. BlockingIOError when another process
     holds it (tried again twice, 50 ms apart: ``lock_held`` takes it for a
-    moment to look)."""
+    moment to look). The file held is open for reading only: one open for
+    writing for the job's life kept its file system from being remounted
+    read-only (EBUSY)."""
     import fcntl
 
-    f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b", buffering=0)
+    f = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb", buffering=0)
     try:
         for left in (2, 1, 0):
             try:
@@ -111,10 +113,14 @@ def take_lock(path: str, owner: str):
         raise
     raw = (owner + "\n").encode()
     try:    # (written over the old owner, then cut: on a full disk the block the file has takes it)
-        os.pwrite(f.fileno(), raw, 0)
-        os.ftruncate(f.fileno(), len(raw))
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, raw, 0)
+            os.ftruncate(fd, len(raw))
+        finally:
+            os.close(fd)
     except OSError:
-        pass          # (no room at all: the lock holds all the same; a refusal then names no owner)
+        pass          # (no room at all, or read-only: the lock holds all the same; a refusal names no owner)
     return f
 
 

@@ -407,13 +407,22 @@ def test_a_coordinator_restarted_on_a_read_only_checkpoints_folder_comes_up(tmp_
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     with mounted_tmpfs(run / "checkpoints", "1m") as ckpts:
-        c = Coordinator(cfg, str(run), token="t")
-        c.release_locks()
-        assert subprocess.run(["mount", "-o", "remount,ro", str(ckpts)], capture_output=True).returncode == 0
+        def remount(how):
+            assert subprocess.run(["mount", "-o", f"remount,{how}", str(ckpts)], capture_output=True).returncode == 0
+
         try:
-            c2 = Coordinator(cfg, str(run), token="t", restore=True)
-            assert c2._ckpt_lock_file is None and "checkpoints/.lock not taken" in caplog.text
-            c2.release_locks()
+            remount("ro")          # (no lock file yet: none can be made)
+            c = Coordinator(cfg, str(run), token="t", restore=True)
+            assert c._ckpt_lock_file is None and "checkpoints/.lock not taken" in caplog.text
+            c.release_locks()
+            remount("rw")
+            c = Coordinator(cfg, str(run), token="t", restore=True)
+            c.release_locks()
+            remount("ro")          # (the lock file there: held, read-only)
+            c = Coordinator(cfg, str(run), token="t", restore=True)
+            assert c._ckpt_lock_file is not None
+            remount("rw")          # (a file open for writing would refuse this: EBUSY)
+            c.release_locks()
         finally:
             subprocess.run(["mount", "-o", "remount,rw", str(ckpts)], capture_output=True)
     held = hold_checkpoints(str(run))        # (this process holds it, as another job would)
