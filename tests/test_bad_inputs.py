@@ -141,6 +141,7 @@ def test_impostor_and_stale_streams_are_refused(job):
     assert_still_training(job)
 
 
+@pytest.mark.slow   # (about 10-20 s: the main suite keeps under 10 minutes)
 def test_streams_that_never_say_hello_cannot_hold_the_worker(job):
     """Twenty Pipe streams opened with the token that never send a frame: past
     MAX_UNANNOUNCED at once they are refused (RESOURCE_EXHAUSTED), so they

@@ -16,6 +16,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from conftest import TINY, child_env
 
 SHIM = '''
@@ -55,6 +57,7 @@ def _step_clock(path, seconds: float) -> None:
     os.replace(tmp, path)
 
 
+@pytest.mark.slow   # (about 10-20 s: the main suite keeps under 10 minutes)
 def test_a_wall_clock_step_evicts_nobody_and_hides_no_silence(start_job, tmp_path):
     shim = tmp_path / "shim"
     shim.mkdir()

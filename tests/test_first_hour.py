@@ -272,6 +272,7 @@ def test_a_launch_whose_checkpoints_folder_it_cannot_write_is_one_line():
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.slow   # (about 10-20 s: the main suite keeps under 10 minutes)
 def test_a_checkpoints_folder_made_unreadable_mid_run_is_one_line_and_the_job_goes_on():
     """checkpoints/ chmod 000 under a running job (its owner's, not root: root
     ignores modes): the launcher read the folder to say the newest checkpoint

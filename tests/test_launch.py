@@ -8,6 +8,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from conftest import ROOT, TINY, child_env, crucible_cmd, kill_group
 from crucible.version import version
 
@@ -438,6 +440,7 @@ def test_failing_saves_are_said_once_and_a_finished_job_without_its_last_checkpo
     assert la._end_checkpoint_note() == ""
 
 
+@pytest.mark.slow   # (about 10-20 s: the main suite keeps under 10 minutes)
 def test_a_launch_whose_output_reader_goes_away_stops_with_a_final_checkpoint(tmp_path):
     """`crucible launch | head -1`: the progress line meets a closed pipe. The
     job stops as on a signal (final checkpoint, every process gone), one line

@@ -88,6 +88,7 @@ def test_resume_gives_a_vacant_slot_the_global_weights_of_another_replica(tmp_pa
     assert reports[0]["source"] == "checkpoint step_40/r1s1.shard"
 
 
+@pytest.mark.slow   # (about 10-20 s: the main suite keeps under 10 minutes)
 def test_a_save_goes_on_without_an_inner_stage_lost_before_its_shard(start_job):
     """An inner worker SIGKILLed while a save is pending, steps before its
     target: its replica skips the stage and reaches the target all the same, so
