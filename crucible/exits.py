@@ -59,7 +59,11 @@ class Output:
         except BrokenPipeError:
             raise
         except OSError as e:
-            raise OutputFailed(e.errno, e.strerror) from None
+            return self._refused(e, what, *args)
+
+    def _refused(self, e: OSError, what, *args):
+        """A write refused (not a broken pipe): what the stream does about it."""
+        raise OutputFailed(e.errno, e.strerror) from None
 
     def write(self, text):
         return self._do(self._stream.write, text)

@@ -989,14 +989,9 @@ class TerminalOrLog(exits.Output):
         super().__init__(stream)
         self._to_log = to_log
 
-    def _do(self, what, *args):
-        try:
-            return what(*args)
-        except BrokenPipeError:
-            raise
-        except OSError as e:
-            self._to_log(e)               # (file descriptors 1 and 2 now the log: the same stream writes there)
-            return what(*args)
+    def _refused(self, e: OSError, what, *args):
+        self._to_log(e)               # (file descriptors 1 and 2 now the log: the same stream writes there)
+        return what(*args)
 
 
 def preempt(coord_proc, worker_procs, ckpt_cfg, out=None, sig: int = signal.SIGTERM) -> None:
